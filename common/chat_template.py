@@ -1,0 +1,116 @@
+"""Chat messages -> prompt text, through the model's own Jinja chat template.
+
+Models ship their prompt format as a Hugging Face style Jinja template; rendering it the
+way `transformers.apply_chat_template` does (same environment options and helpers) is what
+makes a prompt look like the model's training data. Templates come from model files we do
+not control, so they run in Jinja's immutable sandbox.
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+
+import jinja2
+from jinja2.ext import Extension, loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class TemplateError(ValueError):
+    """A chat template failed to compile or render (including its own `raise_exception`)."""
+
+
+def _raise_exception(message: str):
+    raise TemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """Hugging Face's `tojson`: plain `json.dumps`, unlike Jinja's HTML-escaping builtin."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _GenerationBlock(Extension):
+    """`{% generation %}…{% endgeneration %}` renders its body. Hugging Face uses it to mark
+    assistant tokens for training masks; templates that carry it must still compile here."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+def _flatten(message: dict) -> dict:
+    """OpenAI content parts -> one string, so templates that concatenate strings work."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise TemplateError(f"content part of type {kind!r} is not supported; only text")
+        texts.append(part.get("text", ""))
+    return {**message, "content": "\n".join(texts)}
+
+
+def _chatml(messages: list[dict], add_generation_prompt: bool) -> str:
+    """ChatML for models without a template; tool turns follow the Hermes/Qwen convention."""
+    out = []
+    for m in messages:
+        role, content = m.get("role", "user"), m.get("content") or ""
+        if role == "tool":
+            role, content = "user", f"<tool_response>\n{content}\n</tool_response>"
+        for call in m.get("tool_calls") or ():
+            fn = call.get("function", call)
+            args = fn.get("arguments")
+            if isinstance(args, str):  # OpenAI sends a JSON string; Hermes shows the object
+                try:
+                    args = json.loads(args)
+                except ValueError:
+                    pass
+            payload = _tojson({"name": fn.get("name"), "arguments": args})
+            content += f"\n<tool_call>\n{payload}\n</tool_call>"
+        out.append(f"<|im_start|>{role}\n{content}<|im_end|>\n")
+    if add_generation_prompt:
+        out.append("<|im_start|>assistant\n")
+    return "".join(out)
+
+
+class ChatTemplate:
+    """Renders chat messages with one model's template (or ChatML when it has none)."""
+
+    def __init__(self, source: str | None, bos_text: str = "", eos_text: str = ""):
+        self.source = source
+        self._bos, self._eos = bos_text, eos_text
+        self._template = None
+        if source is not None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=[loopcontrols, _GenerationBlock])
+            env.filters["tojson"] = _tojson
+            env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
+            try:
+                self._template = env.from_string(source)
+            except jinja2.TemplateSyntaxError as exc:
+                raise TemplateError(f"chat template syntax error (line {exc.lineno}): "
+                                    f"{exc.message}") from exc
+
+    def render(self, messages: list[dict], *, tools: list[dict] | None = None,
+               add_generation_prompt: bool = True, **extra) -> str:
+        """The prompt text; `extra` reaches the template as variables (e.g. enable_thinking)."""
+        messages = [_flatten(m) for m in messages]
+        if self._template is None:
+            return _chatml(messages, add_generation_prompt)
+        try:
+            return self._template.render(messages=messages, tools=tools,
+                                         add_generation_prompt=add_generation_prompt,
+                                         bos_token=self._bos, eos_token=self._eos, **extra)
+        except TemplateError:
+            raise
+        except Exception as exc:  # the template is third-party code: any failure is its error
+            raise TemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from exc

@@ -1,0 +1,25 @@
+"""Every environment variable Pantheon reads, read here and nowhere else.
+
+Each one is documented in the README's configuration table.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Where fetched models live (`PANTHEON_CACHE_DIR`, default ~/.cache/pantheon)."""
+    raw = os.environ.get("PANTHEON_CACHE_DIR")
+    return Path(raw).expanduser() if raw else Path.home() / ".cache" / "pantheon"
+
+
+def default_model_path() -> Path | None:
+    """An explicit model to use instead of the embedded default (`PANTHEON_MODEL`)."""
+    raw = os.environ.get("PANTHEON_MODEL")
+    return Path(raw).expanduser() if raw else None
+
+
+def log_level() -> str:
+    """Logging level for every process (`PANTHEON_LOG_LEVEL`, default INFO)."""
+    return os.environ.get("PANTHEON_LOG_LEVEL", "INFO").upper()

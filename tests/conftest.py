@@ -1,0 +1,17 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+# tests import their shared fixtures (tiny_models, ...) as plain modules
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def pytest_collection_modifyitems(config, items):
+    from pantheon.worker.device import cuda_available
+    if cuda_available():
+        return
+    skip = pytest.mark.skip(reason="no CUDA device visible to CuPy")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,89 @@
+"""The array module of a die: NumPy on the CPU die, CuPy on a GPU die.
+
+Everything device-specific lives here so that the forward is written once.
+CuPy is imported lazily: a CPU host never needs it installed.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+class DeviceError(RuntimeError):
+    """The requested die cannot be used (no CuPy, no such GPU, ...)."""
+
+
+@dataclass(frozen=True)
+class Device:
+    """One die: `kind` is "cpu" or "cuda"; `index` is the CUDA ordinal."""
+
+    kind: str
+    index: int
+    xp: object           # numpy or cupy
+    name: str
+    weight_dtype: object  # fp32 on the CPU, fp16 (default) or fp32 on a GPU
+
+    @property
+    def die_id(self) -> str:
+        return "cpu" if self.kind == "cpu" else str(self.index)
+
+    def to_host(self, array) -> np.ndarray:
+        """A NumPy copy of `array` (no copy on the CPU die)."""
+        return array if self.xp is np else self.xp.asnumpy(array)
+
+    def synchronize(self) -> None:
+        if self.xp is not np:
+            self.xp.cuda.get_current_stream().synchronize()
+
+    def memory(self) -> tuple[int, int]:
+        """(total, free) bytes of the die's memory (host RAM for the CPU die)."""
+        if self.xp is np:
+            import psutil
+            vm = psutil.virtual_memory()
+            return vm.total, vm.available
+        free, total = self.xp.cuda.runtime.memGetInfo()
+        return total, free
+
+
+def cpu_device() -> Device:
+    return Device("cpu", -1, np, "cpu", np.float32)
+
+
+def cuda_device(index: int, fp16: bool = True) -> Device:
+    try:
+        import cupy
+    except ImportError as exc:
+        raise DeviceError("GPU dies need CuPy: pip install 'pantheon[cuda12]' "
+                          "(or [cuda11] for Kepler-era drivers)") from exc
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except cupy.cuda.runtime.CUDARuntimeError as exc:
+        raise DeviceError(f"no CUDA device usable: {exc}") from exc
+    if not 0 <= index < count:
+        raise DeviceError(f"CUDA device {index} does not exist ({count} found)")
+    cupy.cuda.Device(index).use()
+    props = cupy.cuda.runtime.getDeviceProperties(index)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    return Device("cuda", index, cupy, name, cupy.float16 if fp16 else cupy.float32)
+
+
+def open_device(die: str, fp16: bool = True) -> Device:
+    """`die` is "cpu" or a CUDA ordinal as text ("0", "1", ...)."""
+    if die == "cpu":
+        return cpu_device()
+    if not die.isdigit():
+        raise DeviceError(f"a die is 'cpu' or a CUDA device number, not {die!r}")
+    return cuda_device(int(die), fp16=fp16)
+
+
+def cuda_available() -> bool:
+    """True when CuPy imports and sees at least one device (for test skips)."""
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False

@@ -140,6 +140,8 @@ def _from_metadata(meta: dict) -> "Tokenizer":
 def open_tokenizer(path: str | Path) -> "Tokenizer":
     """The tokenizer of a model given as a GGUF file or a Hugging Face folder."""
     path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"model not found: {path}")
     return Tokenizer.from_hf_dir(path) if path.is_dir() else Tokenizer.from_gguf(path)
 
 

@@ -23,3 +23,8 @@ def default_model_path() -> Path | None:
 def log_level() -> str:
     """Logging level for every process (`PANTHEON_LOG_LEVEL`, default INFO)."""
     return os.environ.get("PANTHEON_LOG_LEVEL", "INFO").upper()
+
+
+def api_key() -> str | None:
+    """The key every non-public HTTP route requires (`PANTHEON_API_KEY`; `--api-key` wins)."""
+    return os.environ.get("PANTHEON_API_KEY") or None

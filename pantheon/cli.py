@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from pantheon.common import settings
@@ -42,7 +43,30 @@ def cmd_bench(args) -> int:
         from pantheon.bench.engine import main
         args.model = model_path(args.model)
         return main(args)
-    raise SystemExit(f"unknown benchmark {args.bench}")
+    from pantheon.bench.serve import main
+    return main(args)
+
+
+def cmd_serve(args) -> int:
+    from pantheon.frontend.serve import main
+    args.api_key = args.api_key or settings.api_key()
+    return main(args)
+
+
+def cmd_worker(args) -> int:
+    # BLAS reads its thread count once, at import: set it before NumPy loads
+    if args.cores:
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", str(len(args.cores)))
+        os.environ.setdefault("OMP_NUM_THREADS", str(len(args.cores)))
+    from pantheon.worker.main import main
+    return main(args)
+
+
+def core_list(text: str) -> list[int]:
+    try:
+        return [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"cores are a comma-separated list of numbers: {text!r}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,12 +89,44 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int)
     run.set_defaults(func=cmd_run)
 
+    serve = sub.add_parser("serve", help="the OpenAI-compatible server (frontend + workers)")
+    serve.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--model", action="append", metavar="PATH",
+                       help="GGUF file or Hugging Face folder; repeatable (default: SmolLM2)")
+    serve.add_argument("--name", action="append", metavar="NAME",
+                       help="served name of the --model at the same position")
+    serve.add_argument("--spawn-workers", default="cpu", metavar="DIES",
+                       help="dies to spawn workers for: cpu, CUDA numbers, e.g. cpu,0,1")
+    serve.add_argument("--no-spawn", action="store_true",
+                       help="spawn nothing; wait for externally supervised workers")
+    serve.add_argument("--worker-addr", default="tcp://127.0.0.1:5570",
+                       help="ZeroMQ address the frontend binds for workers")
+    serve.add_argument("--slots", type=int, default=8, help="KV slots per model replica")
+    serve.add_argument("--ctx", type=int, default=0,
+                       help="context per slot (default: the model's, at most 4096)")
+    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (env PANTHEON_API_KEY)")
+    serve.add_argument("--max-body-bytes", type=int, default=8 << 20)
+    serve.add_argument("--worker-timeout", type=float, default=5.0,
+                       help="seconds of silence before a worker is declared lost")
+    serve.set_defaults(func=cmd_serve)
+
+    worker = sub.add_parser("worker", help="one worker process for one die")
+    worker.add_argument("--die", default="cpu", help="cpu (or cpu:N) or a CUDA device number")
+    worker.add_argument("--frontend", default="tcp://127.0.0.1:5570",
+                        help="the frontend's ZeroMQ address")
+    worker.add_argument("--slots", type=int, default=8, help="default KV slots per model")
+    worker.add_argument("--cores", type=core_list, help="pin to these CPU cores, e.g. 0,1")
+    worker.set_defaults(func=cmd_worker)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     engine = bench_sub.add_parser("engine", help="in-process forward speed, as JSON")
     engine.add_argument("-m", "--model")
     engine.add_argument("--die", default="cpu", help="cpu or a CUDA device number")
     engine.add_argument("--steps", type=int, default=32, help="decode steps per batch size")
+    from pantheon.bench.serve import add_arguments
+    add_arguments(bench_sub.add_parser("serve", help="OpenAI streaming load generator, as JSON"))
     bench.set_defaults(func=cmd_bench)
     return parser
 

@@ -1,0 +1,246 @@
+"""The wire between the frontend and its workers: typed messages over ZeroMQ.
+
+Every message is one msgpack map `{"v": PROTOCOL, "k": kind, ...fields}` in a
+single ZeroMQ frame. The frontend binds a ROUTER socket; each worker connects
+a DEALER (so a restarted worker simply rejoins). Decoding is defensive: size
+limits on the raw bytes and inside msgpack, strict map keys, then a check of
+every field's type against the message class before anything uses it. No
+pickle, ever.
+
+New fields go at the end of a class, with defaults, so an older peer still
+decodes what a newer one sends (unknown fields are ignored).
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+
+import msgpack
+
+PROTOCOL = 1
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024      # a prompt of a few million tokens at most
+
+
+class ProtocolError(ValueError):
+    """Bytes that are not a valid message of this protocol."""
+
+
+# -- worker → frontend ------------------------------------------------------------
+
+@dataclass(slots=True)
+class Hello:
+    """A worker announces itself (on connect, and again after a restart)."""
+
+    die: str                 # "cpu" or a CUDA ordinal; "cpu:1" for a second CPU die
+    kind: str                # "cpu" | "cuda"
+    device_name: str
+    mem_total: int           # bytes of the die's memory (host RAM for a CPU die)
+    mem_free: int
+    slots: int               # default KV slots per model replica
+    pid: int = 0
+    models: list[str] = field(default_factory=list)   # replica ids already resident
+
+
+@dataclass(slots=True)
+class Heartbeat:
+    """Liveness and load, sent about once a second even while busy."""
+
+    die: str
+    active: int              # sequences running on this die, all models
+    waiting: int             # generate requests waiting for a free slot
+    mem_total: int
+    mem_free: int
+    host_mem_free: int
+    pressure: int            # 0 ok, 1 elevated, 2 high, 3 critical
+
+
+@dataclass(slots=True)
+class Loaded:
+    """A model replica is resident and warm: ready for requests."""
+
+    model_id: str
+    name: str
+    slots: int
+    ctx: int
+    vocab_size: int
+    weight_bytes: int
+    kv_bytes: int
+    load_s: float
+
+
+@dataclass(slots=True)
+class LoadFailed:
+    model_id: str
+    message: str
+
+
+@dataclass(slots=True)
+class Unloaded:
+    model_id: str
+
+
+@dataclass(slots=True)
+class Tokens:
+    """New token ids of one request; `finish` is set on its last message."""
+
+    request_id: str
+    tokens: list[int]
+    finish: str | None = None        # "stop" | "length" | "abort" | "error"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class Error:
+    """A message could not be handled; `request_id` when it concerned one."""
+
+    message: str
+    code: str = "bad_message"
+    request_id: str | None = None
+
+
+@dataclass(slots=True)
+class Stopping:
+    """The worker is shutting down cleanly."""
+
+    die: str
+
+
+# -- frontend → worker ------------------------------------------------------------
+
+@dataclass(slots=True)
+class Load:
+    model_id: str            # the replica's id, unique in the fleet
+    path: str
+    name: str
+    slots: int = 0           # 0: the worker's default
+    ctx: int = 0             # 0: the model's trained context, capped by the worker
+    prefill_chunk: int = 128
+
+
+@dataclass(slots=True)
+class Unload:
+    model_id: str
+
+
+@dataclass(slots=True)
+class Sampling:
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    seed: int | None = None
+
+
+@dataclass(slots=True)
+class Generate:
+    request_id: str
+    model_id: str
+    prompt: list[int]
+    sampling: Sampling
+    max_tokens: int
+    stop_ids: list[int] = field(default_factory=list)
+    session_id: str | None = None
+
+
+@dataclass(slots=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(slots=True)
+class Shutdown:
+    pass
+
+
+MESSAGES: dict[str, type] = {
+    "hello": Hello, "heartbeat": Heartbeat, "loaded": Loaded, "load_failed": LoadFailed,
+    "unloaded": Unloaded, "tokens": Tokens, "error": Error, "stopping": Stopping,
+    "load": Load, "unload": Unload, "generate": Generate, "abort": Abort, "shutdown": Shutdown,
+}
+KIND_OF = {cls: kind for kind, cls in MESSAGES.items()}
+NESTED = {Sampling}
+
+
+def encode(msg) -> bytes:
+    kind = KIND_OF.get(type(msg))
+    if kind is None:
+        raise TypeError(f"{type(msg).__name__} is not a protocol message")
+    body = {"v": PROTOCOL, "k": kind}
+    for f in dataclasses.fields(msg):
+        value = getattr(msg, f.name)
+        body[f.name] = dataclasses.asdict(value) if type(value) in NESTED else value
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def decode(data: bytes):
+    """A validated message object from untrusted bytes; ProtocolError otherwise."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        body = msgpack.unpackb(data, raw=False, strict_map_key=False, max_bin_len=0,
+                               max_ext_len=0, max_str_len=1 << 20, max_map_len=1 << 16,
+                               max_array_len=MAX_MESSAGE_BYTES // 2)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(f"undecodable message: {exc}") from None
+    if not isinstance(body, dict):
+        raise ProtocolError("a message must be a map")
+    if body.get("v") != PROTOCOL:
+        raise ProtocolError(f"protocol version {body.get('v')!r}, expected {PROTOCOL}")
+    cls = MESSAGES.get(body.get("k"))
+    if cls is None:
+        raise ProtocolError(f"unknown message kind {body.get('k')!r}")
+    return build(cls, body)
+
+
+def build(cls, body: dict):
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in body:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ProtocolError(f"{cls.__name__} lacks field {f.name!r}")
+            continue
+        kwargs[f.name] = check(body[f.name], hints[f.name], f"{cls.__name__}.{f.name}")
+    return cls(**kwargs)
+
+
+def check(value, hint, where: str):
+    """`value` if it matches the annotation `hint` (recursively), else ProtocolError."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        for option in args:
+            try:
+                return check(value, option, where)
+            except ProtocolError:
+                pass
+        raise ProtocolError(f"{where}: unexpected {type(value).__name__}")
+    if hint is type(None):
+        if value is None:
+            return None
+    elif hint in NESTED:
+        if isinstance(value, dict):
+            return build(hint, value)
+    elif origin is list:
+        if isinstance(value, list):
+            return [check(v, args[0], where) for v in value]
+    elif origin is dict:
+        if isinstance(value, dict):
+            return {check(k, args[0], where): check(v, args[1], where) for k, v in value.items()}
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif isinstance(value, hint):
+        return value
+    raise ProtocolError(f"{where}: expected {getattr(hint, '__name__', hint)}, "
+                        f"got {type(value).__name__}")

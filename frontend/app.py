@@ -1,0 +1,116 @@
+"""The Starlette application: routes, CORS, API key, OpenAI-shaped errors."""
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from .chat import ChatService
+from .openai_api import APIError, models_list
+from .registry import Registry
+from .workers import WorkerPool
+
+log = logging.getLogger("pantheon.frontend.app")
+
+PUBLIC_PATHS = frozenset({"/", "/health"})      # everything else needs the API key
+CORS_HEADERS = [(b"access-control-allow-origin", b"*"),
+                (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
+                (b"access-control-allow-headers",
+                 b"Authorization, Content-Type, X-Session-Id")]
+
+
+class Guard:
+    """ASGI middleware: CORS preflight for any path, then the API key check."""
+
+    def __init__(self, app, api_key: str | None):
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if scope["method"] == "OPTIONS":
+            return await self.reply(send, 200, {}, CORS_HEADERS)
+        if self.api_key and scope["path"] not in PUBLIC_PATHS and not self.authorized(scope):
+            err = APIError(401, "invalid or missing API key: send 'Authorization: Bearer KEY'",
+                           code="invalid_api_key")
+            return await self.reply(send, 401, err.body(), [(b"www-authenticate", b"Bearer")])
+
+        async def send_with_cors(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = list(message.get("headers", [])) + CORS_HEADERS[:1]
+            await send(message)
+        await self.app(scope, receive, send_with_cors)
+
+    def authorized(self, scope) -> bool:
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
+
+    @staticmethod
+    async def reply(send, status: int, body: dict, headers) -> None:
+        data = json.dumps(body).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(data)).encode())] + list(headers)})
+        await send({"type": "http.response.body", "body": data})
+
+
+def worker_status(worker) -> dict:
+    beat = worker.heartbeat
+    return {"die": worker.die, "kind": worker.hello.kind, "device": worker.hello.device_name,
+            "active": beat.active if beat else 0, "waiting": beat.waiting if beat else 0,
+            "pressure": worker.pressure, "in_flight": len(worker.requests)}
+
+
+def build_app(registry: Registry, pool: WorkerPool, api_key: str | None = None,
+              max_body_bytes: int = 8 << 20) -> Guard:
+    chat = ChatService(registry, pool, max_body_bytes)
+
+    async def root(request: Request):
+        return JSONResponse({"service": "pantheon", "status": "ok"})
+
+    async def health(request: Request):
+        ready = registry.ready_models()
+        if not ready:
+            err = APIError(503, "no model is ready", type="service_unavailable",
+                           code="model_not_ready")
+            return JSONResponse(err.body(), status_code=503)
+        return JSONResponse({"status": "ok", "models": [m.name for m in ready],
+                             "workers": [worker_status(w) for w in pool.live()]})
+
+    async def models(request: Request):
+        ready = registry.ready_models()
+        return JSONResponse(models_list([m.name for m in ready], 0) | {
+            "data": [{"id": m.name, "object": "model", "created": m.created,
+                      "owned_by": "pantheon", "max_model_len": m.ready()[0].ctx}
+                     for m in ready]})
+
+    async def api_error(request: Request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    async def http_error(request: Request, exc: HTTPException):
+        kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        message = {404: f"no route {request.url.path}",
+                   405: f"{request.method} is not allowed on {request.url.path}"}.get(
+            exc.status_code, str(exc.detail))
+        err = APIError(exc.status_code, message, code=kind)
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
+
+    async def server_error(request: Request, exc: Exception):
+        log.exception("unhandled error on %s", request.url.path, exc_info=exc)
+        err = APIError(500, "internal server error", type="server_error")
+        return JSONResponse(err.body(), status_code=500)
+
+    app = Starlette(
+        routes=[Route("/", root), Route("/health", health), Route("/v1/models", models),
+                Route("/v1/chat/completions", chat.handle, methods=["POST"])],
+        exception_handlers={APIError: api_error, HTTPException: http_error,
+                            Exception: server_error})
+    return Guard(app, api_key)

@@ -1,0 +1,102 @@
+"""Putting replicas on dies and keeping them there.
+
+The registry holds the desired placement (replica → die). This module acts
+on it: when a worker for a die joins (first start, restart, reconnect) the
+replicas meant for that die are loaded there; when it is lost, they wait
+for it to come back. At most one weight upload runs at a time across the
+whole fleet, startup loads included (the spec's upload_lock), so two large
+transients never stack on one host.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from ..common import protocol as p
+from .registry import Registry, Replica, ReplicaState, ServedModel
+from .workers import LoadError, WorkerInfo, WorkerLost, WorkerPool
+
+log = logging.getLogger("pantheon.frontend.placement")
+
+
+class Placer:
+    def __init__(self, registry: Registry, pool: WorkerPool, slots: int = 0, ctx: int = 0,
+                 expected_dies: list[str] | None = None, grace_s: float = 60.0):
+        self.registry, self.pool = registry, pool
+        self.slots, self.ctx = slots, ctx
+        # auto-placement waits (up to grace_s) for every die we spawned, to spread models
+        self.expected = set(expected_dies or [])
+        asyncio.get_running_loop().call_later(grace_s, self.stop_waiting)
+        self.upload_lock = asyncio.Lock()
+        self.tasks: set[asyncio.Task] = set()
+        pool.on_join.append(self.joined)
+        pool.on_lost.append(self.lost)
+
+    def joined(self, worker: WorkerInfo) -> None:
+        for model_id in worker.hello.models:     # state we did not ask for: start clean
+            self.spawn(self.pool.send(worker, p.Unload(model_id)))
+        self.expected.discard(worker.die)
+        self.place_pending()
+        for model, replica in self.registry.replicas():
+            if replica.die == worker.die and replica.state in (ReplicaState.PLACED,
+                                                               ReplicaState.FAILED):
+                self.start_load(model, replica, worker)
+
+    def stop_waiting(self) -> None:
+        if self.expected:
+            log.warning("dies %s did not join in time; placing without them",
+                        ", ".join(sorted(self.expected)))
+            self.expected.clear()
+            self.place_pending()
+
+    def lost(self, worker: WorkerInfo) -> None:
+        for _, replica in self.registry.replicas():
+            if replica.worker is worker:
+                replica.state, replica.worker = ReplicaState.PLACED, None
+
+    def place_pending(self) -> None:
+        """Give every unplaced replica a die: the live one holding the fewest replicas."""
+        live = {w.die: w for w in self.pool.live()}
+        if not live or self.expected:
+            return
+        for model, replica in self.registry.replicas():
+            if replica.die is None:
+                counts = {die: sum(r.die == die for _, r in self.registry.replicas())
+                          for die in live}
+                replica.die = min(live, key=lambda d: (counts[d], -live[d].hello.mem_free))
+                self.start_load(model, replica, live[replica.die])
+
+    def start_load(self, model: ServedModel, replica: Replica, worker: WorkerInfo) -> None:
+        replica.state = ReplicaState.LOADING      # now, so nobody starts the same load twice
+        self.spawn(self.load(model, replica, worker))
+
+    async def load(self, model: ServedModel, replica: Replica, worker: WorkerInfo) -> None:
+        try:
+            async with self.upload_lock:
+                if not worker.alive:
+                    raise WorkerLost("worker gone before its turn to load")
+                log.info("loading %s (%s) on die %s", model.name, replica.model_id, worker.die)
+                loaded = await self.pool.load(worker, p.Load(
+                    replica.model_id, model.path, model.name, self.slots, self.ctx))
+        except LoadError as exc:
+            replica.state, replica.error = ReplicaState.FAILED, str(exc)
+            log.error("loading %s on die %s failed: %s", model.name, worker.die, exc)
+            return
+        except (WorkerLost, asyncio.TimeoutError) as exc:
+            replica.state = ReplicaState.PLACED
+            log.warning("loading %s on die %s interrupted: %s", model.name, worker.die, exc)
+            return
+        replica.state, replica.worker = ReplicaState.READY, worker
+        replica.slots, replica.ctx, replica.error = loaded.slots, loaded.ctx, ""
+        log.info("%s ready on die %s: %d slots x %d ctx, loaded in %.1f s", model.name,
+                 worker.die, loaded.slots, loaded.ctx, loaded.load_s)
+
+    def spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def settled(self) -> bool:
+        """Every replica is ready or has failed (startup is over)."""
+        return all(r.state in (ReplicaState.READY, ReplicaState.FAILED)
+                   for _, r in self.registry.replicas())

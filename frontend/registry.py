@@ -1,0 +1,121 @@
+"""Served models, their replicas on workers, and routing a request to one.
+
+A *served model* is a name clients use; it has a tokenizer and a chat
+template (read from the model file, without weights) and one or more
+*replicas*, each a copy resident on one worker's die. The registry also
+keeps the desired placement: a replica that was on a die whose worker went
+away is loaded again when a worker for that die comes back.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..common.chat_template import ChatTemplate
+from ..common.model_file import ModelConfig, read_config
+from ..common.tokenizer import Tokenizer, open_tokenizer
+from .openai_api import APIError
+
+log = logging.getLogger("pantheon.frontend.registry")
+
+
+class ReplicaState:
+    PLACED = "placed"      # assigned to a die, not (yet) loaded there
+    LOADING = "loading"
+    READY = "ready"
+    FAILED = "failed"
+
+
+@dataclass
+class Replica:
+    model_id: str
+    die: str
+    state: str = ReplicaState.PLACED
+    inflight: int = 0
+    slots: int = 0
+    ctx: int = 0
+    error: str = ""
+    worker: object = None          # WorkerInfo while loaded
+
+
+@dataclass
+class ServedModel:
+    name: str
+    path: str
+    config: ModelConfig
+    tokenizer: Tokenizer
+    template: ChatTemplate
+    created: int
+    replicas: list[Replica] = field(default_factory=list)
+
+    def ready(self) -> list[Replica]:
+        return [r for r in self.replicas if r.state == ReplicaState.READY]
+
+    def render(self, messages: list[dict], tools=None) -> list[int]:
+        """Chat template → token ids (CPU work: call off the event loop)."""
+        text = self.template.render(messages, tools=tools, add_generation_prompt=True)
+        return self.tokenizer.encode(text)
+
+
+def open_model(path: str, name: str | None, created: int) -> ServedModel:
+    """Read a model's metadata and tokenizer (no weights); raises on a bad file."""
+    config = read_config(path)
+    tokenizer = open_tokenizer(path)
+    template = ChatTemplate(tokenizer.chat_template, tokenizer.bos_text, tokenizer.eos_text)
+    return ServedModel(name or Path(path).stem, str(path), config, tokenizer, template, created)
+
+
+class Registry:
+    def __init__(self):
+        self.models: dict[str, ServedModel] = {}
+        self.ids = itertools.count(1)
+
+    def add(self, model: ServedModel, die: str) -> Replica:
+        served = self.models.setdefault(model.name, model)
+        replica = Replica(f"{model.name}#{next(self.ids)}", die)
+        served.replicas.append(replica)
+        return replica
+
+    def replicas(self):
+        for model in self.models.values():
+            for replica in model.replicas:
+                yield model, replica
+
+    def ready_models(self) -> list[ServedModel]:
+        return [m for m in self.models.values() if m.ready()]
+
+    def resolve(self, name: str | None) -> ServedModel:
+        """The served model a request names (404 unknown, 503 none ready).
+
+        With one resident model, every request goes to it whatever its `model`
+        field says (the spec's single-model shortcut); with several, the name
+        must match exactly.
+        """
+        ready = self.ready_models()
+        if not ready:
+            raise APIError(503, "no model is loaded and ready yet; retry shortly",
+                           type="service_unavailable", code="model_not_ready",
+                           headers={"Retry-After": "2"})
+        if len(self.models) == 1:
+            return ready[0]
+        model = self.models.get(name or "")
+        if model is None:
+            raise APIError(404, f"model {name!r} does not exist; available: "
+                           f"{', '.join(sorted(self.models))}", param="model",
+                           code="model_not_found")
+        if not model.ready():
+            raise APIError(503, f"model {name!r} is not ready yet; retry shortly",
+                           type="service_unavailable", code="model_not_ready",
+                           headers={"Retry-After": "2"})
+        return model
+
+    @staticmethod
+    def pick(model: ServedModel) -> Replica:
+        """The ready replica with the fewest requests in flight."""
+        ready = model.ready()
+        if not ready:
+            raise APIError(503, f"model {model.name!r} has no ready replica",
+                           type="service_unavailable", code="model_not_ready")
+        return min(ready, key=lambda r: r.inflight)

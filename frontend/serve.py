@@ -1,0 +1,86 @@
+"""`pantheon serve`: the frontend process, and the workers it spawns."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+
+import uvicorn
+import zmq
+
+from .app import build_app
+from .placement import Placer
+from .registry import Registry, open_model
+from .supervisor import Supervisor, die_names
+from .workers import WorkerPool
+
+log = logging.getLogger("pantheon.frontend")
+
+
+@dataclass
+class ServeConfig:
+    models: list[tuple[str, str | None]]          # (path, served name or None)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    worker_addr: str = "tcp://127.0.0.1:5570"
+    spawn: list[str] = field(default_factory=lambda: ["cpu"])   # [] = --no-spawn
+    slots: int = 8
+    ctx: int = 0
+    api_key: str | None = None
+    max_body_bytes: int = 8 << 20
+    worker_timeout_s: float = 5.0
+
+
+async def serve(cfg: ServeConfig) -> int:
+    created = int(time.time())
+    registry = Registry()
+    for path, name in cfg.models:        # metadata and tokenizers: refuse bad files up front
+        model = await asyncio.to_thread(open_model, path, name, created)
+        registry.add(model, die=None)
+    pool = WorkerPool(cfg.worker_addr, cfg.worker_timeout_s)
+    addr = pool.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+    dies = die_names(cfg.spawn)
+    placer = Placer(registry, pool, cfg.slots, cfg.ctx, expected_dies=dies)
+    pool.start()
+    supervisor = Supervisor(dies, addr, pool, cfg.slots)
+    supervisor.start()
+    app = build_app(registry, pool, cfg.api_key, cfg.max_body_bytes)
+    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, lifespan="off",
+                                           log_level="warning", timeout_graceful_shutdown=5))
+    announce = asyncio.create_task(announce_when_ready(cfg, placer, registry, addr))
+    try:
+        await server.serve()
+    finally:
+        announce.cancel()
+        await supervisor.stop()
+        await pool.close()
+    return 0 if server.started else 1
+
+
+async def announce_when_ready(cfg: ServeConfig, placer: Placer, registry: Registry,
+                              addr: str) -> None:
+    log.info("workers connect to %s", addr)
+    while not placer.settled():
+        await asyncio.sleep(0.1)
+    names = ", ".join(m.name for m in registry.ready_models()) or "none"
+    failed = [f"{m.name} ({r.error})" for m, r in registry.replicas() if r.error]
+    print(f"Pantheon ready at http://{cfg.host}:{cfg.port} (models: {names})", flush=True)
+    if failed:
+        print(f"failed to load: {'; '.join(failed)}", file=sys.stderr, flush=True)
+
+
+def main(args) -> int:
+    from ..common.default_model import DEFAULT_NAME, default_model_path
+    paths, names = args.model, list(args.name or [])
+    if not paths:
+        paths = [str(default_model_path(log=lambda m: print(m, file=sys.stderr)))]
+        names = names or [DEFAULT_NAME]
+    if len(names) > len(paths):
+        raise ValueError("more --name than --model flags")
+    models = [(path, names[i] if i < len(names) else None) for i, path in enumerate(paths)]
+    spawn = [] if args.no_spawn else [d.strip() for d in args.spawn_workers.split(",") if d.strip()]
+    cfg = ServeConfig(models, args.host, args.port, args.worker_addr, spawn, args.slots,
+                      args.ctx, args.api_key, args.max_body_bytes, args.worker_timeout)
+    return asyncio.run(serve(cfg))

@@ -1,0 +1,96 @@
+"""Worker processes that `pantheon serve` spawns itself, restarted when they die.
+
+(Under supervisord or systemd, `--no-spawn` leaves this to them.) A CPU die
+gets its own share of the host's cores; GPU dies are not pinned to cores.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+
+from ..common import protocol as p
+from .workers import WorkerPool
+
+log = logging.getLogger("pantheon.frontend.supervisor")
+
+
+def die_names(spec: list[str]) -> list[str]:
+    """`cpu,cpu,0` → ["cpu", "cpu:1", "0"]: every die id unique."""
+    names, seen = [], {}
+    for die in spec:
+        n = seen.get(die, 0)
+        seen[die] = n + 1
+        names.append(die if n == 0 else f"{die}:{n}")
+    return names
+
+
+def core_sets(dies: list[str]) -> dict[str, list[int]]:
+    """Split this process's cores evenly over the CPU dies."""
+    cores = sorted(os.sched_getaffinity(0))
+    cpu = [d for d in dies if d.split(":")[0] == "cpu"]
+    if not cpu:
+        return {}
+    share = max(1, len(cores) // len(cpu))
+    return {d: cores[(i * share) % len(cores):][:share] for i, d in enumerate(cpu)}
+
+
+class Supervisor:
+    def __init__(self, dies: list[str], frontend_addr: str, pool: WorkerPool, slots: int = 8,
+                 extra_args: list[str] | None = None):
+        self.dies, self.addr, self.pool, self.slots = dies, frontend_addr, pool, slots
+        self.cores = core_sets(dies)
+        self.extra = extra_args or []
+        self.procs: dict[str, asyncio.subprocess.Process] = {}
+        self.tasks: list[asyncio.Task] = []
+        self.stopping = False
+
+    def command(self, die: str) -> list[str]:
+        cmd = [sys.executable, "-m", "pantheon.cli", "worker", "--die", die,
+               "--frontend", self.addr, "--slots", str(self.slots), *self.extra]
+        if die in self.cores:
+            cmd += ["--cores", ",".join(map(str, self.cores[die]))]
+        return cmd
+
+    def start(self) -> None:
+        self.tasks = [asyncio.create_task(self.keep_alive(die), name=f"worker-{die}")
+                      for die in self.dies]
+
+    async def keep_alive(self, die: str) -> None:
+        backoff = 1.0
+        loop = asyncio.get_running_loop()
+        while not self.stopping:
+            proc = await asyncio.create_subprocess_exec(*self.command(die))
+            self.procs[die] = proc
+            started = loop.time()
+            log.info("spawned worker for die %s (pid %d)", die, proc.pid)
+            code = await proc.wait()
+            if self.stopping:
+                return
+            self.pool.process_exited(proc.pid, code)
+            if loop.time() - started > 60:      # it had been healthy: restart promptly
+                backoff = 1.0
+            log.warning("worker for die %s exited with code %s; restarting in %.0f s",
+                        die, code, backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 30.0)
+
+    async def stop(self, timeout: float = 5.0) -> None:
+        """Ask every worker to shut down; terminate what does not."""
+        self.stopping = True
+        for worker in self.pool.live():
+            try:
+                await self.pool.send(worker, p.Shutdown())
+            except Exception:
+                pass
+        procs = [proc for proc in self.procs.values() if proc.returncode is None]
+        try:
+            await asyncio.wait_for(asyncio.gather(*(proc.wait() for proc in procs)), timeout)
+        except asyncio.TimeoutError:
+            for proc in procs:
+                if proc.returncode is None:
+                    proc.kill()
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)

@@ -1,0 +1,92 @@
+"""Real `pantheon serve` processes on 127.0.0.1 for end-to-end tests."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import psutil
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`pantheon serve ARGS` in its own process group, logging to a temp file."""
+
+    def __init__(self, *args: str, api_key: str | None = None, env: dict | None = None):
+        self.port, self.zport = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        self.args = ["serve", "--port", str(self.port),
+                     "--worker-addr", f"tcp://127.0.0.1:{self.zport}", *args]
+        if api_key:
+            self.args += ["--api-key", api_key]
+        self.env = {**os.environ, **(env or {})}
+        self.log = tempfile.NamedTemporaryFile(prefix="pantheon-serve-", suffix=".log",
+                                               delete=False)
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 90) -> "Server":
+        self.proc = subprocess.Popen([sys.executable, "-m", "pantheon.cli", *self.args],
+                                     stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True)
+        self.wait_healthy(timeout)
+        return self
+
+    def wait_healthy(self, timeout: float = 90) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.logs()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"server not healthy after {timeout} s:\n{self.logs()}")
+
+    def logs(self) -> str:
+        with open(self.log.name, errors="replace") as fh:
+            return fh.read()[-5000:]
+
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def client(self, **kw):
+        import openai
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=self.api_key or "none",
+                             max_retries=0, timeout=kw.pop("timeout", 60), **kw)
+
+    def workers(self) -> list[psutil.Process]:
+        return [p for p in psutil.Process(self.proc.pid).children(recursive=True)
+                if "worker" in p.cmdline()]
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.proc:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        os.unlink(self.log.name)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()

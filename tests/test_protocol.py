@@ -1,0 +1,86 @@
+"""Every wire message round-trips; bad bytes are refused with ProtocolError."""
+import msgpack
+import pytest
+
+from pantheon.common import protocol as p
+
+SAMPLES = [
+    p.Hello("cpu", "cpu", "cpu", 8 << 30, 4 << 30, 8, pid=123, models=["m-1"]),
+    p.Hello("0", "cuda", "Tesla K80", 12 << 30, 11 << 30, 8),
+    p.Heartbeat("cpu:1", active=3, waiting=1, mem_total=1, mem_free=0, host_mem_free=5,
+                pressure=2),
+    p.Loaded("m-1", "smol", 8, 4096, 49152, 538_000_000, 377_000_000, 2.5),
+    p.LoadFailed("m-2", "no such file"),
+    p.Unloaded("m-1"),
+    p.Tokens("r1", [1, 2, 3]),
+    p.Tokens("r1", [], finish="length", prompt_tokens=10, completion_tokens=4, cached_tokens=2),
+    p.Error("bad", request_id="r9"),
+    p.Error("worse"),
+    p.Stopping("cpu"),
+    p.Load("m-1", "/models/a.gguf", "a"),
+    p.Load("m-1", "/models/a.gguf", "a", slots=4, ctx=2048, prefill_chunk=64),
+    p.Unload("m-1"),
+    p.Generate("r1", "m-1", [1, 2, 3], p.Sampling(), 16),
+    p.Generate("r2", "m-1", list(range(5000)),
+               p.Sampling(0.7, 40, 0.9, 0.05, 1.1, 0.5, 0.2, {7: -100.0, 8: 2.5}, 2**62),
+               128, stop_ids=[2], session_id="s"),
+    p.Abort("r1"),
+    p.Shutdown(),
+]
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg):
+    assert p.decode(p.encode(msg)) == msg
+
+
+def test_every_kind_has_a_sample():
+    assert {type(m) for m in SAMPLES} == set(p.MESSAGES.values())
+
+
+def test_unknown_fields_are_ignored_and_defaults_fill_in():
+    raw = msgpack.packb({"v": p.PROTOCOL, "k": "abort", "request_id": "x", "later": [1]})
+    assert p.decode(raw) == p.Abort("x")
+    raw = msgpack.packb({"v": p.PROTOCOL, "k": "tokens", "request_id": "x", "tokens": []})
+    assert p.decode(raw) == p.Tokens("x", [])
+
+
+def raw(**body):
+    return msgpack.packb({"v": p.PROTOCOL, **body})
+
+
+@pytest.mark.parametrize("data, message", [
+    (b"\xc1", "undecodable"),
+    (msgpack.packb([1, 2]), "must be a map"),
+    (msgpack.packb({"k": "abort", "request_id": "x"}), "protocol version"),
+    (msgpack.packb({"v": 99, "k": "abort", "request_id": "x"}), "protocol version"),
+    (raw(k="launch_missiles"), "unknown message kind"),
+    (raw(k="abort"), "lacks field 'request_id'"),
+    (raw(k="abort", request_id=5), "Abort.request_id: expected str"),
+    (raw(k="tokens", request_id="x", tokens=[1, "2"]), "Tokens.tokens"),
+    (raw(k="tokens", request_id="x", tokens=[True]), "Tokens.tokens"),
+    (raw(k="generate", request_id="r", model_id="m", prompt=[1], sampling=[], max_tokens=1),
+     "Generate.sampling"),
+    (raw(k="generate", request_id="r", model_id="m", prompt=[1],
+         sampling={"logit_bias": {"a": 1.0}}, max_tokens=1), "Sampling.logit_bias"),
+    (raw(k="generate", request_id="r", model_id="m", prompt=[1],
+         sampling={"temperature": "hot"}, max_tokens=1), "Sampling.temperature"),
+    (raw(k="heartbeat", die="cpu", active=1.5, waiting=0, mem_total=0, mem_free=0,
+         host_mem_free=0, pressure=0), "Heartbeat.active"),
+    (msgpack.packb({"v": p.PROTOCOL, "k": "abort", "request_id": b"bytes"}, use_bin_type=True),
+     "undecodable"),
+])
+def test_bad_messages_are_refused(data, message):
+    with pytest.raises(p.ProtocolError, match=message):
+        p.decode(data)
+
+
+def test_size_limit(monkeypatch):
+    monkeypatch.setattr(p, "MAX_MESSAGE_BYTES", 100)
+    with pytest.raises(p.ProtocolError, match="exceeds"):
+        p.decode(p.encode(p.Generate("r", "m", list(range(100)), p.Sampling(), 1)))
+
+
+def test_encode_refuses_foreign_objects():
+    with pytest.raises(TypeError):
+        p.encode({"k": "abort"})

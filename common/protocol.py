@@ -27,6 +27,19 @@ class ProtocolError(ValueError):
     """Bytes that are not a valid message of this protocol."""
 
 
+CRITICAL = 3
+
+
+def pressure_level(free: int, total: int) -> int:
+    """Memory pressure as Heartbeat.pressure carries it, from the free fraction.
+
+    0 ok (>= 20 % free), 1 elevated, 2 high (< 10 %), 3 critical (< 5 %):
+    at critical, new requests wait for memory instead of starting.
+    """
+    frac = free / total if total else 1.0
+    return 3 if frac < 0.05 else 2 if frac < 0.10 else 1 if frac < 0.20 else 0
+
+
 # -- worker → frontend ------------------------------------------------------------
 
 @dataclass(slots=True)

@@ -28,3 +28,15 @@ def log_level() -> str:
 def api_key() -> str | None:
     """The key every non-public HTTP route requires (`PANTHEON_API_KEY`; `--api-key` wins)."""
     return os.environ.get("PANTHEON_API_KEY") or None
+
+
+def queue_depth() -> int:
+    """Requests that may wait for a slot, per model (`BS_QUEUE_DEPTH`, default 32)."""
+    raw = os.environ.get("BS_QUEUE_DEPTH", "32")
+    try:
+        depth = int(raw)
+    except ValueError:
+        raise ValueError(f"BS_QUEUE_DEPTH must be a whole number, not {raw!r}") from None
+    if depth < 0:
+        raise ValueError("BS_QUEUE_DEPTH must be >= 0")
+    return depth

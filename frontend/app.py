@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from .admission import Admission
 from .chat import ChatService
 from .openai_api import APIError, models_list
 from .registry import Registry
@@ -69,9 +70,16 @@ def worker_status(worker) -> dict:
             "pressure": worker.pressure, "in_flight": len(worker.requests)}
 
 
-def build_app(registry: Registry, pool: WorkerPool, api_key: str | None = None,
-              max_body_bytes: int = 8 << 20) -> Guard:
-    chat = ChatService(registry, pool, max_body_bytes)
+def model_status(model, admission: Admission) -> dict:
+    return {"name": model.name, "queued": admission.queued(model),
+            "replicas": [{"id": r.model_id, "die": r.die, "state": r.state,
+                          "in_flight": r.inflight, "slots": r.slots, "ctx": r.ctx}
+                         for r in model.replicas]}
+
+
+def build_app(registry: Registry, pool: WorkerPool, admission: Admission,
+              api_key: str | None = None, max_body_bytes: int = 8 << 20) -> Guard:
+    chat = ChatService(registry, pool, admission, max_body_bytes)
 
     async def root(request: Request):
         return JSONResponse({"service": "pantheon", "status": "ok"})
@@ -83,7 +91,9 @@ def build_app(registry: Registry, pool: WorkerPool, api_key: str | None = None,
                            code="model_not_ready")
             return JSONResponse(err.body(), status_code=503)
         return JSONResponse({"status": "ok", "models": [m.name for m in ready],
-                             "workers": [worker_status(w) for w in pool.live()]})
+                             "workers": [worker_status(w) for w in pool.live()],
+                             "replicas": [model_status(m, admission)
+                                          for m in registry.models.values()]})
 
     async def models(request: Request):
         ready = registry.ready_models()

@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..common import protocol as p
 from ..common.chat_template import TemplateError
+from .admission import Admission
 from .emitter import Emitter
 from .openai_api import (APIError, ChatRequest, chat_chunk, chat_response, completion_id,
                          parse_chat_request, sse, sse_error, to_sampling, usage_chunk)
@@ -42,14 +43,14 @@ async def read_body(request: Request, limit: int) -> bytes:
 class Generation:
     """One request running on one replica, as text pieces."""
 
-    def __init__(self, pool: WorkerPool, model: ServedModel, replica: Replica,
-                 prompt: list[int], req: ChatRequest, max_tokens: int):
-        self.pool, self.model, self.replica = pool, model, replica
+    def __init__(self, pool: WorkerPool, admission: Admission, model: ServedModel,
+                 replica: Replica, prompt: list[int], req: ChatRequest, max_tokens: int):
+        self.pool, self.admission, self.model, self.replica = pool, admission, model, replica
         self.prompt, self.req, self.max_tokens = prompt, req, max_tokens
         self.request_id = pool.new_request_id()
         self.detok = model.tokenizer.detokenizer()
         self.emitter = Emitter(req.stop)
-        self.completion_tokens = 0
+        self.completion_tokens = self.cached_tokens = 0
         self.finish_reason: str | None = None
         self.stream = None
 
@@ -57,7 +58,6 @@ class Generation:
         msg = p.Generate(self.request_id, self.replica.model_id, self.prompt,
                          p.Sampling(**to_sampling(self.req)), self.max_tokens,
                          sorted(self.model.tokenizer.eot_ids), self.req.session_id)
-        self.replica.inflight += 1
         try:
             self.stream = await self.pool.generate(self.replica.worker, msg)
         except WorkerLost as exc:
@@ -76,6 +76,7 @@ class Generation:
                 status = 400 if msg.code == "bad_request" else 500
                 raise APIError(status, msg.message, type="server_error" if status == 500
                                else "invalid_request_error", code=msg.code)
+            self.cached_tokens = msg.cached_tokens
             for token in msg.tokens:
                 self.completion_tokens += 1
                 if token in eot:
@@ -101,7 +102,7 @@ class Generation:
         """Idempotent: abort the worker's side if unfinished, release the replica."""
         if self.replica is None:
             return
-        self.replica.inflight -= 1
+        self.admission.release(self.model, self.replica)
         self.replica = None
         if self.finish_reason is None:
             self.pool.abort_soon(self.request_id)
@@ -114,8 +115,10 @@ def worker_lost(exc: Exception) -> APIError:
 
 
 class ChatService:
-    def __init__(self, registry: Registry, pool: WorkerPool, max_body_bytes: int):
-        self.registry, self.pool, self.max_body_bytes = registry, pool, max_body_bytes
+    def __init__(self, registry: Registry, pool: WorkerPool, admission: Admission,
+                 max_body_bytes: int):
+        self.registry, self.pool, self.admission = registry, pool, admission
+        self.max_body_bytes = max_body_bytes
 
     async def prepare(self, request: Request) -> tuple[ChatRequest, Generation]:
         body = await read_body(request, self.max_body_bytes)
@@ -126,15 +129,17 @@ class ChatService:
         except TemplateError as exc:
             raise APIError(400, f"the chat template refused the conversation: {exc}",
                            param="messages") from exc
-        replica = self.registry.pick(model)
-        if len(prompt) >= replica.ctx:
-            raise APIError(400, f"This model's maximum context length is {replica.ctx} tokens, "
+        ctx = model.context()
+        if len(prompt) >= ctx:
+            raise APIError(400, f"This model's maximum context length is {ctx} tokens, "
                            f"but the messages came to {len(prompt)} tokens (plus at least 1 "
                            "for the reply). Shorten the conversation.", param="messages",
                            code="context_length_exceeded")
-        room = replica.ctx - len(prompt)
+        room = ctx - len(prompt)
         max_tokens = min(req.max_tokens or room, room)
-        return req, Generation(self.pool, model, replica, prompt, req, max_tokens)
+        replica = await self.admission.acquire(model)
+        return req, Generation(self.pool, self.admission, model, replica, prompt, req,
+                               max_tokens)
 
     async def handle(self, request: Request) -> Response:
         req, gen = await self.prepare(request)
@@ -150,7 +155,8 @@ class ChatService:
         if text is None:                       # the client left; nobody reads this
             return Response(status_code=499)
         return JSONResponse(chat_response(rid, created, gen.model.name, text, gen.finish_reason,
-                                          len(gen.prompt), gen.completion_tokens))
+                                          len(gen.prompt), gen.completion_tokens,
+                                          gen.cached_tokens))
 
     async def sse(self, gen: Generation, rid: str, created: int):
         name = gen.model.name
@@ -160,7 +166,8 @@ class ChatService:
                 yield sse(chat_chunk(rid, created, name, {"content": piece}))
             yield sse(chat_chunk(rid, created, name, {}, gen.finish_reason))
             if gen.req.include_usage:
-                yield sse(usage_chunk(rid, created, name, len(gen.prompt), gen.completion_tokens))
+                yield sse(usage_chunk(rid, created, name, len(gen.prompt), gen.completion_tokens,
+                                      gen.cached_tokens))
         except APIError as exc:
             yield sse_error(exc)
         finally:

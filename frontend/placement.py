@@ -21,9 +21,10 @@ log = logging.getLogger("pantheon.frontend.placement")
 
 class Placer:
     def __init__(self, registry: Registry, pool: WorkerPool, slots: int = 0, ctx: int = 0,
-                 expected_dies: list[str] | None = None, grace_s: float = 60.0):
+                 prefill_chunk: int = 128, expected_dies: list[str] | None = None,
+                 grace_s: float = 60.0):
         self.registry, self.pool = registry, pool
-        self.slots, self.ctx = slots, ctx
+        self.slots, self.ctx, self.prefill_chunk = slots, ctx, prefill_chunk
         # auto-placement waits (up to grace_s) for every die we spawned, to spread models
         self.expected = set(expected_dies or [])
         asyncio.get_running_loop().call_later(grace_s, self.stop_waiting)
@@ -77,7 +78,8 @@ class Placer:
                     raise WorkerLost("worker gone before its turn to load")
                 log.info("loading %s (%s) on die %s", model.name, replica.model_id, worker.die)
                 loaded = await self.pool.load(worker, p.Load(
-                    replica.model_id, model.path, model.name, self.slots, self.ctx))
+                    replica.model_id, model.path, model.name, self.slots, self.ctx,
+                    self.prefill_chunk))
         except LoadError as exc:
             replica.state, replica.error = ReplicaState.FAILED, str(exc)
             log.error("loading %s on die %s failed: %s", model.name, worker.die, exc)
@@ -88,6 +90,7 @@ class Placer:
             return
         replica.state, replica.worker = ReplicaState.READY, worker
         replica.slots, replica.ctx, replica.error = loaded.slots, loaded.ctx, ""
+        self.pool.changed()                       # queued requests may start now
         log.info("%s ready on die %s: %d slots x %d ctx, loaded in %.1f s", model.name,
                  worker.die, loaded.slots, loaded.ctx, loaded.load_s)
 

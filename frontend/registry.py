@@ -53,6 +53,10 @@ class ServedModel:
     def ready(self) -> list[Replica]:
         return [r for r in self.replicas if r.state == ReplicaState.READY]
 
+    def context(self) -> int:
+        """Context positions a request may use: the smallest of the ready replicas'."""
+        return min((r.ctx for r in self.ready()), default=0)
+
     def render(self, messages: list[dict], tools=None) -> list[int]:
         """Chat template → token ids (CPU work: call off the event loop)."""
         text = self.template.render(messages, tools=tools, add_generation_prompt=True)
@@ -110,12 +114,3 @@ class Registry:
                            type="service_unavailable", code="model_not_ready",
                            headers={"Retry-After": "2"})
         return model
-
-    @staticmethod
-    def pick(model: ServedModel) -> Replica:
-        """The ready replica with the fewest requests in flight."""
-        ready = model.ready()
-        if not ready:
-            raise APIError(503, f"model {model.name!r} has no ready replica",
-                           type="service_unavailable", code="model_not_ready")
-        return min(ready, key=lambda r: r.inflight)

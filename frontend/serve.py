@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import uvicorn
 import zmq
 
+from .admission import Admission
 from .app import build_app
 from .placement import Placer
 from .registry import Registry, open_model
@@ -31,6 +32,10 @@ class ServeConfig:
     api_key: str | None = None
     max_body_bytes: int = 8 << 20
     worker_timeout_s: float = 5.0
+    prefill_chunk: int = 128
+    prefix_cache_mb: float = 512
+    queue_depth: int = 32
+    queue_timeout_s: float = 30.0
 
 
 async def serve(cfg: ServeConfig) -> int:
@@ -42,11 +47,14 @@ async def serve(cfg: ServeConfig) -> int:
     pool = WorkerPool(cfg.worker_addr, cfg.worker_timeout_s)
     addr = pool.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
     dies = die_names(cfg.spawn)
-    placer = Placer(registry, pool, cfg.slots, cfg.ctx, expected_dies=dies)
+    placer = Placer(registry, pool, cfg.slots, cfg.ctx, cfg.prefill_chunk, expected_dies=dies)
     pool.start()
-    supervisor = Supervisor(dies, addr, pool, cfg.slots)
+    supervisor = Supervisor(dies, addr, pool, cfg.slots,
+                            ["--prefix-cache-mb", str(cfg.prefix_cache_mb)])
     supervisor.start()
-    app = build_app(registry, pool, cfg.api_key, cfg.max_body_bytes)
+    admission = Admission(cfg.queue_depth, cfg.queue_timeout_s)
+    pool.on_change.append(admission.wake_all)
+    app = build_app(registry, pool, admission, cfg.api_key, cfg.max_body_bytes)
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, lifespan="off",
                                            log_level="warning", timeout_graceful_shutdown=5))
     announce = asyncio.create_task(announce_when_ready(cfg, placer, registry, addr))
@@ -54,6 +62,7 @@ async def serve(cfg: ServeConfig) -> int:
         await server.serve()
     finally:
         announce.cancel()
+        admission.close()
         await supervisor.stop()
         await pool.close()
     return 0 if server.started else 1
@@ -81,6 +90,10 @@ def main(args) -> int:
         raise ValueError("more --name than --model flags")
     models = [(path, names[i] if i < len(names) else None) for i, path in enumerate(paths)]
     spawn = [] if args.no_spawn else [d.strip() for d in args.spawn_workers.split(",") if d.strip()]
+    from ..common.settings import queue_depth
     cfg = ServeConfig(models, args.host, args.port, args.worker_addr, spawn, args.slots,
-                      args.ctx, args.api_key, args.max_body_bytes, args.worker_timeout)
+                      args.ctx, args.api_key, args.max_body_bytes, args.worker_timeout,
+                      args.prefill_chunk, args.prefix_cache_mb,
+                      args.queue_depth if args.queue_depth is not None else queue_depth(),
+                      args.queue_timeout)
     return asyncio.run(serve(cfg))

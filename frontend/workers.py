@@ -77,7 +77,7 @@ class WorkerPool:
         self.unloads: dict[str, asyncio.Future] = {}
         self.on_join: list[Callable[[WorkerInfo], None]] = []
         self.on_lost: list[Callable[[WorkerInfo], None]] = []
-        self.on_loaded: list[Callable[[WorkerInfo, p.Loaded], None]] = []
+        self.on_change: list[Callable[[], None]] = []   # load or capacity may have changed
         self.ids = itertools.count()
         self.tasks: list[asyncio.Task] = []
 
@@ -195,6 +195,7 @@ class WorkerPool:
         worker.last_seen = now
         if isinstance(msg, p.Heartbeat):
             worker.heartbeat = msg
+            self.changed()
         elif isinstance(msg, p.Tokens):
             self.deliver(msg.request_id, msg)
         elif isinstance(msg, p.Error):
@@ -203,8 +204,6 @@ class WorkerPool:
             else:
                 log.warning("worker %s reports: %s (%s)", worker.die, msg.message, msg.code)
         elif isinstance(msg, p.Loaded):
-            for callback in self.on_loaded:
-                callback(worker, msg)
             self.resolve(self.loads, msg.model_id, msg)
         elif isinstance(msg, p.LoadFailed):
             fut = self.loads.get(msg.model_id)
@@ -216,6 +215,10 @@ class WorkerPool:
             self.lose(worker, "stopping")
         else:
             log.warning("unexpected %s from worker %s", type(msg).__name__, worker.die)
+
+    def changed(self) -> None:
+        for callback in self.on_change:
+            callback()
 
     @staticmethod
     def resolve(futures: dict, key: str, value) -> None:

@@ -102,7 +102,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="spawn nothing; wait for externally supervised workers")
     serve.add_argument("--worker-addr", default="tcp://127.0.0.1:5570",
                        help="ZeroMQ address the frontend binds for workers")
-    serve.add_argument("--slots", type=int, default=8, help="KV slots per model replica")
+    serve.add_argument("--slots", type=int, default=8,
+                       help="KV slots per model replica (1: single-user mode)")
+    serve.add_argument("--prefill-chunk", type=int, default=128,
+                       help="prompt tokens per step; bounds a decode stall to one chunk")
+    serve.add_argument("--prefix-cache-mb", type=float, default=512,
+                       help="per worker: host memory for KV states of idle conversations")
+    serve.add_argument("--queue-depth", type=int, default=None,
+                       help="requests that may wait for a slot per model (env BS_QUEUE_DEPTH, "
+                            "default 32)")
+    serve.add_argument("--queue-timeout", type=float, default=30.0,
+                       help="seconds a request may wait for a slot before a 429")
     serve.add_argument("--ctx", type=int, default=0,
                        help="context per slot (default: the model's, at most 4096)")
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (env PANTHEON_API_KEY)")
@@ -117,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the frontend's ZeroMQ address")
     worker.add_argument("--slots", type=int, default=8, help="default KV slots per model")
     worker.add_argument("--cores", type=core_list, help="pin to these CPU cores, e.g. 0,1")
+    worker.add_argument("--prefix-cache-mb", type=float, default=512,
+                        help="host memory for KV states of idle conversations (0: off)")
     worker.set_defaults(func=cmd_worker)
 
     bench = sub.add_parser("bench", help="benchmarks")

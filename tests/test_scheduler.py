@@ -115,3 +115,116 @@ def test_abort_mid_prefill_and_mid_decode_frees_the_slot(steps_before_abort):
     assert sched.step() == [] and sched.abort("a") is None
     sched.add(Request("b", [9], GREEDY, max_tokens=1))      # the slot is reusable
     assert drain(sched)[0] == {"b": [10]}
+
+
+# -- prefix reuse ----------------------------------------------------------------------
+from pantheon.worker.prefix_cache import PrefixCache  # noqa: E402
+
+
+class HistoryModel:
+    """A fake whose next token depends on the whole KV history of the slot.
+
+    It keeps the token at every KV position, like a real cache, so a wrongly
+    reused or restored state changes the output. Also a fake KV store.
+    """
+
+    def __init__(self, n_slots):
+        self.kv = [[] for _ in range(n_slots)]
+        self.fed = 0                      # prompt tokens actually computed
+
+    def __call__(self, tokens, spans):
+        rows, offset = [], 0
+        for s in spans:
+            part = tokens[offset:offset + s.n].tolist()
+            offset += s.n
+            self.kv[s.slot][s.start:] = part
+            self.fed += s.n
+            if s.logits:
+                row = np.zeros(V, np.float32)
+                row[(sum(self.kv[s.slot]) * 7 + 3) % V] = 1.0
+                rows.append(row)
+        return np.stack(rows) if rows else np.zeros((0, V), np.float32)
+
+    def save(self, slot, n):
+        return list(self.kv[slot][:n]), 8 * n
+
+    def restore(self, slot, state):
+        self.kv[slot][:len(state)] = state
+        return len(state)
+
+
+def run(sched, req):
+    sched.add(req)
+    tokens, out = [], None
+    while sched.active():
+        for out in sched.step():
+            tokens += out.tokens
+    return tokens, out
+
+
+def fresh(prompt, max_tokens=4):
+    model = HistoryModel(1)
+    return run(Scheduler(model, 1, ctx=256), Request("x", prompt, GREEDY, max_tokens))[0]
+
+
+def test_session_turn_reuses_its_slot_and_skips_the_history():
+    model = HistoryModel(2)
+    sched = Scheduler(model, 2, ctx=256, kv=model, cache=PrefixCache(1 << 20))
+    turn1 = list(range(40))
+    reply, out = run(sched, Request("a", turn1, GREEDY, 4, session_id="s"))
+    assert out.cached_tokens == 0
+    run(sched, Request("b", [9] * 30, GREEDY, 2))            # someone else, other slot
+    turn2 = turn1 + reply + [5, 6, 7]
+    model.fed = 0
+    got, out = run(sched, Request("c", turn2, GREEDY, 4, session_id="s"))
+    assert out.cached_tokens == len(turn1) + len(reply) - 1   # the last reply token never fed
+    assert model.fed == len(turn2) - out.cached_tokens + 3    # the rest, then 3 decode feeds
+    assert got == fresh(turn2)
+
+
+def test_shared_prefix_is_reused_without_a_session():
+    model = HistoryModel(2)
+    sched = Scheduler(model, 2, ctx=256, kv=model, cache=PrefixCache(1 << 20))
+    system = list(range(100, 150))
+    run(sched, Request("a", system + [1, 2, 3], GREEDY, 2))
+    got, out = run(sched, Request("b", system + [4, 5], GREEDY, 3))
+    assert out.cached_tokens == len(system)
+    assert got == fresh(system + [4, 5], 3)
+
+
+def test_evicted_state_goes_to_the_host_cache_and_comes_back():
+    model = HistoryModel(1)                                  # one slot: every turn evicts
+    cache = PrefixCache(1 << 20)
+    sched = Scheduler(model, 1, ctx=256, kv=model, cache=cache)
+    conv_a = list(range(50))
+    reply_a, _ = run(sched, Request("a1", conv_a, GREEDY, 3, session_id="A"))
+    run(sched, Request("b1", list(range(200, 260)), GREEDY, 3, session_id="B"))
+    assert cache.stats()["entries"] == 1                      # A's state moved to the host
+    turn2 = conv_a + reply_a + [7]
+    got, out = run(sched, Request("a2", turn2, GREEDY, 3, session_id="A"))
+    assert out.cached_tokens == len(conv_a) + len(reply_a) - 1
+    assert cache.hits == 1 and got == fresh(turn2, 3)
+
+
+def test_cache_miss_and_lru_eviction_under_budget():
+    model = HistoryModel(1)
+    cache = PrefixCache(budget_bytes=8 * 40 * 2)             # room for two 40-token states
+    sched = Scheduler(model, 1, ctx=256, kv=model, cache=cache)
+    convs = [[k * 1000 + i for i in range(39)] for k in range(1, 5)]
+    for i, conv in enumerate(convs):
+        run(sched, Request(f"r{i}", conv, GREEDY, 1))
+    assert len(cache.entries) == 2 and cache.used <= cache.budget
+    _, out = run(sched, Request("old", convs[0] + [1], GREEDY, 1))      # evicted: a miss
+    assert out.cached_tokens == 0
+    # the slot's own state (convs[3]) went to the host when "old" took the slot: a hit
+    _, out = run(sched, Request("new", convs[3] + [1], GREEDY, 1))
+    assert out.cached_tokens == 39
+
+
+def test_reuse_never_skips_the_last_prompt_token():
+    model = HistoryModel(1)
+    sched = Scheduler(model, 1, ctx=256, kv=model, cache=PrefixCache(1 << 20))
+    prompt = list(range(30))
+    first, _ = run(sched, Request("a", prompt, GREEDY, 1))
+    again, out = run(sched, Request("b", prompt, GREEDY, 1))          # a retried request
+    assert out.cached_tokens == len(prompt) - 1 and again == first

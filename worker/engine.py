@@ -11,6 +11,7 @@ import numpy as np
 from ..common.model_file import ModelConfig, read_config
 from .device import Device, open_device
 from .model import Model, Span
+from .prefix_cache import PrefixCache
 from .scheduler import Scheduler
 from .weights import load_weights
 
@@ -37,7 +38,8 @@ class Engine:
 
 
 def load_engine(path: str | Path, die: str | Device = "cpu", n_slots: int = 8,
-                ctx: int | None = None, prefill_chunk: int = 128, progress=None) -> Engine:
+                ctx: int | None = None, prefill_chunk: int = 128, progress=None,
+                prefix_cache_bytes: int = 0) -> Engine:
     """Load the model at `path` onto a die with `n_slots` KV slots of `ctx` positions."""
     started = time.perf_counter()
     device = die if isinstance(die, Device) else open_device(die)
@@ -48,7 +50,8 @@ def load_engine(path: str | Path, die: str | Device = "cpu", n_slots: int = 8,
     weights = load_weights(path, cfg, device, progress=progress)
     model = Model(cfg, weights, device.xp, n_slots, ctx, kv_dtype=device.weight_dtype)
     engine = Engine(cfg, device, model, None, 0.0)
-    engine.scheduler = Scheduler(engine.forward, n_slots, ctx, prefill_chunk)
+    cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
+    engine.scheduler = Scheduler(engine.forward, n_slots, ctx, prefill_chunk, model.kv, cache)
     engine.load_seconds = time.perf_counter() - started
     log.info("loaded %s (%s, %d layers) on die %s in %.1f s: %.0f MB weights, %.0f MB KV",
              Path(path).name, cfg.arch, cfg.n_layers, device.die_id, engine.load_seconds,

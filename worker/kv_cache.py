@@ -8,6 +8,8 @@ its owner has written them; the cache itself does not track lengths.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from ..common.model_file import ModelConfig
 
 
@@ -39,6 +41,21 @@ class KVCache:
     def view(self, layer: int, slot: int, length: int):
         """Keys and values [n_kv_heads, length, head_dim] of one slot, no copy."""
         return self.k[layer, slot, :, :length], self.v[layer, slot, :, :length]
+
+    def save(self, slot: int, length: int):
+        """A host copy of a slot's first `length` positions: (state, nbytes)."""
+        to_host = getattr(self.xp, "asnumpy", np.array)   # a copy on either die
+        k = to_host(self.k[:, slot, :, :length])
+        v = to_host(self.v[:, slot, :, :length])
+        return (k, v), int(k.nbytes + v.nbytes)
+
+    def restore(self, slot: int, state) -> int:
+        """Put a saved state back at the start of `slot`; returns its length."""
+        k, v = state
+        length = k.shape[2]
+        self.k[:, slot, :, :length] = self.xp.asarray(k)
+        self.v[:, slot, :, :length] = self.xp.asarray(v)
+        return length
 
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
         """Make slot `dst` start with the first `length` positions of slot `src`."""

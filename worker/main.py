@@ -46,15 +46,11 @@ class Replica:
     waiting: deque = field(default_factory=deque)
 
 
-def pressure_level(free: int, total: int) -> int:
-    """0 ok, 1 elevated, 2 high, 3 critical, from the free fraction of a memory."""
-    frac = free / total if total else 1.0
-    return 3 if frac < 0.05 else 2 if frac < 0.10 else 1 if frac < 0.20 else 0
-
-
 class Worker:
-    def __init__(self, device: Device, frontend: str, die: str, slots: int = 8):
+    def __init__(self, device: Device, frontend: str, die: str, slots: int = 8,
+                 prefix_cache_bytes: int = 0):
         self.device, self.die, self.slots = device, die, slots
+        self.prefix_cache_bytes = prefix_cache_bytes
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, f"{die}-{os.getpid()}-{secrets.token_hex(4)}".encode())
@@ -80,7 +76,8 @@ class Worker:
     def heartbeat(self) -> None:
         total, free = self.device.memory()
         host = psutil.virtual_memory()
-        level = max(pressure_level(free, total), pressure_level(host.available, host.total))
+        level = max(p.pressure_level(free, total),
+                    p.pressure_level(host.available, host.total))
         active = sum(r.engine.scheduler.active() for r in self.replicas.values())
         waiting = sum(len(r.waiting) for r in self.replicas.values())
         self.send(p.Heartbeat(self.die, active, waiting, total, free, host.available, level))
@@ -201,7 +198,8 @@ class Worker:
             if self.device.kind == "cuda":
                 self.device.xp.cuda.Device(self.device.index).use()
             engine = load_engine(msg.path, self.device, n_slots=msg.slots or self.slots,
-                                 ctx=msg.ctx or None, prefill_chunk=msg.prefill_chunk)
+                                 ctx=msg.ctx or None, prefill_chunk=msg.prefill_chunk,
+                                 prefix_cache_bytes=self.prefix_cache_bytes)
             engine.warm_up()              # ready means warm: the first request pays nothing
             self.loads.put((msg, engine))
         except Exception as exc:
@@ -249,7 +247,7 @@ class Worker:
             if out.finish:
                 self.owner.pop(out.request_id, None)
             self.send(p.Tokens(out.request_id, out.tokens, out.finish, out.prompt_tokens,
-                               out.completion_tokens))
+                               out.completion_tokens, out.cached_tokens))
 
 
 def pin_cores(cores: list[int] | None) -> None:
@@ -260,7 +258,8 @@ def pin_cores(cores: list[int] | None) -> None:
 def main(args) -> int:
     pin_cores(args.cores)
     device = open_device(args.die.split(":")[0])
-    worker = Worker(device, args.frontend, args.die, slots=args.slots)
+    worker = Worker(device, args.frontend, args.die, slots=args.slots,
+                    prefix_cache_bytes=int(args.prefix_cache_mb * (1 << 20)))
     signal.signal(signal.SIGTERM, lambda *_: setattr(worker, "running", False))
     log.info("worker for die %s (%s) connecting to %s", args.die, device.name, args.frontend)
     worker.run()

@@ -6,22 +6,34 @@ most `prefill_chunk` prompt tokens per step in all, so a long prompt stalls
 running decodes by one chunk at most). Requests join and leave between steps;
 idle slots cost nothing.
 
-Slot lifecycle: IDLE → PREFILL → DECODE → IDLE. Only the scheduler's owner
-(the worker loop, through `add`, `abort` and `step`) moves a slot; a finished
-slot returns to IDLE in the same step that reports its finish.
+Slot lifecycle: IDLE → PREFILL → DECODE → IDLE (the spec's BOUND state
+lasts no time here: the step that feeds a prompt's last chunk samples its
+first token). Only the scheduler's owner (the worker loop, through `add`,
+`abort` and `step`) moves a slot; a finished slot returns to IDLE in the same
+step that reports its finish.
+
+Prefix reuse: an idle slot keeps its KV and the token history it holds. A
+new request goes to the idle slot that serves it best: its session's own
+slot, else the one whose history shares the longest prefix with the prompt,
+else the least recently used. The shared prefix is not computed again. A
+warm state about to be overwritten is saved to the host-memory prefix cache
+first, and a stored state that beats every slot is copied back in.
 
 Plain Python, no sockets and no device arrays: `forward` is any callable
-taking (tokens, spans) and returning host logits [n_sampled, V].
+taking (tokens, spans) and returning host logits [n_sampled, V]; `kv` (with
+`save`/`restore`) and `cache` (a PrefixCache) are optional.
 """
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 
 from .model import Span
+from .prefix_cache import PrefixCache, common_prefix
 from .sampler import SamplingParams, SequenceSampler
 
 
@@ -52,6 +64,7 @@ class Output:
     finish: str | None = None        # "stop" | "length" | "abort"
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0           # prompt tokens whose KV was reused, not computed
 
 
 @dataclass
@@ -60,22 +73,34 @@ class Slot:
     state: SlotState = SlotState.IDLE
     request: Request | None = None
     sampler: SequenceSampler | None = None
-    cached: int = 0                  # positions of this slot's KV that are valid
-    feed: list[int] = field(default_factory=list)   # tokens not yet in the KV
+    history: list[int] = field(default_factory=list)   # tokens whose KV is valid, in order
+    feed: list[int] = field(default_factory=list)      # tokens not yet in the KV
     generated: int = 0
+    reused: int = 0                  # prompt tokens taken from a warm state
+    session_id: str | None = None    # of the last request that ran here
+    last_used: int = 0
 
-    def reset(self) -> None:
+    @property
+    def cached(self) -> int:
+        return len(self.history)
+
+    def release(self) -> None:
+        """Back to IDLE; the KV and its history stay for a later request to reuse."""
+        self.session_id = self.request.session_id if self.request else None
         self.state, self.request, self.sampler = SlotState.IDLE, None, None
-        self.cached, self.feed, self.generated = 0, [], 0
+        self.feed, self.generated = [], 0
 
 
 class Scheduler:
-    def __init__(self, forward: Callable, n_slots: int, ctx: int, prefill_chunk: int = 128):
+    def __init__(self, forward: Callable, n_slots: int, ctx: int, prefill_chunk: int = 128,
+                 kv=None, cache: PrefixCache | None = None):
         if prefill_chunk < 1:
             raise ValueError("prefill_chunk must be >= 1")
         self.forward, self.ctx, self.prefill_chunk = forward, ctx, prefill_chunk
+        self.kv, self.cache = kv, cache
         self.slots = [Slot(i) for i in range(n_slots)]
         self.by_id: dict[str, Slot] = {}
+        self.clock = itertools.count(1)
 
     # -- the owner's operations ------------------------------------------------
     def free_slots(self) -> int:
@@ -93,13 +118,36 @@ class Scheduler:
         if len(req.prompt) >= self.ctx:
             raise ValueError(f"prompt of {len(req.prompt)} tokens leaves no room in the "
                              f"context of {self.ctx}")
-        slot = next((s for s in self.slots if s.state is SlotState.IDLE), None)
-        if slot is None:
+        idle = [s for s in self.slots if s.state is SlotState.IDLE]
+        if not idle:
             raise RuntimeError("no free slot")
-        slot.state, slot.request = SlotState.PREFILL, req
+        prompt = np.asarray(req.prompt, dtype=np.int64)
+        matches = {s.index: common_prefix(np.asarray(s.history, dtype=np.int64), prompt)
+                   for s in idle}
+        slot = max(idle, key=lambda s: (bool(req.session_id) and s.session_id == req.session_id,
+                                        matches[s.index], -s.last_used))
+        reuse = self.warm_start(slot, matches[slot.index], req)
+        slot.state, slot.request, slot.last_used = SlotState.PREFILL, req, next(self.clock)
         slot.sampler = SequenceSampler(req.params, req.prompt)
-        slot.cached, slot.feed, slot.generated = 0, list(req.prompt), 0
+        slot.history = list(req.prompt[:reuse])
+        slot.feed, slot.generated, slot.reused = list(req.prompt[reuse:]), 0, reuse
         self.by_id[req.id] = slot
+
+    def warm_start(self, slot: Slot, match: int, req: Request) -> int:
+        """Prompt tokens `slot` can skip, saving or restoring cached state as needed.
+
+        At least the prompt's last token is always fed: its logits are needed.
+        """
+        if self.kv is not None and self.cache is not None:
+            # a state that is about to lose most of its history is kept on the host
+            if match < slot.cached // 2 and slot.cached >= self.cache.min_tokens:
+                state, nbytes = self.kv.save(slot.index, slot.cached)
+                self.cache.put(slot.history, state, nbytes, slot.session_id)
+            entry, stored = self.cache.best(req.prompt, req.session_id)
+            if entry is not None and stored > match:
+                self.kv.restore(slot.index, entry.state)
+                match = stored
+        return min(match, len(req.prompt) - 1)
 
     def abort(self, request_id: str) -> Output | None:
         """Stop a request now; its slot is free for the next step."""
@@ -107,7 +155,7 @@ class Scheduler:
         if slot is None:
             return None
         out = self._output(slot, [], "abort")
-        slot.reset()
+        slot.release()
         return out
 
     # -- one step ----------------------------------------------------------------
@@ -133,7 +181,7 @@ class Scheduler:
         logits = self.forward(np.asarray(tokens, dtype=np.int64), spans)
         outputs, row = [], 0
         for (slot, n), span in zip(plan, spans):
-            slot.cached += n
+            slot.history += slot.feed[:n]
             del slot.feed[:n]
             if span.logits:
                 outputs.append(self._advance(slot, logits[row]))
@@ -155,9 +203,10 @@ class Scheduler:
             return self._output(slot, [token], None)
         out = self._output(slot, [token], finish)
         del self.by_id[req.id]
-        slot.reset()
+        slot.release()
         return out
 
     @staticmethod
     def _output(slot: Slot, tokens: list[int], finish: str | None) -> Output:
-        return Output(slot.request.id, tokens, finish, len(slot.request.prompt), slot.generated)
+        return Output(slot.request.id, tokens, finish, len(slot.request.prompt), slot.generated,
+                      slot.reused)

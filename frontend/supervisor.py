@@ -48,7 +48,8 @@ class Supervisor:
 
     def command(self, die: str) -> list[str]:
         cmd = [sys.executable, "-m", "pantheon.cli", "worker", "--die", die,
-               "--frontend", self.addr, "--slots", str(self.slots), *self.extra]
+               "--frontend", self.addr, "--slots", str(self.slots),
+               "--parent-pid", str(os.getpid()), *self.extra]
         if die in self.cores:
             cmd += ["--cores", ",".join(map(str, self.cores[die]))]
         return cmd

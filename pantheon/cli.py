@@ -43,6 +43,9 @@ def cmd_bench(args) -> int:
         from pantheon.bench.engine import main
         args.model = model_path(args.model)
         return main(args)
+    if args.bench == "prefix":
+        from pantheon.bench.prefix import main
+        return main(args)
     from pantheon.bench.serve import main
     return main(args)
 
@@ -129,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--cores", type=core_list, help="pin to these CPU cores, e.g. 0,1")
     worker.add_argument("--prefix-cache-mb", type=float, default=512,
                         help="host memory for KV states of idle conversations (0: off)")
+    worker.add_argument("--parent-pid", type=int,
+                        help="exit when this process (the spawning frontend) is gone")
     worker.set_defaults(func=cmd_worker)
 
     bench = sub.add_parser("bench", help="benchmarks")
@@ -139,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--steps", type=int, default=32, help="decode steps per batch size")
     from pantheon.bench.serve import add_arguments
     add_arguments(bench_sub.add_parser("serve", help="OpenAI streaming load generator, as JSON"))
+    from pantheon.bench import prefix
+    prefix.add_arguments(bench_sub.add_parser(
+        "prefix", help="second-turn TTFT with and without the session cache, as JSON"))
     bench.set_defaults(func=cmd_bench)
     return parser
 
@@ -147,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=settings.log_level(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)    # one line per request is noise
     try:
         return args.func(args) or 0
     except KeyboardInterrupt:

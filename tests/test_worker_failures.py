@@ -94,3 +94,14 @@ def test_external_worker_is_used_again_when_it_reconnects():
         worker.wait(10)
     finally:
         srv.stop()
+
+
+def test_spawned_workers_exit_when_their_frontend_dies():
+    srv = Server("--slots", "1", "--ctx", "128").start()
+    try:
+        (worker,) = srv.workers()
+        srv.proc.kill()                                   # the frontend only, not its group
+        srv.proc.wait()
+        worker.wait(15)                                   # raises if still running
+    finally:
+        srv.stop()

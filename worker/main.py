@@ -48,8 +48,9 @@ class Replica:
 
 class Worker:
     def __init__(self, device: Device, frontend: str, die: str, slots: int = 8,
-                 prefix_cache_bytes: int = 0):
+                 prefix_cache_bytes: int = 0, parent_pid: int = 0):
         self.device, self.die, self.slots = device, die, slots
+        self.parent_pid = parent_pid     # spawned by a frontend: live and die with it
         self.prefix_cache_bytes = prefix_cache_bytes
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
@@ -102,6 +103,9 @@ class Worker:
                 self.step(replica)
             if time.monotonic() >= self.next_heartbeat:
                 self.heartbeat()
+                if self.parent_pid and os.getppid() != self.parent_pid:
+                    log.warning("the frontend that spawned this worker is gone; exiting")
+                    self.running = False
         self.send(p.Stopping(self.die))
         self.sock.close()
 
@@ -259,7 +263,8 @@ def main(args) -> int:
     pin_cores(args.cores)
     device = open_device(args.die.split(":")[0])
     worker = Worker(device, args.frontend, args.die, slots=args.slots,
-                    prefix_cache_bytes=int(args.prefix_cache_mb * (1 << 20)))
+                    prefix_cache_bytes=int(args.prefix_cache_mb * (1 << 20)),
+                    parent_pid=args.parent_pid or 0)
     signal.signal(signal.SIGTERM, lambda *_: setattr(worker, "running", False))
     log.info("worker for die %s (%s) connecting to %s", args.die, device.name, args.frontend)
     worker.run()

@@ -46,6 +46,9 @@ def cmd_bench(args) -> int:
     if args.bench == "prefix":
         from pantheon.bench.prefix import main
         return main(args)
+    if args.bench == "join":
+        from pantheon.bench.join import main
+        return main(args)
     from pantheon.bench.serve import main
     return main(args)
 
@@ -147,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pantheon.bench import prefix
     prefix.add_arguments(bench_sub.add_parser(
         "prefix", help="second-turn TTFT with and without the session cache, as JSON"))
+    from pantheon.bench import join
+    join.add_arguments(bench_sub.add_parser(
+        "join", help="inter-token latency of running streams while a long prompt joins"))
     bench.set_defaults(func=cmd_bench)
     return parser
 

@@ -228,3 +228,46 @@ def test_reuse_never_skips_the_last_prompt_token():
     first, _ = run(sched, Request("a", prompt, GREEDY, 1))
     again, out = run(sched, Request("b", prompt, GREEDY, 1))          # a retried request
     assert out.cached_tokens == len(prompt) - 1 and again == first
+
+
+# -- pacing prompt chunks beside running decodes ---------------------------------------
+from pantheon.worker.scheduler import PrefillPacer  # noqa: E402
+
+
+class TimedModel(FakeModel):
+    """A step costs 10 time units plus 1 per prompt token, on a fake clock."""
+
+    def __init__(self):
+        super().__init__()
+        self.now = 0.0
+
+    def __call__(self, tokens, spans):
+        self.now += 10 + sum(s.n for s in spans if s.n > 1)
+        return super().__call__(tokens, spans)
+
+
+def test_pacer_shrinks_prompt_chunks_while_streams_decode():
+    model = TimedModel()
+    sched = Scheduler(model, 2, ctx=512, prefill_chunk=128, clock=lambda: model.now,
+                      pacer=PrefillPacer(128, min_chunk=4, stall=1.5))
+    sched.add(Request("a", list(range(100)), GREEDY, max_tokens=200))
+    for _ in range(4):
+        sched.step()                                  # a's prompt, then decode-only steps
+    sched.add(Request("b", list(range(300)), GREEDY, max_tokens=1))
+    model.calls.clear()
+    for _ in range(6):
+        sched.step()
+    chunks = [n for _, spans in model.calls for n in [s.n for s in spans if s.n > 1]]
+    # a mixed step (10 + chunk) stays within 1 + 1.5 decode steps (25), yet not tiny;
+    # "b" alone (nothing decoding) would have taken 128 at once
+    assert len(chunks) == 6 and all(10 <= n <= 15 for n in chunks), chunks
+
+
+def test_pacer_uses_full_chunks_when_nothing_decodes():
+    pacer = PrefillPacer(128, min_chunk=16, stall=1.5)
+    pacer.record(0.05, n_decode=8, n_prompt=0)
+    pacer.record(0.05 + 0.002 * 64, n_decode=8, n_prompt=64)
+    assert pacer.budget(decoding=True) == int(1.5 * 0.05 / 0.002)
+    assert pacer.budget(decoding=False) == 128
+    pacer.record(10.0, n_decode=8, n_prompt=1)        # a hiccup moves the average, boundedly
+    assert pacer.budget(decoding=True) >= 16

@@ -3,8 +3,10 @@
 Each step gathers one mixed batch: every decoding slot contributes its last
 sampled token, and prefilling slots contribute chunks of their prompts (at
 most `prefill_chunk` prompt tokens per step in all, so a long prompt stalls
-running decodes by one chunk at most). Requests join and leave between steps;
-idle slots cost nothing.
+running decodes by one chunk at most; while streams are decoding, the
+PrefillPacer shrinks that chunk further so each stall stays within a small
+multiple of a decode step). Requests join and leave between steps; idle
+slots cost nothing.
 
 Slot lifecycle: IDLE → PREFILL → DECODE → IDLE (the spec's BOUND state
 lasts no time here: the step that feeds a prompt's last chunk samples its
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -91,16 +94,53 @@ class Slot:
         self.feed, self.generated = [], 0
 
 
+class PrefillPacer:
+    """Prompt tokens a step may carry while other streams are decoding.
+
+    On a CPU a step costs about (decode step) + (prompt tokens x per-token
+    cost), and every decoding stream waits for the whole step. The pacer
+    keeps running averages of both costs and sizes chunks so that a mixed
+    step costs at most `1 + stall` decode steps; with nothing decoding, the
+    full `max_chunk` is used, which is the most efficient.
+    """
+
+    ALPHA = 0.2     # weight of the newest measurement in the running averages
+
+    def __init__(self, max_chunk: int, min_chunk: int = 16, stall: float = 1.0):
+        self.max_chunk, self.min_chunk, self.stall = max_chunk, min(min_chunk, max_chunk), stall
+        self.decode_s: float | None = None        # a decode-only step
+        self.token_s: float | None = None         # one prompt token in a mixed step
+
+    def budget(self, decoding: bool) -> int:
+        if not decoding or self.decode_s is None or self.token_s is None:
+            return self.max_chunk
+        fit = int(self.stall * self.decode_s / max(self.token_s, 1e-9))
+        return max(self.min_chunk, min(self.max_chunk, fit))
+
+    def record(self, seconds: float, n_decode: int, n_prompt: int) -> None:
+        if n_prompt == 0:
+            self.decode_s = self.blend(self.decode_s, seconds)
+        elif self.decode_s is not None or n_decode == 0:
+            base = self.decode_s if n_decode else 0.0
+            self.token_s = self.blend(self.token_s, max(seconds - base, 0.0) / n_prompt)
+
+    def blend(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.ALPHA) * old + self.ALPHA * new
+
+
 class Scheduler:
     def __init__(self, forward: Callable, n_slots: int, ctx: int, prefill_chunk: int = 128,
-                 kv=None, cache: PrefixCache | None = None):
+                 kv=None, cache: PrefixCache | None = None, pacer: PrefillPacer | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
         if prefill_chunk < 1:
             raise ValueError("prefill_chunk must be >= 1")
         self.forward, self.ctx, self.prefill_chunk = forward, ctx, prefill_chunk
+        self.pacer = pacer or PrefillPacer(prefill_chunk)
+        self.clock = clock
         self.kv, self.cache = kv, cache
         self.slots = [Slot(i) for i in range(n_slots)]
         self.by_id: dict[str, Slot] = {}
-        self.clock = itertools.count(1)
+        self.uses = itertools.count(1)
 
     # -- the owner's operations ------------------------------------------------
     def free_slots(self) -> int:
@@ -127,7 +167,7 @@ class Scheduler:
         slot = max(idle, key=lambda s: (bool(req.session_id) and s.session_id == req.session_id,
                                         matches[s.index], -s.last_used))
         reuse = self.warm_start(slot, matches[slot.index], req)
-        slot.state, slot.request, slot.last_used = SlotState.PREFILL, req, next(self.clock)
+        slot.state, slot.request, slot.last_used = SlotState.PREFILL, req, next(self.uses)
         slot.sampler = SequenceSampler(req.params, req.prompt)
         slot.history = list(req.prompt[:reuse])
         slot.feed, slot.generated, slot.reused = list(req.prompt[reuse:]), 0, reuse
@@ -162,7 +202,7 @@ class Scheduler:
     def plan(self) -> list[tuple[Slot, int]]:
         """(slot, tokens to feed) for this step: every decode, then prefill chunks."""
         plan = [(s, 1) for s in self.slots if s.state is SlotState.DECODE]
-        budget = self.prefill_chunk
+        budget = self.pacer.budget(decoding=bool(plan))
         for s in self.slots:
             if s.state is SlotState.PREFILL and budget > 0:
                 take = min(budget, len(s.feed))
@@ -178,7 +218,10 @@ class Scheduler:
         for slot, n in plan:
             tokens += slot.feed[:n]
             spans.append(Span(slot.index, slot.cached, n, logits=(n == len(slot.feed))))
+        started = self.clock()
         logits = self.forward(np.asarray(tokens, dtype=np.int64), spans)
+        n_decode = sum(slot.state is SlotState.DECODE for slot, _ in plan)
+        self.pacer.record(self.clock() - started, n_decode, len(tokens) - n_decode)
         outputs, row = [], 0
         for (slot, n), span in zip(plan, spans):
             slot.history += slot.feed[:n]

@@ -271,3 +271,17 @@ def test_pacer_uses_full_chunks_when_nothing_decodes():
     assert pacer.budget(decoding=False) == 128
     pacer.record(10.0, n_decode=8, n_prompt=1)        # a hiccup moves the average, boundedly
     assert pacer.budget(decoding=True) >= 16
+
+
+def test_a_prompt_that_fits_one_chunk_goes_whole_beside_decodes():
+    model = TimedModel()
+    sched = Scheduler(model, 2, ctx=512, prefill_chunk=128, clock=lambda: model.now,
+                      pacer=PrefillPacer(128, min_chunk=4, stall=1.0))
+    sched.add(Request("a", list(range(100)), GREEDY, max_tokens=200))
+    for _ in range(4):
+        sched.step()
+    sched.pacer.token_s = 1.0                         # pacing would allow only 10 tokens
+    sched.add(Request("b", list(range(120)), GREEDY, max_tokens=1))
+    model.calls.clear()
+    sched.step()
+    assert [s.n for s in model.calls[0][1]] == [1, 120]

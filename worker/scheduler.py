@@ -4,8 +4,8 @@ Each step gathers one mixed batch: every decoding slot contributes its last
 sampled token, and prefilling slots contribute chunks of their prompts (at
 most `prefill_chunk` prompt tokens per step in all, so a long prompt stalls
 running decodes by one chunk at most; while streams are decoding, the
-PrefillPacer shrinks that chunk further so each stall stays within a small
-multiple of a decode step). Requests join and leave between steps; idle
+PrefillPacer shrinks the chunks of a prompt longer than one chunk, so each
+of its many stalls stays within a small multiple of a decode step). Requests join and leave between steps; idle
 slots cost nothing.
 
 Slot lifecycle: IDLE → PREFILL → DECODE → IDLE (the spec's BOUND state
@@ -202,7 +202,10 @@ class Scheduler:
     def plan(self) -> list[tuple[Slot, int]]:
         """(slot, tokens to feed) for this step: every decode, then prefill chunks."""
         plan = [(s, 1) for s in self.slots if s.state is SlotState.DECODE]
-        budget = self.pacer.budget(decoding=bool(plan))
+        # a prompt that fits one chunk goes whole (one stall); a longer one is paced
+        long_prompt = any(s.state is SlotState.PREFILL and len(s.feed) > self.prefill_chunk
+                          for s in self.slots)
+        budget = self.pacer.budget(decoding=bool(plan) and long_prompt)
         for s in self.slots:
             if s.state is SlotState.PREFILL and budget > 0:
                 take = min(budget, len(s.feed))

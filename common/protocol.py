@@ -54,6 +54,7 @@ class Hello:
     slots: int               # default KV slots per model replica
     pid: int = 0
     models: list[str] = field(default_factory=list)   # replica ids already resident
+    budget: int = 0          # bytes models may use on this die (0: mem_total)
 
 
 @dataclass(slots=True)
@@ -81,6 +82,15 @@ class Loaded:
     weight_bytes: int
     kv_bytes: int
     load_s: float
+
+
+@dataclass(slots=True)
+class LoadProgress:
+    """A load under way: `done` of `total` layers are on the die."""
+
+    model_id: str
+    done: int
+    total: int
 
 
 @dataclass(slots=True)
@@ -173,10 +183,38 @@ class Shutdown:
     pass
 
 
+# -- ops script → frontend admin socket, and back ----------------------------------
+
+@dataclass(slots=True)
+class AdminRequest:
+    cmd: str                                   # load | unload | dies | models | status
+    args: dict[str, object] = field(default_factory=dict)
+    token: str = ""
+
+
+@dataclass(slots=True)
+class AdminProgress:
+    """Sent while a load runs: `done` of `total` layers uploaded."""
+
+    model_id: str
+    done: int
+    total: int
+
+
+@dataclass(slots=True)
+class AdminReply:
+    """The final answer: an HTTP-like status and the same JSON body as the HTTP route."""
+
+    status: int
+    body: dict[str, object] = field(default_factory=dict)
+
+
 MESSAGES: dict[str, type] = {
     "hello": Hello, "heartbeat": Heartbeat, "loaded": Loaded, "load_failed": LoadFailed,
+    "load_progress": LoadProgress,
     "unloaded": Unloaded, "tokens": Tokens, "error": Error, "stopping": Stopping,
     "load": Load, "unload": Unload, "generate": Generate, "abort": Abort, "shutdown": Shutdown,
+    "admin_request": AdminRequest, "admin_progress": AdminProgress, "admin_reply": AdminReply,
 }
 KIND_OF = {cls: kind for kind, cls in MESSAGES.items()}
 NESTED = {Sampling}

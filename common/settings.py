@@ -40,3 +40,13 @@ def queue_depth() -> int:
     if depth < 0:
         raise ValueError("BS_QUEUE_DEPTH must be >= 0")
     return depth
+
+
+def admin_key() -> str | None:
+    """Key for the /admin/ routes and the ZeroMQ admin socket (`PANTHEON_ADMIN_KEY`)."""
+    return os.environ.get("PANTHEON_ADMIN_KEY") or None
+
+
+def admin_addr() -> str:
+    """Where `pantheon admin` finds the admin socket (`PANTHEON_ADMIN_ADDR`)."""
+    return os.environ.get("PANTHEON_ADMIN_ADDR", "tcp://127.0.0.1:5571")

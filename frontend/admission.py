@@ -13,7 +13,7 @@ Every decision happens before any SSE header is sent.
 from __future__ import annotations
 
 import asyncio
-from collections import defaultdict, deque
+from collections import OrderedDict, defaultdict, deque
 
 import psutil
 
@@ -29,34 +29,51 @@ def host_pressure() -> int:
 
 
 class Admission:
+    AFFINITY_SESSIONS = 10000      # sessions whose replica is remembered (LRU)
+
     def __init__(self, depth: int = 32, timeout_s: float = 30.0, pressure=host_pressure):
         self.depth, self.timeout_s, self.host_pressure = depth, timeout_s, pressure
         self.queues: dict[str, deque[asyncio.Future]] = defaultdict(deque)
         self.models: dict[str, ServedModel] = {}
+        self.affinity: OrderedDict[str, str] = OrderedDict()    # session → replica id
         self.closed = False
 
     def pressure(self, model: ServedModel) -> int:
         workers = [r.worker.pressure for r in model.ready() if r.worker is not None]
         return max([self.host_pressure()] + workers)
 
-    @staticmethod
-    def free_replica(model: ServedModel) -> Replica | None:
+    def free_replica(self, model: ServedModel, session: str | None = None) -> Replica | None:
+        """A ready replica with a free slot: the session's own (its warm prefix lives
+        there) unless that one is saturated, else the one with the fewest in flight."""
         free = [r for r in model.ready() if r.inflight < max(r.slots, 1)]
+        home = self.affinity.get(session) if session else None
+        for r in free:
+            if r.model_id == home:
+                return r
         return min(free, key=lambda r: r.inflight) if free else None
+
+    def take(self, replica: Replica, session: str | None) -> Replica:
+        replica.inflight += 1
+        replica.served += 1
+        if session:
+            self.affinity[session] = replica.model_id
+            self.affinity.move_to_end(session)
+            while len(self.affinity) > self.AFFINITY_SESSIONS:
+                self.affinity.popitem(last=False)
+        return replica
 
     def queued(self, model: ServedModel) -> int:
         return len(self.queues[model.name])
 
-    async def acquire(self, model: ServedModel) -> Replica:
+    async def acquire(self, model: ServedModel, session: str | None = None) -> Replica:
         """A replica with a slot reserved for this request (release() gives it back)."""
         if self.closed:
             raise shutting_down()
         self.models[model.name] = model
         queue = self.queues[model.name]
-        replica, pressure = self.free_replica(model), self.pressure(model)
+        replica, pressure = self.free_replica(model, session), self.pressure(model)
         if replica is not None and not queue and pressure < CRITICAL:
-            replica.inflight += 1
-            return replica
+            return self.take(replica, session)
         if all(r.slots == 1 for r in model.ready()) and pressure < CRITICAL:
             raise APIError(429, "a generation is already in progress on this model "
                            "(single-user mode); retry shortly", type="rate_limit_error",
@@ -70,6 +87,7 @@ class Admission:
                            "waiting; retry shortly", type="rate_limit_error",
                            code="queue_full", headers={"Retry-After": "5"})
         fut = asyncio.get_running_loop().create_future()
+        fut.session = session
         queue.append(fut)
         try:
             return await asyncio.wait_for(fut, self.timeout_s)
@@ -92,16 +110,25 @@ class Admission:
             if queue[0].done():                   # timed out or cancelled
                 queue.popleft()
                 continue
-            replica = self.free_replica(model)
+            replica = self.free_replica(model, queue[0].session)
             if replica is None or self.pressure(model) >= CRITICAL:
                 return
-            replica.inflight += 1
-            queue.popleft().set_result(replica)
+            fut = queue.popleft()
+            fut.set_result(self.take(replica, fut.session))
 
     def wake_all(self) -> None:
         """Something changed (a replica became ready, pressure dropped): recheck."""
         for model in self.models.values():
             self.wake(model)
+
+    def fail_waiters(self, model: ServedModel, message: str) -> None:
+        """The model has no replica left to wait for: tell its queue now."""
+        queue = self.queues[model.name]
+        while queue:
+            fut = queue.popleft()
+            if not fut.done():
+                fut.set_exception(APIError(503, message, type="service_unavailable",
+                                           code="model_unloaded"))
 
     def close(self) -> None:
         self.closed = True

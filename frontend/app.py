@@ -12,7 +12,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from .admission import Admission
-from .chat import ChatService
+from .admin import Admin
+from .chat import ChatService, read_body
 from .openai_api import APIError, models_list
 from .registry import Registry
 from .workers import WorkerPool
@@ -27,19 +28,26 @@ CORS_HEADERS = [(b"access-control-allow-origin", b"*"),
 
 
 class Guard:
-    """ASGI middleware: CORS preflight for any path, then the API key check."""
+    """ASGI middleware: CORS preflight for any path, then the key check.
 
-    def __init__(self, app, api_key: str | None):
+    /admin/ routes take the admin key when one is set (else the API key);
+    every other non-public route takes the API key.
+    """
+
+    def __init__(self, app, api_key: str | None, admin_key: str | None = None):
         self.app = app
         self.api_key = api_key.encode() if api_key else None
+        self.admin_key = admin_key.encode() if admin_key else None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         if scope["method"] == "OPTIONS":
             return await self.reply(send, 200, {}, CORS_HEADERS)
-        if self.api_key and scope["path"] not in PUBLIC_PATHS and not self.authorized(scope):
-            err = APIError(401, "invalid or missing API key: send 'Authorization: Bearer KEY'",
+        key = (self.admin_key or self.api_key) if scope["path"].startswith("/admin/") \
+            else self.api_key
+        if key and scope["path"] not in PUBLIC_PATHS and not self.authorized(scope, key):
+            err = APIError(401, "invalid or missing key: send 'Authorization: Bearer KEY'",
                            code="invalid_api_key")
             return await self.reply(send, 401, err.body(), [(b"www-authenticate", b"Bearer")])
 
@@ -49,10 +57,11 @@ class Guard:
             await send(message)
         await self.app(scope, receive, send_with_cors)
 
-    def authorized(self, scope) -> bool:
+    @staticmethod
+    def authorized(scope, key: bytes) -> bool:
         header = dict(scope["headers"]).get(b"authorization", b"")
         scheme, _, token = header.partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key)
 
     @staticmethod
     async def reply(send, status: int, body: dict, headers) -> None:
@@ -77,9 +86,25 @@ def model_status(model, admission: Admission) -> dict:
                          for r in model.replicas]}
 
 
-def build_app(registry: Registry, pool: WorkerPool, admission: Admission,
-              api_key: str | None = None, max_body_bytes: int = 8 << 20) -> Guard:
+def build_app(registry: Registry, pool: WorkerPool, admission: Admission, admin: Admin,
+              api_key: str | None = None, admin_key: str | None = None,
+              max_body_bytes: int = 8 << 20) -> Guard:
     chat = ChatService(registry, pool, admission, max_body_bytes)
+
+    def admin_route(cmd: str):
+        async def handle(request: Request):
+            args = {}
+            if request.method == "POST":
+                raw = await read_body(request, max_body_bytes)
+                try:
+                    args = json.loads(raw or b"{}")
+                except ValueError as exc:
+                    raise APIError(400, f"request body is not valid JSON: {exc}") from None
+                if not isinstance(args, dict):
+                    raise APIError(400, "request body must be a JSON object")
+            status, body = await admin.call(cmd, args)
+            return JSONResponse(body, status_code=status)
+        return handle
 
     async def root(request: Request):
         return JSONResponse({"service": "pantheon", "status": "ok"})
@@ -120,7 +145,12 @@ def build_app(registry: Registry, pool: WorkerPool, admission: Admission,
 
     app = Starlette(
         routes=[Route("/", root), Route("/health", health), Route("/v1/models", models),
-                Route("/v1/chat/completions", chat.handle, methods=["POST"])],
+                Route("/v1/chat/completions", chat.handle, methods=["POST"]),
+                Route("/admin/models/load", admin_route("load"), methods=["POST"]),
+                Route("/admin/models/unload", admin_route("unload"), methods=["POST"]),
+                Route("/admin/models", admin_route("models")),
+                Route("/admin/dies", admin_route("dies")),
+                Route("/admin/status", admin_route("status"))],
         exception_handlers={APIError: api_error, HTTPException: http_error,
                             Exception: server_error})
-    return Guard(app, api_key)
+    return Guard(app, api_key, admin_key)

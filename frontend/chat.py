@@ -137,7 +137,7 @@ class ChatService:
                            code="context_length_exceeded")
         room = ctx - len(prompt)
         max_tokens = min(req.max_tokens or room, room)
-        replica = await self.admission.acquire(model)
+        replica = await self.admission.acquire(model, req.session_id)
         return req, Generation(self.pool, self.admission, model, replica, prompt, req,
                                max_tokens)
 

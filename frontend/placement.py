@@ -13,6 +13,7 @@ import asyncio
 import logging
 
 from ..common import protocol as p
+from .dies import DieTable, PlacementError
 from .registry import Registry, Replica, ReplicaState, ServedModel
 from .workers import LoadError, WorkerInfo, WorkerLost, WorkerPool
 
@@ -20,10 +21,10 @@ log = logging.getLogger("pantheon.frontend.placement")
 
 
 class Placer:
-    def __init__(self, registry: Registry, pool: WorkerPool, slots: int = 0, ctx: int = 0,
-                 prefill_chunk: int = 128, expected_dies: list[str] | None = None,
+    def __init__(self, registry: Registry, pool: WorkerPool, dies: DieTable, slots: int = 0,
+                 ctx: int = 0, prefill_chunk: int = 128, expected_dies: list[str] | None = None,
                  grace_s: float = 60.0):
-        self.registry, self.pool = registry, pool
+        self.registry, self.pool, self.dies = registry, pool, dies
         self.slots, self.ctx, self.prefill_chunk = slots, ctx, prefill_chunk
         # auto-placement waits (up to grace_s) for every die we spawned, to spread models
         self.expected = set(expected_dies or [])
@@ -56,16 +57,22 @@ class Placer:
                 replica.state, replica.worker = ReplicaState.PLACED, None
 
     def place_pending(self) -> None:
-        """Give every unplaced replica a die: the live one holding the fewest replicas."""
+        """Give every unplaced replica a die: the one with the most free budget that fits."""
         live = {w.die: w for w in self.pool.live()}
         if not live or self.expected:
             return
-        for model, replica in self.registry.replicas():
-            if replica.die is None:
-                counts = {die: sum(r.die == die for _, r in self.registry.replicas())
-                          for die in live}
-                replica.die = min(live, key=lambda d: (counts[d], -live[d].hello.mem_free))
-                self.start_load(model, replica, live[replica.die])
+        for model, replica in list(self.registry.replicas()):
+            if replica.die is not None or replica.state != ReplicaState.PLACED:
+                continue
+            try:
+                replica.die, replica.reserved = self.dies.choose(
+                    model.config, None, replica.want_slots or self.slots,
+                    replica.want_ctx or self.ctx)
+            except PlacementError as exc:
+                replica.state, replica.error = ReplicaState.FAILED, str(exc)
+                log.error("cannot place %s: %s", model.name, exc)
+                continue
+            self.start_load(model, replica, live[replica.die])
 
     def start_load(self, model: ServedModel, replica: Replica, worker: WorkerInfo) -> None:
         replica.state = ReplicaState.LOADING      # now, so nobody starts the same load twice
@@ -78,16 +85,18 @@ class Placer:
                     raise WorkerLost("worker gone before its turn to load")
                 log.info("loading %s (%s) on die %s", model.name, replica.model_id, worker.die)
                 loaded = await self.pool.load(worker, p.Load(
-                    replica.model_id, model.path, model.name, self.slots, self.ctx,
-                    self.prefill_chunk))
+                    replica.model_id, model.path, model.name, replica.want_slots or self.slots,
+                    replica.want_ctx or self.ctx, self.prefill_chunk))
         except LoadError as exc:
             replica.state, replica.error = ReplicaState.FAILED, str(exc)
             log.error("loading %s on die %s failed: %s", model.name, worker.die, exc)
             return
         except (WorkerLost, asyncio.TimeoutError) as exc:
-            replica.state = ReplicaState.PLACED
+            replica.state, replica.error = ReplicaState.PLACED, str(exc)
             log.warning("loading %s on die %s interrupted: %s", model.name, worker.die, exc)
             return
+        finally:
+            replica.progress = self.pool.progress.pop(replica.model_id, replica.progress)
         replica.state, replica.worker = ReplicaState.READY, worker
         replica.slots, replica.ctx, replica.error = loaded.slots, loaded.ctx, ""
         self.pool.changed()                       # queued requests may start now

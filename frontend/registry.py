@@ -21,11 +21,15 @@ from .openai_api import APIError
 log = logging.getLogger("pantheon.frontend.registry")
 
 
+MAX_ENTRIES = 16           # resident replicas, all models together (the spec's MR_MAX_MODELS)
+
+
 class ReplicaState:
-    PLACED = "placed"      # assigned to a die, not (yet) loaded there
-    LOADING = "loading"
-    READY = "ready"
-    FAILED = "failed"
+    PLACED = "placed"        # assigned to a die, not (yet) loaded there
+    LOADING = "loading"      # weights on their way to the die
+    READY = "ready"          # takes requests
+    UNLOADING = "unloading"  # takes no new requests; draining, then gone
+    FAILED = "failed"        # the load failed; `error` says why
 
 
 @dataclass
@@ -34,10 +38,22 @@ class Replica:
     die: str
     state: str = ReplicaState.PLACED
     inflight: int = 0
-    slots: int = 0
+    slots: int = 0                 # as loaded (the worker's answer)
     ctx: int = 0
     error: str = ""
     worker: object = None          # WorkerInfo while loaded
+    want_slots: int = 0            # as asked (0: the server's default)
+    want_ctx: int = 0
+    reserved: int = 0              # bytes admitted on its die
+    progress: tuple[int, int] = (0, 0)
+    served: int = 0                # requests routed here, for the record
+
+    def as_json(self) -> dict:
+        return {"id": self.model_id, "die": self.die, "state": self.state,
+                "in_flight": self.inflight, "served": self.served, "slots": self.slots,
+                "ctx": self.ctx, "reserved_bytes": self.reserved,
+                "progress": {"done": self.progress[0], "total": self.progress[1]},
+                "error": self.error or None}
 
 
 @dataclass
@@ -76,11 +92,21 @@ class Registry:
         self.models: dict[str, ServedModel] = {}
         self.ids = itertools.count(1)
 
-    def add(self, model: ServedModel, die: str) -> Replica:
+    def add(self, model: ServedModel, die: str | None) -> Replica:
+        """A new replica of `model` (a new served name, or one more copy of it)."""
         served = self.models.setdefault(model.name, model)
         replica = Replica(f"{model.name}#{next(self.ids)}", die)
         served.replicas.append(replica)
         return replica
+
+    def remove(self, model: ServedModel, replica: Replica) -> None:
+        if replica in model.replicas:
+            model.replicas.remove(replica)
+        if not model.replicas:
+            self.models.pop(model.name, None)
+
+    def count(self) -> int:
+        return sum(len(m.replicas) for m in self.models.values())
 
     def replicas(self):
         for model in self.models.values():

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -11,7 +12,9 @@ import uvicorn
 import zmq
 
 from .admission import Admission
+from .admin import Admin, AdminSocket
 from .app import build_app
+from .dies import DieTable
 from .placement import Placer
 from .registry import Registry, open_model
 from .supervisor import Supervisor, die_names
@@ -36,6 +39,9 @@ class ServeConfig:
     prefix_cache_mb: float = 512
     queue_depth: int = 32
     queue_timeout_s: float = 30.0
+    admin_addr: str = "tcp://127.0.0.1:5571"
+    admin_key: str | None = None
+    max_models: int = 16
 
 
 async def serve(cfg: ServeConfig) -> int:
@@ -44,33 +50,68 @@ async def serve(cfg: ServeConfig) -> int:
     for path, name in cfg.models:        # metadata and tokenizers: refuse bad files up front
         model = await asyncio.to_thread(open_model, path, name, created)
         registry.add(model, die=None)
-    pool = WorkerPool(cfg.worker_addr, cfg.worker_timeout_s)
+    # bind every socket before anything starts, so a taken address fails fast and clean
+    pool = bind("worker", cfg.worker_addr, lambda: WorkerPool(cfg.worker_addr,
+                                                               cfg.worker_timeout_s))
     addr = pool.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
     dies = die_names(cfg.spawn)
-    placer = Placer(registry, pool, cfg.slots, cfg.ctx, cfg.prefill_chunk, expected_dies=dies)
+    die_table = DieTable(registry, pool, cfg.slots)
+    placer = Placer(registry, pool, die_table, cfg.slots, cfg.ctx, cfg.prefill_chunk,
+                    expected_dies=dies)
+    admission = Admission(cfg.queue_depth, cfg.queue_timeout_s)
+    pool.on_change.append(admission.wake_all)
+    admin = Admin(registry, pool, placer, die_table, admission, cfg.max_models)
+    try:
+        admin_socket = bind("admin", cfg.admin_addr,
+                            lambda: AdminSocket(admin, cfg.admin_addr, cfg.admin_key))
+        http = http_socket(cfg.host, cfg.port)
+    except RuntimeError:
+        await pool.close()
+        raise
+    app = build_app(registry, pool, admission, admin, cfg.api_key, cfg.admin_key,
+                    cfg.max_body_bytes)
+    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, lifespan="off",
+                                           log_level="warning", timeout_graceful_shutdown=5))
     pool.start()
     supervisor = Supervisor(dies, addr, pool, cfg.slots,
                             ["--prefix-cache-mb", str(cfg.prefix_cache_mb)])
     supervisor.start()
-    admission = Admission(cfg.queue_depth, cfg.queue_timeout_s)
-    pool.on_change.append(admission.wake_all)
-    app = build_app(registry, pool, admission, cfg.api_key, cfg.max_body_bytes)
-    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, lifespan="off",
-                                           log_level="warning", timeout_graceful_shutdown=5))
-    announce = asyncio.create_task(announce_when_ready(cfg, placer, registry, addr))
+    tasks = [asyncio.create_task(admin_socket.serve(), name="admin-socket"),
+             asyncio.create_task(announce_when_ready(cfg, placer, registry, addr))]
     try:
-        await server.serve()
+        await server.serve(sockets=[http])
     finally:
-        announce.cancel()
+        for task in tasks:
+            task.cancel()
+        admin_socket.close()
         admission.close()
         await supervisor.stop()
         await pool.close()
     return 0 if server.started else 1
 
 
+def http_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise RuntimeError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    return sock
+
+
+def bind(what: str, address: str, make):
+    try:
+        return make()
+    except zmq.ZMQError as exc:
+        raise RuntimeError(f"cannot bind the {what} socket at {address}: {exc}") from None
+
+
 async def announce_when_ready(cfg: ServeConfig, placer: Placer, registry: Registry,
                               addr: str) -> None:
-    log.info("workers connect to %s", addr)
+    log.info("workers connect to %s; admin socket at %s", addr, cfg.admin_addr)
     while not placer.settled():
         await asyncio.sleep(0.1)
     names = ", ".join(m.name for m in registry.ready_models()) or "none"
@@ -95,5 +136,5 @@ def main(args) -> int:
                       args.ctx, args.api_key, args.max_body_bytes, args.worker_timeout,
                       args.prefill_chunk, args.prefix_cache_mb,
                       args.queue_depth if args.queue_depth is not None else queue_depth(),
-                      args.queue_timeout)
+                      args.queue_timeout, args.admin_addr, args.admin_key, args.max_models)
     return asyncio.run(serve(cfg))

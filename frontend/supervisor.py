@@ -10,6 +10,8 @@ import logging
 import os
 import sys
 
+import psutil
+
 from ..common import protocol as p
 from .workers import WorkerPool
 
@@ -50,8 +52,10 @@ class Supervisor:
         cmd = [sys.executable, "-m", "pantheon.cli", "worker", "--die", die,
                "--frontend", self.addr, "--slots", str(self.slots),
                "--parent-pid", str(os.getpid()), *self.extra]
-        if die in self.cores:
-            cmd += ["--cores", ",".join(map(str, self.cores[die]))]
+        if die in self.cores:       # CPU dies share the host: cores and RAM are split
+            cpu_dies = len(self.cores)
+            cmd += ["--cores", ",".join(map(str, self.cores[die])),
+                    "--budget-mb", str(psutil.virtual_memory().total // cpu_dies >> 20)]
         return cmd
 
     def start(self) -> None:

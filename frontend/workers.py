@@ -74,6 +74,7 @@ class WorkerPool:
         self.workers: dict[bytes, WorkerInfo] = {}
         self.streams: dict[str, RequestStream] = {}
         self.loads: dict[str, asyncio.Future] = {}
+        self.progress: dict[str, tuple[int, int]] = {}   # model id → (done, total) layers
         self.unloads: dict[str, asyncio.Future] = {}
         self.on_join: list[Callable[[WorkerInfo], None]] = []
         self.on_lost: list[Callable[[WorkerInfo], None]] = []
@@ -205,6 +206,8 @@ class WorkerPool:
                 log.warning("worker %s reports: %s (%s)", worker.die, msg.message, msg.code)
         elif isinstance(msg, p.Loaded):
             self.resolve(self.loads, msg.model_id, msg)
+        elif isinstance(msg, p.LoadProgress):
+            self.progress[msg.model_id] = (msg.done, msg.total)
         elif isinstance(msg, p.LoadFailed):
             fut = self.loads.get(msg.model_id)
             if fut is not None and not fut.done():

@@ -56,6 +56,15 @@ def cmd_bench(args) -> int:
 def cmd_serve(args) -> int:
     from pantheon.frontend.serve import main
     args.api_key = args.api_key or settings.api_key()
+    args.admin_key = args.admin_key or settings.admin_key()
+    args.admin_addr = args.admin_addr or settings.admin_addr()
+    return main(args)
+
+
+def cmd_admin(args) -> int:
+    from pantheon.frontend.admin_cli import main
+    args.addr = args.addr or settings.admin_addr()
+    args.key = args.key or settings.admin_key()
     return main(args)
 
 
@@ -122,10 +131,37 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--ctx", type=int, default=0,
                        help="context per slot (default: the model's, at most 4096)")
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (env PANTHEON_API_KEY)")
+    serve.add_argument("--admin-key", help="key for /admin/ routes and the admin socket "
+                       "(env PANTHEON_ADMIN_KEY; default: the API key guards /admin/)")
+    serve.add_argument("--admin-addr", help="ZeroMQ admin socket to bind "
+                       "(env PANTHEON_ADMIN_ADDR, default tcp://127.0.0.1:5571)")
+    serve.add_argument("--max-models", type=int, default=16,
+                       help="resident replicas at most (the spec's MR_MAX_MODELS)")
     serve.add_argument("--max-body-bytes", type=int, default=8 << 20)
     serve.add_argument("--worker-timeout", type=float, default=5.0,
                        help="seconds of silence before a worker is declared lost")
     serve.set_defaults(func=cmd_serve)
+
+    admin = sub.add_parser("admin", help="load, unload and inspect models on a running server")
+    admin.add_argument("--addr", help="admin socket (env PANTHEON_ADMIN_ADDR, default "
+                       "tcp://127.0.0.1:5571)")
+    admin.add_argument("--key", help="admin key (env PANTHEON_ADMIN_KEY)")
+    admin.add_argument("--timeout", type=float, default=1800, help="seconds to wait for the answer")
+    admin_sub = admin.add_subparsers(dest="admin_command", required=True)
+    load = admin_sub.add_parser("load", help="load a model (a new name, or one more replica)")
+    load.add_argument("path")
+    load.add_argument("--name")
+    load.add_argument("--die", action="append", dest="dies", help="pin to this die")
+    load.add_argument("--ctx", type=int, default=0)
+    load.add_argument("--slots", type=int, default=0)
+    unload = admin_sub.add_parser("unload", help="unload every replica of a name, or one die's")
+    unload.add_argument("name")
+    unload.add_argument("--die")
+    unload.add_argument("--timeout-s", type=float, default=30.0,
+                        help="drain deadline before in-flight requests are aborted")
+    for cmd in ("dies", "models", "status"):
+        admin_sub.add_parser(cmd, help=f"show {cmd}")
+    admin.set_defaults(func=cmd_admin)
 
     worker = sub.add_parser("worker", help="one worker process for one die")
     worker.add_argument("--die", default="cpu", help="cpu (or cpu:N) or a CUDA device number")
@@ -135,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--cores", type=core_list, help="pin to these CPU cores, e.g. 0,1")
     worker.add_argument("--prefix-cache-mb", type=float, default=512,
                         help="host memory for KV states of idle conversations (0: off)")
+    worker.add_argument("--budget-mb", type=float,
+                        help="memory models may use on this die (default: all of it)")
     worker.add_argument("--parent-pid", type=int,
                         help="exit when this process (the spawning frontend) is gone")
     worker.set_defaults(func=cmd_worker)

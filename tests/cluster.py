@@ -28,6 +28,8 @@ class Server:
         self.api_key = api_key
         self.args = ["serve", "--port", str(self.port),
                      "--worker-addr", f"tcp://127.0.0.1:{self.zport}", *args]
+        if "--admin-addr" not in args:
+            self.args += ["--admin-addr", f"tcp://127.0.0.1:{free_port()}"]
         if api_key:
             self.args += ["--api-key", api_key]
         self.env = {**os.environ, **(env or {})}

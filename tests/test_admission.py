@@ -118,3 +118,20 @@ def test_shutdown_fails_waiters_and_new_requests_with_503():
             await adm.acquire(m)
         assert err.value.status == 503 and err.value.code == "shutting_down"
     run(go())
+
+
+def test_a_session_sticks_to_its_replica_until_that_one_is_saturated():
+    async def go():
+        adm, m = Admission(), model(2, 2)
+        first = await adm.acquire(m, "s1")
+        adm.release(m, first)
+        other = await adm.acquire(m, "s2")            # least loaded: the same one (ties)
+        assert other is first
+        # s1 returns while its replica holds one request: it still goes home
+        assert await adm.acquire(m, "s1") is first
+        assert first.inflight == 2                     # now saturated
+        moved = await adm.acquire(m, "s1")             # so s1 moves, and stays moved
+        assert moved is not first
+        adm.release(m, moved)
+        assert await adm.acquire(m, "s1") is moved
+    run(go())

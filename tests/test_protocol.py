@@ -11,6 +11,8 @@ SAMPLES = [
                 pressure=2),
     p.Loaded("m-1", "smol", 8, 4096, 49152, 538_000_000, 377_000_000, 2.5),
     p.LoadFailed("m-2", "no such file"),
+    p.LoadProgress("m-2", 3, 30),
+    p.Hello("cpu:1", "cpu", "cpu", 8 << 30, 4 << 30, 8, budget=2 << 30),
     p.Unloaded("m-1"),
     p.Tokens("r1", [1, 2, 3]),
     p.Tokens("r1", [], finish="length", prompt_tokens=10, completion_tokens=4, cached_tokens=2),
@@ -26,6 +28,10 @@ SAMPLES = [
                128, stop_ids=[2], session_id="s"),
     p.Abort("r1"),
     p.Shutdown(),
+    p.AdminRequest("load", {"path": "/m.gguf", "dies": ["cpu:1"], "ctx": 512}, "tok"),
+    p.AdminRequest("dies"),
+    p.AdminProgress("m#2", 4, 30),
+    p.AdminReply(200, {"dies": [{"die": "cpu", "models": []}]}),
 ]
 
 

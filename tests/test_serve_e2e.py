@@ -204,3 +204,18 @@ def test_api_key_is_required_except_on_public_routes():
                 .chat.completions.create(model="m", messages=QUESTION)
         r = srv.client().chat.completions.create(model="m", messages=QUESTION, max_tokens=2)
         assert r.usage.completion_tokens == 2
+
+
+@pytest.mark.parametrize("flag", ["--port", "--worker-addr", "--admin-addr"])
+def test_a_taken_address_fails_fast_with_a_clear_error(server, flag):
+    import subprocess
+    import sys
+    taken = {"--port": str(server.port), "--worker-addr": f"tcp://127.0.0.1:{server.zport}",
+             "--admin-addr": server.args[server.args.index("--admin-addr") + 1]}
+    args = {"--port": "0", "--worker-addr": "tcp://127.0.0.1:0",
+            "--admin-addr": "tcp://127.0.0.1:0"} | {flag: taken[flag]}
+    proc = subprocess.run([sys.executable, "-m", "pantheon.cli", "serve",
+                           *[x for kv in args.items() for x in kv]],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert "cannot" in proc.stderr and "in use" in proc.stderr and "Traceback" not in proc.stderr

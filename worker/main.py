@@ -48,9 +48,10 @@ class Replica:
 
 class Worker:
     def __init__(self, device: Device, frontend: str, die: str, slots: int = 8,
-                 prefix_cache_bytes: int = 0, parent_pid: int = 0):
+                 prefix_cache_bytes: int = 0, parent_pid: int = 0, budget: int = 0):
         self.device, self.die, self.slots = device, die, slots
         self.parent_pid = parent_pid     # spawned by a frontend: live and die with it
+        self.budget = budget
         self.prefix_cache_bytes = prefix_cache_bytes
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
@@ -72,7 +73,7 @@ class Worker:
     def hello(self) -> p.Hello:
         total, free = self.device.memory()
         return p.Hello(self.die, self.device.kind, self.device.name, total, free, self.slots,
-                       os.getpid(), list(self.replicas))
+                       os.getpid(), list(self.replicas), self.budget or total)
 
     def heartbeat(self) -> None:
         total, free = self.device.memory()
@@ -201,9 +202,11 @@ class Worker:
         try:
             if self.device.kind == "cuda":
                 self.device.xp.cuda.Device(self.device.index).use()
+            def progress(done, total):
+                self.loads.put((msg, p.LoadProgress(msg.model_id, done, total)))
             engine = load_engine(msg.path, self.device, n_slots=msg.slots or self.slots,
                                  ctx=msg.ctx or None, prefill_chunk=msg.prefill_chunk,
-                                 prefix_cache_bytes=self.prefix_cache_bytes)
+                                 prefix_cache_bytes=self.prefix_cache_bytes, progress=progress)
             engine.warm_up()              # ready means warm: the first request pays nothing
             self.loads.put((msg, engine))
         except Exception as exc:
@@ -213,6 +216,9 @@ class Worker:
     def finish_loads(self) -> None:
         while not self.loads.empty():
             msg, result = self.loads.get()
+            if isinstance(result, p.LoadProgress):
+                self.send(result)
+                continue
             self.loading.discard(msg.model_id)
             if isinstance(result, Exception):
                 self.send(p.LoadFailed(msg.model_id, f"{type(result).__name__}: {result}"))
@@ -264,7 +270,8 @@ def main(args) -> int:
     device = open_device(args.die.split(":")[0])
     worker = Worker(device, args.frontend, args.die, slots=args.slots,
                     prefix_cache_bytes=int(args.prefix_cache_mb * (1 << 20)),
-                    parent_pid=args.parent_pid or 0)
+                    parent_pid=args.parent_pid or 0,
+                    budget=int((args.budget_mb or 0) * (1 << 20)))
     signal.signal(signal.SIGTERM, lambda *_: setattr(worker, "running", False))
     log.info("worker for die %s (%s) connecting to %s", args.die, device.name, args.frontend)
     worker.run()

@@ -1,0 +1,260 @@
+"""The admin API: load, unload, dies, models, status — over HTTP and ZeroMQ.
+
+One set of handlers answers both transports with the same codes, as the
+spec's `status_for_reason`: admission failure or a full table → 507, a
+duplicate load in progress or an unload under way → 409, not found → 404,
+a malformed request → 400, anything else → 500. Every error body is an
+OpenAI-style error object.
+
+A load runs the spec's four phases: reserve the name, place and admit
+(before any byte is uploaded), upload (one at a time across the fleet, in
+the worker's loader thread, so everything else keeps answering), publish.
+An unload stops new requests at once, lets in-flight ones drain up to a
+deadline, then aborts the rest with a clear error: never an unbounded wait.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+
+from ..common import protocol as p
+from ..common.model_file import ModelFileError
+from .admission import Admission
+from .dies import DieTable, PlacementError
+from .placement import Placer
+from .registry import MAX_ENTRIES, Registry, ReplicaState, open_model
+from .workers import WorkerLost, WorkerPool
+
+log = logging.getLogger("pantheon.frontend.admin")
+
+ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 409: "conflict_error",
+               507: "insufficient_storage", 500: "server_error", 401: "authentication_error"}
+
+
+class AdminError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.param = status, param
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": ERROR_TYPES.get(self.status, "error"),
+                          "param": self.param, "code": self.status}}
+
+
+def field(body: dict, name: str, kind, default=None, required=False):
+    value = body.get(name, default)
+    if value is None:
+        if required:
+            raise AdminError(400, f"'{name}' is required", name)
+        return default
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise AdminError(400, f"'{name}' must be {getattr(kind, '__name__', kind)}", name)
+    return value
+
+
+class Admin:
+    def __init__(self, registry: Registry, pool: WorkerPool, placer: Placer, dies: DieTable,
+                 admission: Admission, max_entries: int = MAX_ENTRIES):
+        self.registry, self.pool, self.placer = registry, pool, placer
+        self.die_table, self.admission, self.max_entries = dies, admission, max_entries
+        self.loading: set[str] = set()
+
+    async def call(self, cmd: str, args: dict, on_progress=None) -> tuple[int, dict]:
+        """Run one command; (status, JSON body), errors included."""
+        handlers = {"load": self.load, "unload": self.unload, "dies": self.dies,
+                    "models": self.models, "status": self.status}
+        if cmd not in handlers:
+            return 400, AdminError(400, f"unknown command {cmd!r}; one of "
+                                        f"{', '.join(handlers)}").body()
+        try:
+            if cmd == "load":
+                return 200, await self.load(args, on_progress)
+            result = handlers[cmd](args)
+            return 200, (await result) if asyncio.iscoroutine(result) else result
+        except AdminError as exc:
+            return exc.status, exc.body()
+        except Exception as exc:  # one failed command must not hurt the server
+            log.exception("admin %s failed", cmd)
+            return 500, AdminError(500, f"{cmd} failed: {exc}").body()
+
+    # -- reads -------------------------------------------------------------------------
+    def dies(self, args=None) -> dict:
+        return {"dies": [d.as_json() for d in self.die_table.snapshot()]}
+
+    def models(self, args=None) -> dict:
+        out = []
+        for model in self.registry.models.values():
+            for r in model.replicas:
+                if r.state == ReplicaState.LOADING:
+                    r.progress = self.pool.progress.get(r.model_id, r.progress)
+            out.append({"name": model.name, "path": model.path, "queued":
+                        self.admission.queued(model),
+                        "replicas": [r.as_json() for r in model.replicas]})
+        return {"models": out, "loading": sorted(self.loading)}
+
+    def status(self, args=None) -> dict:
+        return {"service": "pantheon", "models": len(self.registry.models),
+                "replicas": self.registry.count(), "max_replicas": self.max_entries,
+                "ready": [m.name for m in self.registry.ready_models()],
+                "workers": len(self.pool.live()), "loading": sorted(self.loading)}
+
+    # -- load --------------------------------------------------------------------------
+    async def load(self, body: dict, on_progress=None) -> dict:
+        path = field(body, "path", str, required=True)
+        name = field(body, "name", str) or Path(path).stem
+        dies = field(body, "dies", list)
+        ctx, slots = field(body, "ctx", int, 0), field(body, "slots", int, 0)
+        if field(body, "quantize", bool, False):
+            raise AdminError(400, "quantize=true is not supported: weights are kept in fp32 "
+                                  "on CPU dies and fp16 on GPU dies", "quantize")
+        if ctx < 0 or slots < 0:
+            raise AdminError(400, "ctx and slots must be >= 0")
+        if dies is not None:
+            dies = [str(d) for d in dies]
+        # phase 1: reserve the name
+        if name in self.loading:
+            raise AdminError(409, f"a load of {name!r} is already in progress")
+        existing = self.registry.models.get(name)
+        if existing and any(r.state == ReplicaState.UNLOADING for r in existing.replicas):
+            raise AdminError(409, f"{name!r} is being unloaded; retry when it is gone")
+        if self.registry.count() + len(self.loading) >= self.max_entries:
+            raise AdminError(507, f"the model table is full ({self.max_entries} replicas); "
+                                  "unload one first")
+        self.loading.add(name)
+        try:
+            return await self.place_and_upload(path, name, dies, ctx, slots, on_progress)
+        finally:
+            self.loading.discard(name)
+
+    async def place_and_upload(self, path, name, dies, ctx, slots, on_progress) -> dict:
+        if not Path(path).exists():
+            raise AdminError(404, f"model file not found: {path}", "path")
+        try:
+            model = await asyncio.to_thread(open_model, path, name, int(time.time()))
+        except FileNotFoundError as exc:
+            raise AdminError(404, str(exc), "path") from exc
+        except (ModelFileError, ValueError) as exc:
+            raise AdminError(400, str(exc), "path") from exc
+        existing = self.registry.models.get(name)
+        if existing and Path(existing.path).resolve() != Path(model.path).resolve():
+            raise AdminError(409, f"{name!r} already serves {existing.path}; a replica must "
+                                  "be the same model file", "name")
+        # phase 2: place and admit, before any upload
+        try:
+            die, need = self.die_table.choose(model.config, dies, slots or self.placer.slots,
+                                              ctx or self.placer.ctx)
+        except PlacementError as exc:
+            raise AdminError(exc.status, str(exc), "dies") from exc
+        worker = next(w for w in self.pool.live() if w.die == die)
+        replica = self.registry.add(model, die)
+        replica.reserved, replica.want_slots, replica.want_ctx = need, slots, ctx
+        replica.state = ReplicaState.LOADING
+        # phase 3: upload (the placer holds the fleet-wide upload lock); phase 4: publish
+        sent = [None]
+        watcher = asyncio.ensure_future(self.watch(replica, on_progress, sent)) \
+            if on_progress else None
+        try:
+            await self.placer.load(self.registry.models[name], replica, worker)
+        finally:
+            if watcher:
+                watcher.cancel()
+        if on_progress and replica.progress[1] and replica.progress != sent[0]:
+            await on_progress(replica.model_id, *replica.progress)    # the last step
+        if replica.state != ReplicaState.READY:
+            self.registry.remove(self.registry.models.get(name, model), replica)
+            raise AdminError(500, f"loading {name!r} on die {die} failed: {replica.error}")
+        return {"loaded": {"name": name, "die": die, **replica.as_json()}}
+
+    async def watch(self, replica, on_progress, sent: list) -> None:
+        while True:
+            now = self.pool.progress.get(replica.model_id)
+            if now and now != sent[0]:
+                sent[0] = now
+                await on_progress(replica.model_id, *now)
+            await asyncio.sleep(0.1)
+
+    # -- unload ------------------------------------------------------------------------
+    async def unload(self, body: dict) -> dict:
+        name = field(body, "name", str, required=True)
+        die = field(body, "die", (str, int))
+        timeout_s = field(body, "timeout_s", (int, float), 30.0)
+        if timeout_s < 0:
+            raise AdminError(400, "timeout_s must be >= 0", "timeout_s")
+        model = self.registry.models.get(name)
+        if model is None:
+            raise AdminError(404, f"no model named {name!r}", "name")
+        targets = [r for r in model.replicas if die is None or r.die == str(die)]
+        if not targets:
+            raise AdminError(404, f"{name!r} has no replica on die {die}", "die")
+        if any(r.state == ReplicaState.UNLOADING for r in targets):
+            raise AdminError(409, f"{name!r} is already being unloaded")
+        for r in targets:
+            r.state = ReplicaState.UNLOADING          # no new requests from now on
+        if not model.ready():
+            self.admission.fail_waiters(model, f"model {name!r} was unloaded")
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while any(r.inflight for r in targets) and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        aborted = sum(r.inflight for r in targets)
+        for r in targets:
+            if r.worker is not None and r.worker.alive:
+                try:      # the worker aborts what still runs there, then frees it all
+                    await self.pool.unload(r.worker, r.model_id)
+                except (WorkerLost, asyncio.TimeoutError) as exc:
+                    log.warning("unloading %s: %s", r.model_id, exc)
+            self.registry.remove(model, r)
+        log.info("unloaded %s (%d replica(s), %d request(s) aborted)", name, len(targets),
+                 aborted)
+        return {"unloaded": [{"id": r.model_id, "die": r.die} for r in targets],
+                "aborted": aborted}
+
+
+class AdminSocket:
+    """The ZeroMQ admin endpoint: AdminRequest in; AdminProgress…, AdminReply out."""
+
+    def __init__(self, admin: Admin, address: str, token: str | None):
+        self.admin, self.token = admin, token
+        self.sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(address)
+        self.address = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.tasks: set[asyncio.Task] = set()
+
+    async def serve(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart()
+            if len(frames) < 2:
+                continue
+            task = asyncio.ensure_future(self.handle(frames[0], frames[-1]))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    async def handle(self, ident: bytes, data: bytes) -> None:
+        async def send(msg):
+            await self.sock.send_multipart([ident, p.encode(msg)])
+        try:
+            req = p.decode(data)
+            if not isinstance(req, p.AdminRequest):
+                raise p.ProtocolError(f"expected an admin request, got {type(req).__name__}")
+        except p.ProtocolError as exc:
+            await send(p.AdminReply(400, AdminError(400, str(exc)).body()))
+            return
+        if self.token and not hmac.compare_digest(req.token.encode(), self.token.encode()):
+            await send(p.AdminReply(401, AdminError(401, "invalid admin token").body()))
+            return
+
+        async def progress(model_id, done, total):
+            await send(p.AdminProgress(model_id, done, total))
+        status, body = await self.admin.call(req.cmd, req.args, progress)
+        await send(p.AdminReply(status, body))
+
+    def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        self.sock.close(0)

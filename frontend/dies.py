@@ -1,0 +1,108 @@
+"""The die table and placement: which die has room for which replica.
+
+Fed by worker hellos and heartbeats. Each die has a budget (the memory its
+worker may give to models) and reservations: the bytes admitted for the
+replicas placed on it, counted before any upload starts (weights plus KV
+memory for a context guess, as the spec's VRAM admission does).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..common.model_file import ModelConfig
+from .registry import Registry
+from .workers import WorkerPool
+
+ADMIT_CTX_GUESS = 8192     # the spec's MR_ADMIT_CTX_GUESS
+
+
+class PlacementError(Exception):
+    """No die can take the replica (status 507), or the request is malformed (400)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def weight_params(cfg: ModelConfig) -> int:
+    per_layer = (cfg.d_model * (cfg.q_dim + 2 * cfg.kv_dim) + cfg.q_dim * cfg.d_model
+                 + 3 * cfg.d_model * cfg.d_ff + 2 * cfg.d_model)
+    head = 0 if cfg.tied_embeddings else cfg.vocab_size * cfg.d_model
+    return cfg.vocab_size * cfg.d_model + head + cfg.n_layers * per_layer + cfg.d_model
+
+
+def replica_bytes(cfg: ModelConfig, kind: str, slots: int, ctx: int) -> int:
+    """Weights (fp32 on a CPU die, fp16 on a GPU) plus KV for `slots` x the context guess."""
+    itemsize = 4 if kind == "cpu" else 2
+    guess = ctx or min(cfg.context_length, ADMIT_CTX_GUESS)
+    return weight_params(cfg) * itemsize + slots * guess * cfg.kv_bytes_per_token(itemsize)
+
+
+@dataclass
+class DieInfo:
+    die: str
+    kind: str
+    device: str
+    alive: bool
+    budget: int
+    reserved: int
+    mem_total: int
+    mem_free: int
+    models: list[str]
+
+    @property
+    def free_budget(self) -> int:
+        return self.budget - self.reserved
+
+    def as_json(self) -> dict:
+        return {"die": self.die, "kind": self.kind, "device": self.device, "alive": self.alive,
+                "budget_bytes": self.budget, "used_bytes": self.reserved,
+                "free_bytes": self.free_budget, "mem_total_bytes": self.mem_total,
+                "mem_free_bytes": self.mem_free, "models": self.models}
+
+
+class DieTable:
+    def __init__(self, registry: Registry, pool: WorkerPool, slots: int):
+        self.registry, self.pool, self.slots = registry, pool, slots
+
+    def snapshot(self) -> list[DieInfo]:
+        dies: dict[str, DieInfo] = {}
+        for w in self.pool.workers.values():
+            if w.alive or w.die not in dies:
+                beat = w.heartbeat
+                dies[w.die] = DieInfo(w.die, w.hello.kind, w.hello.device_name, w.alive,
+                                      w.hello.budget or w.hello.mem_total, 0,
+                                      beat.mem_total if beat else w.hello.mem_total,
+                                      beat.mem_free if beat else w.hello.mem_free, [])
+        for model, replica in self.registry.replicas():
+            info = dies.get(replica.die)
+            if info is not None:
+                info.reserved += replica.reserved
+                info.models.append(f"{model.name} ({replica.model_id}, {replica.state})")
+        return sorted(dies.values(), key=lambda d: d.die)
+
+    def choose(self, cfg: ModelConfig, pinned: list[str] | None, slots: int,
+               ctx: int) -> tuple[str, int]:
+        """(die, bytes to reserve) for a new replica; PlacementError if none fits."""
+        if pinned is not None and len(pinned) != 1:
+            raise PlacementError(400, "a replica lives on one die: give exactly one die "
+                                 f"(got {pinned}); splitting a replica across dies is not "
+                                 "supported yet")
+        live = [d for d in self.snapshot() if d.alive]
+        if pinned:
+            live = [d for d in live if d.die == str(pinned[0])]
+            if not live:
+                raise PlacementError(507, f"die {pinned[0]!r} has no live worker")
+        if not live:
+            raise PlacementError(507, "no worker is connected")
+        need = {d.die: replica_bytes(cfg, d.kind, slots or self.slots, ctx) for d in live}
+        fits = [d for d in live if need[d.die] <= d.free_budget]
+        if not fits:
+            best = max(live, key=lambda d: d.free_budget)
+            raise PlacementError(507, f"no die has room: the replica needs "
+                                 f"{need[best.die] / 2**20:.0f} MiB (weights + KV for "
+                                 f"{ctx or min(cfg.context_length, ADMIT_CTX_GUESS)} positions x "
+                                 f"{slots or self.slots} slots); the most free is "
+                                 f"{best.free_budget / 2**20:.0f} MiB on die {best.die}")
+        die = max(fits, key=lambda d: d.free_budget)
+        return die.die, need[die.die]

@@ -1,0 +1,197 @@
+"""The fleet: two CPU dies, models loaded and unloaded live, over HTTP, ZeroMQ and the CLI."""
+import json
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+import tiny_models as tm
+from cluster import Server, free_port
+from pantheon.common.default_model import cached_path
+
+pytestmark = pytest.mark.skipif(not cached_path().exists(), reason="default model not fetched")
+SMOL = str(cached_path())
+KEY = "admin-secret"
+NAME = "SmolLM2-135M-Instruct"
+NO_EOS = {"2": -100}
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    tiny = tm.write_gguf("qwen2", tmp_path_factory.mktemp("m") / "tiny.gguf")
+    srv = Server("--spawn-workers", "cpu,cpu", "--slots", "4", "--ctx", "512",
+                 "--max-models", "4", "--admin-key", KEY,
+                 "--admin-addr", f"tcp://127.0.0.1:{free_port()}")
+    srv.admin_addr = srv.args[srv.args.index("--admin-addr") + 1]
+    with srv:
+        srv.tiny = str(tiny)
+        yield srv
+
+
+def admin(srv, cmd, body=None, key=KEY):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if body is None:
+        return httpx.get(f"{srv.url}/admin/{cmd}", headers=headers, timeout=120)
+    return httpx.post(f"{srv.url}/admin/models/{cmd}", json=body, headers=headers, timeout=120)
+
+
+def cli(srv, *args, key=KEY):
+    return subprocess.run([sys.executable, "-m", "pantheon.cli", "admin", "--addr",
+                           srv.admin_addr, "--key", key, *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_die_table_lists_both_dies_with_their_budgets(fleet):
+    dies = admin(fleet, "dies").json()["dies"]
+    assert [d["die"] for d in dies] == ["cpu", "cpu:1"]
+    assert all(d["alive"] and d["kind"] == "cpu" and d["budget_bytes"] > 0 for d in dies)
+    assert sum(len(d["models"]) for d in dies) == 1            # the default model, on one die
+    assert sum(d["used_bytes"] > 0 for d in dies) == 1
+
+
+def test_admin_routes_need_the_admin_key(fleet):
+    assert admin(fleet, "dies", key=None).status_code == 401
+    assert admin(fleet, "dies", key="wrong").status_code == 401
+    assert httpx.get(fleet.url + "/v1/models").status_code == 200   # no API key set
+
+
+def test_load_a_second_model_and_route_by_name(fleet):
+    r = admin(fleet, "load", {"path": fleet.tiny, "name": "tiny"})
+    assert r.status_code == 200, r.text
+    loaded = r.json()["loaded"]
+    assert loaded["state"] == "ready" and loaded["progress"]["done"] == 2
+    # auto-placement took the die with the most free budget: the empty one
+    home = next(d["die"] for d in admin(fleet, "dies").json()["dies"] if "SmolLM2" in
+                " ".join(d["models"]))
+    assert loaded["die"] != home
+    client = fleet.client()
+    assert {m.id for m in client.models.list().data} == {NAME, "tiny"}
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=4)
+    assert r.model == "tiny" and r.usage.completion_tokens == 4
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+
+
+def test_a_replica_under_the_same_name_shares_the_load(fleet):
+    other = next(d["die"] for d in admin(fleet, "dies").json()["dies"]
+                 if not any(NAME in m for m in d["models"]))
+    seen_during_load = {"models": 0, "chat": 0}
+
+    def busy_elsewhere():
+        client = fleet.client()
+        while admin(fleet, "status").json()["loading"] or not seen_during_load["models"]:
+            if httpx.get(fleet.url + "/v1/models").status_code == 200:
+                seen_during_load["models"] += 1
+            r = client.chat.completions.create(model="tiny", max_tokens=2,
+                                               messages=[{"role": "user", "content": "x"}])
+            if r.usage.completion_tokens == 2 and admin(fleet, "status").json()["loading"]:
+                seen_during_load["chat"] += 1
+    t = threading.Thread(target=busy_elsewhere)
+    t.start()
+    r = admin(fleet, "load", {"path": SMOL, "name": NAME, "dies": [other]})
+    t.join(60)
+    assert r.status_code == 200 and r.json()["loaded"]["die"] == other
+    assert seen_during_load["models"] > 0 and seen_during_load["chat"] > 0
+    assert [m.id for m in fleet.client().models.list().data].count(NAME) == 1
+    with ThreadPoolExecutor(6) as pool:
+        list(pool.map(lambda i: fleet.client().chat.completions.create(
+            model=NAME, max_tokens=24, logit_bias=NO_EOS, seed=i,
+            messages=[{"role": "user", "content": f"Count to {i}."}]), range(6)))
+    (smol,) = [m for m in admin(fleet, "models").json()["models"] if m["name"] == NAME]
+    assert len(smol["replicas"]) == 2 and all(r["served"] > 0 for r in smol["replicas"])
+
+
+@pytest.mark.parametrize("body, status", [
+    ({"name": "x"}, 400),                                          # no path
+    ({"path": "/no/such/model.gguf"}, 404),
+    ({"path": SMOL, "name": "big", "ctx": 10_000_000}, 507),       # KV would not fit
+    ({"path": SMOL, "name": "two", "dies": ["cpu", "cpu:1"]}, 400),
+    ({"path": SMOL, "name": "q", "quantize": True}, 400),
+    ({"path": SMOL, "name": NAME, "dies": ["gpu9"]}, 507),         # no such die
+])
+def test_load_errors(fleet, body, status):
+    r = admin(fleet, "load", body)
+    assert r.status_code == status, r.text
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_duplicate_load_in_progress_is_409(fleet):
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(admin, fleet, "load", {"path": fleet.tiny, "name": "tiny2"})
+        time.sleep(0.05)
+        second = admin(fleet, "load", {"path": fleet.tiny, "name": "tiny2"})
+        assert first.result().status_code == 200
+    assert second.status_code == 409
+    assert admin(fleet, "load", {"path": fleet.tiny, "name": "t3"}).status_code == 507  # full
+    assert admin(fleet, "unload", {"name": "tiny2"}).status_code == 200
+
+
+def test_unload_drains_then_frees(fleet):
+    result = {}
+
+    def stream():
+        chunks = list(fleet.client().chat.completions.create(
+            model="tiny", max_tokens=60, stream=True, messages=[{"role": "user", "content": "x"}]))
+        result["finish"] = chunks[-1].choices[0].finish_reason
+    t = threading.Thread(target=stream)
+    t.start()
+    time.sleep(0.3)
+    r = admin(fleet, "unload", {"name": "tiny", "timeout_s": 30})
+    t.join(30)
+    assert r.status_code == 200 and r.json()["aborted"] == 0
+    assert result["finish"] == "length"                      # it ran to its end
+    assert "tiny" not in {m.id for m in fleet.client().models.list().data}
+    assert admin(fleet, "unload", {"name": "tiny"}).status_code == 404
+
+
+def test_unload_deadline_aborts_what_remains(fleet):
+    errors = []
+
+    def stream():
+        try:
+            for _ in fleet.client().chat.completions.create(
+                    model=NAME, max_tokens=400, stream=True, logit_bias=NO_EOS,
+                    extra_body={"session_id": "pinned"},
+                    messages=[{"role": "user", "content": "Tell a long story."}]):
+                pass
+        except openai.APIError as exc:
+            errors.append(str(exc))
+    threads = [threading.Thread(target=stream) for _ in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(1.5)
+    busy = [r for m in admin(fleet, "models").json()["models"] if m["name"] == NAME
+            for r in m["replicas"] if r["in_flight"]]
+    die = busy[0]["die"]                      # unload a replica that is generating
+    r = admin(fleet, "unload", {"name": NAME, "die": die, "timeout_s": 0.5})
+    for t in threads:
+        t.join(60)
+    assert r.status_code == 200 and r.json()["unloaded"] == [{"id": r.json()["unloaded"][0]["id"],
+                                                              "die": die}]
+    aborted = r.json()["aborted"]
+    assert aborted == busy[0]["in_flight"] >= 1
+    assert len(errors) == aborted and "unloaded" in errors[0]
+    # the other replica still serves the name
+    assert fleet.client().chat.completions.create(
+        model=NAME, max_tokens=2, messages=[{"role": "user", "content": "x"}]).usage
+
+
+def test_zeromq_admin_and_cli(fleet):
+    proc = cli(fleet, "status")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["ready"] == [NAME]
+    proc = cli(fleet, "load", fleet.tiny, "--name", "tiny-cli")
+    assert proc.returncode == 0, proc.stderr
+    assert "layers" in proc.stderr and json.loads(proc.stdout)["loaded"]["state"] == "ready"
+    proc = cli(fleet, "load", "/no/such.gguf")
+    assert proc.returncode == 1 and "error (404)" in proc.stderr and "not found" in proc.stderr
+    proc = cli(fleet, "unload", "tiny-cli")
+    assert proc.returncode == 0 and json.loads(proc.stdout)["unloaded"]
+    proc = cli(fleet, "dies", key="wrong")
+    assert proc.returncode == 1 and "error (401)" in proc.stderr

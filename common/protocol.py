@@ -114,6 +114,8 @@ class Tokens:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # per token when asked: [logprob, [[token id, logprob], ... top N]]
+    logprobs: list[list[object]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -171,6 +173,8 @@ class Generate:
     max_tokens: int
     stop_ids: list[int] = field(default_factory=list)
     session_id: str | None = None
+    grammar: str | None = None       # llguidance grammar the output must follow
+    logprobs: int = -1               # -1: none; N >= 0: the chosen token's and the top N
 
 
 @dataclass(slots=True)

@@ -14,6 +14,7 @@ from starlette.routing import Route
 from .admission import Admission
 from .admin import Admin
 from .chat import ChatService, read_body
+from .completions import CompletionService
 from .openai_api import APIError, models_list
 from .registry import Registry
 from .workers import WorkerPool
@@ -88,8 +89,9 @@ def model_status(model, admission: Admission) -> dict:
 
 def build_app(registry: Registry, pool: WorkerPool, admission: Admission, admin: Admin,
               api_key: str | None = None, admin_key: str | None = None,
-              max_body_bytes: int = 8 << 20) -> Guard:
-    chat = ChatService(registry, pool, admission, max_body_bytes)
+              max_body_bytes: int = 8 << 20, context_cap: bool = True) -> Guard:
+    chat = ChatService(registry, pool, admission, max_body_bytes, context_cap)
+    completions = CompletionService(registry, pool, admission, max_body_bytes)
 
     def admin_route(cmd: str):
         async def handle(request: Request):
@@ -146,6 +148,7 @@ def build_app(registry: Registry, pool: WorkerPool, admission: Admission, admin:
     app = Starlette(
         routes=[Route("/", root), Route("/health", health), Route("/v1/models", models),
                 Route("/v1/chat/completions", chat.handle, methods=["POST"]),
+                Route("/v1/completions", completions.handle, methods=["POST"]),
                 Route("/admin/models/load", admin_route("load"), methods=["POST"]),
                 Route("/admin/models/unload", admin_route("unload"), methods=["POST"]),
                 Route("/admin/models", admin_route("models")),

@@ -2,8 +2,8 @@
 
 Everything that can be refused is refused before a worker sees the request
 and before any SSE header is sent, so a rejected stream is a clean HTTP
-error. Once running, a request is a `Generation`: token ids from the worker
-→ incremental detokenizer → emitter (stop strings) → text pieces.
+error: validation, tools, grammar, the chat template, the context (capped by
+dropping the oldest turns when allowed), admission.
 """
 from __future__ import annotations
 
@@ -14,14 +14,16 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..common import protocol as p
 from ..common.chat_template import TemplateError
+from ..common.grammar import grammar_for_response_format, validate_grammar
 from .admission import Admission
-from .emitter import Emitter
-from .openai_api import (APIError, ChatRequest, chat_chunk, chat_response, completion_id,
-                         parse_chat_request, sse, sse_error, to_sampling, usage_chunk)
-from .registry import Registry, Replica, ServedModel
-from .workers import WorkerLost, WorkerPool
+from .emitter import Emitter, joined
+from .generation import Generation, acquire_all, start_all
+from .openai_api import (APIError, ChatRequest, completion_id, parse_chat_request, sse,
+                         sse_error, to_sampling, usage_chunk, usage)
+from .registry import Registry, ServedModel
+from .tools import check_tools, parse_tool_calls, prepare_conversation, tool_call_grammar
+from .workers import WorkerPool
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -40,143 +42,228 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-class Generation:
-    """One request running on one replica, as text pieces."""
-
-    def __init__(self, pool: WorkerPool, admission: Admission, model: ServedModel,
-                 replica: Replica, prompt: list[int], req: ChatRequest, max_tokens: int):
-        self.pool, self.admission, self.model, self.replica = pool, admission, model, replica
-        self.prompt, self.req, self.max_tokens = prompt, req, max_tokens
-        self.request_id = pool.new_request_id()
-        self.detok = model.tokenizer.detokenizer()
-        self.emitter = Emitter(req.stop)
-        self.completion_tokens = self.cached_tokens = 0
-        self.finish_reason: str | None = None
-        self.stream = None
-
-    async def start(self) -> None:
-        msg = p.Generate(self.request_id, self.replica.model_id, self.prompt,
-                         p.Sampling(**to_sampling(self.req)), self.max_tokens,
-                         sorted(self.model.tokenizer.eot_ids), self.req.session_id)
-        try:
-            self.stream = await self.pool.generate(self.replica.worker, msg)
-        except WorkerLost as exc:
-            self.close()
-            raise worker_lost(exc) from exc
-
-    async def pieces(self):
-        """Text to send, piece by piece; sets finish_reason at the end."""
-        eot = self.model.tokenizer.eot_ids
-        while self.finish_reason is None:
-            try:
-                msg = await self.stream.next()
-            except WorkerLost as exc:
-                raise worker_lost(exc) from exc
-            if isinstance(msg, p.Error):
-                status = 400 if msg.code == "bad_request" else 500
-                raise APIError(status, msg.message, type="server_error" if status == 500
-                               else "invalid_request_error", code=msg.code)
-            self.cached_tokens = msg.cached_tokens
-            for token in msg.tokens:
-                self.completion_tokens += 1
-                if token in eot:
-                    continue
-                text = self.emitter.push(self.detok.push(token))
-                if text:
-                    yield text
-                if self.emitter.stopped:      # free the worker's slot at once
-                    self.finish_reason = "stop"
-                    self.pool.abort_soon(self.request_id)
-                    return
-            if msg.finish == "abort":
-                raise APIError(503, "the model was unloaded while this request ran",
-                               type="service_unavailable", code="model_unloaded")
-            if msg.finish:
-                tail = self.emitter.push(self.detok.flush())
-                tail += self.emitter.finish()
-                if tail:
-                    yield tail
-                self.finish_reason = "stop" if self.emitter.stopped else msg.finish
-
-    def close(self) -> None:
-        """Idempotent: abort the worker's side if unfinished, release the replica."""
-        if self.replica is None:
-            return
-        self.admission.release(self.model, self.replica)
-        self.replica = None
-        if self.finish_reason is None:
-            self.pool.abort_soon(self.request_id)
-        else:
-            self.pool.release(self.request_id)
+def request_grammar(response_format, tools, tool_choice) -> str | None:
+    """The grammar the reply must follow, if any; 400 for a bad or clashing one."""
+    forced = tool_call_grammar(tools, tool_choice) if tools else None
+    try:
+        wanted = grammar_for_response_format(response_format) if response_format else None
+    except ValueError as exc:
+        raise APIError(400, f"invalid response_format: {exc}", param="response_format") from None
+    if forced and wanted:
+        raise APIError(400, "response_format cannot be combined with a forced tool_choice",
+                       param="response_format")
+    grammar = forced or wanted
+    if grammar:
+        problem = validate_grammar(grammar)
+        if problem:
+            raise APIError(400, f"invalid response_format: {problem}", param="response_format")
+    return grammar
 
 
-def worker_lost(exc: Exception) -> APIError:
-    return APIError(503, str(exc), type="service_unavailable", code="worker_lost")
+def fit_context(model: ServedModel, messages: list[dict], tools, ctx: int,
+                cap: bool) -> tuple[list[int], str, bool]:
+    """(prompt ids, prompt text, capped). Drops the oldest turns, keeping the system
+    prompt and the last user turn, until the prompt leaves room for a reply."""
+    text = model.render_text(messages, tools)
+    ids = model.tokenizer.encode(text)
+    if len(ids) < ctx:
+        return ids, text, False
+    full = len(ids)
+    keep_last = max(i for i, m in enumerate(messages) if m["role"] == "user") \
+        if any(m["role"] == "user" for m in messages) else len(messages) - 1
+    droppable = [i for i, m in enumerate(messages) if m["role"] != "system" and i != keep_last]
+    if cap:
+        for n in range(1, len(droppable) + 1):
+            kept = [m for i, m in enumerate(messages) if i not in set(droppable[:n])]
+            text = model.render_text(kept, tools)
+            ids = model.tokenizer.encode(text)
+            if len(ids) < ctx:
+                return ids, text, True
+    how = ("even after dropping every earlier turn it is "
+           f"{len(ids)} tokens" if cap and droppable else "context capping is off" if not cap
+           else "there is no earlier turn to drop")
+    raise APIError(400, f"This model's maximum context length is {ctx} tokens, but the "
+                   f"messages came to {full} tokens (plus at least 1 for the reply); {how}. "
+                   "Shorten the conversation.", param="messages",
+                   code="context_length_exceeded")
+
+
+def logprob_entry(tok, token_id: int, logprob: float) -> dict:
+    text = tok.token_str(token_id)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(tok, items) -> dict:
+    return {"content": [logprob_entry(tok, it.token, it.logprob) | {
+        "top_logprobs": [logprob_entry(tok, t, lp) for t, lp in it.top]} for it in items]}
 
 
 class ChatService:
     def __init__(self, registry: Registry, pool: WorkerPool, admission: Admission,
-                 max_body_bytes: int):
+                 max_body_bytes: int, context_cap: bool = True):
         self.registry, self.pool, self.admission = registry, pool, admission
-        self.max_body_bytes = max_body_bytes
+        self.max_body_bytes, self.context_cap = max_body_bytes, context_cap
 
-    async def prepare(self, request: Request) -> tuple[ChatRequest, Generation]:
+    async def prepare(self, request: Request):
         body = await read_body(request, self.max_body_bytes)
         req = parse_chat_request(body, request.headers.get("x-session-id"))
         model = self.registry.resolve(req.model)
+        check_tools(req.tools, req.tool_choice)
+        grammar = request_grammar(req.response_format, req.tools, req.tool_choice)
+        messages, tools = prepare_conversation(req.messages, req.tools, req.tool_choice,
+                                               model.tokenizer.chat_template)
+        ctx = model.context()
         try:
-            prompt = await run_in_threadpool(model.render, req.messages, req.tools)
+            prompt, text, capped = await run_in_threadpool(
+                fit_context, model, messages, tools, ctx, self.context_cap)
         except TemplateError as exc:
             raise APIError(400, f"the chat template refused the conversation: {exc}",
                            param="messages") from exc
-        ctx = model.context()
-        if len(prompt) >= ctx:
-            raise APIError(400, f"This model's maximum context length is {ctx} tokens, "
-                           f"but the messages came to {len(prompt)} tokens (plus at least 1 "
-                           "for the reply). Shorten the conversation.", param="messages",
-                           code="context_length_exceeded")
         room = ctx - len(prompt)
         max_tokens = min(req.max_tokens or room, room)
-        replica = await self.admission.acquire(model, req.session_id)
-        return req, Generation(self.pool, self.admission, model, replica, prompt, req,
-                               max_tokens)
+        session = None if capped else req.session_id       # a capped turn is not cached
+        replicas = await acquire_all(self.admission, model, req.n, session)
+        think = text.rstrip().endswith("<think>")           # the template opened reasoning
+        use_tools = bool(req.tools) and req.tool_choice != "none"
+        gens = []
+        for i, replica in enumerate(replicas):
+            sampling = to_sampling(req)
+            if req.seed is not None:
+                sampling["seed"] = req.seed + i
+            gens.append(Generation(self.pool, self.admission, model, replica, prompt, sampling,
+                                   max_tokens, Emitter(req.stop, think=think, tools=use_tools),
+                                   session if i == 0 else None, grammar,
+                                   req.top_logprobs if req.logprobs else -1))
+        return req, model, gens, capped
 
     async def handle(self, request: Request) -> Response:
-        req, gen = await self.prepare(request)
-        await gen.start()
+        req, model, gens, capped = await self.prepare(request)
+        await start_all(gens)
         rid, created = completion_id(), int(time.time())
         if req.stream:
-            return StreamingResponse(self.sse(gen, rid, created), media_type="text/event-stream",
+            return StreamingResponse(self.sse(req, model, gens, rid, created, capped),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
-            text = await until_disconnect(request, collect(gen))
+            results = await until_disconnect(request, asyncio.gather(
+                *(collect(g) for g in gens)))
         finally:
-            gen.close()
-        if text is None:                       # the client left; nobody reads this
+            for gen in gens:
+                gen.close()
+        if results is None:                     # the client left; nobody reads this
             return Response(status_code=499)
-        return JSONResponse(chat_response(rid, created, gen.model.name, text, gen.finish_reason,
-                                          len(gen.prompt), gen.completion_tokens,
-                                          gen.cached_tokens))
+        choices = [self.choice(i, req, model, gen, events)
+                   for i, (gen, events) in enumerate(zip(gens, results))]
+        body = {"id": rid, "object": "chat.completion", "created": created, "model": model.name,
+                "choices": choices, "usage": totals(gens)}
+        if capped:
+            body["context_capped"] = True
+        return JSONResponse(body)
 
-    async def sse(self, gen: Generation, rid: str, created: int):
-        name = gen.model.name
+    def choice(self, index: int, req: ChatRequest, model: ServedModel, gen: Generation,
+               events) -> dict:
+        parts = joined(events)
+        content, calls = parts["content"], []
+        for block in parts["tools"]:
+            parsed = parse_tool_calls([block], req.tools)
+            if parsed:
+                calls += parsed
+            else:                                # malformed: the raw text, as content
+                content += f"<tool_call>{block}</tool_call>"
+        message = {"role": "assistant", "content": content if content or not calls else None}
+        if parts["reasoning"]:
+            message["reasoning_content"] = message["reasoning"] = parts["reasoning"]
+        if calls:
+            message["tool_calls"] = calls
+        finish = "tool_calls" if calls and gen.finish_reason == "stop" else gen.finish_reason
+        return {"index": index, "message": message, "finish_reason": finish,
+                "logprobs": chat_logprobs(model.tokenizer, gen.logprobs)
+                if req.logprobs else None}
+
+    async def sse(self, req: ChatRequest, model: ServedModel, gens: list[Generation], rid: str,
+                  created: int, capped: bool):
+        def chunk(index, delta, finish=None, logprobs=None):
+            body = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                    "model": model.name, "choices": [{"index": index, "delta": delta,
+                                                      "logprobs": logprobs,
+                                                      "finish_reason": finish}]}
+            if capped:
+                body["context_capped"] = True
+            return sse(body)
+
+        sent_lp = [0] * len(gens)
+        calls = [0] * len(gens)
+
+        def new_logprobs(i):
+            if not req.logprobs:
+                return None
+            items, sent_lp[i] = gens[i].logprobs[sent_lp[i]:], len(gens[i].logprobs)
+            return chat_logprobs(model.tokenizer, items)
         try:
-            yield sse(chat_chunk(rid, created, name, {"role": "assistant", "content": ""}))
-            async for piece in gen.pieces():
-                yield sse(chat_chunk(rid, created, name, {"content": piece}))
-            yield sse(chat_chunk(rid, created, name, {}, gen.finish_reason))
-            if gen.req.include_usage:
-                yield sse(usage_chunk(rid, created, name, len(gen.prompt), gen.completion_tokens,
-                                      gen.cached_tokens))
+            for i in range(len(gens)):
+                yield chunk(i, {"role": "assistant", "content": ""})
+            async for i, event in merged(gens):
+                if event is None:                  # choice i ended
+                    finish = "tool_calls" if calls[i] and gens[i].finish_reason == "stop" \
+                        else gens[i].finish_reason
+                    yield chunk(i, {}, finish, new_logprobs(i))
+                elif event.kind == "reasoning":
+                    yield chunk(i, {"reasoning_content": event.text, "reasoning": event.text},
+                                logprobs=new_logprobs(i))
+                elif event.kind == "tool" and (parsed := parse_tool_calls([event.text],
+                                                                          req.tools)):
+                    deltas = []
+                    for call in parsed:
+                        deltas.append({"index": calls[i], **call})
+                        calls[i] += 1
+                    yield chunk(i, {"tool_calls": deltas}, logprobs=new_logprobs(i))
+                else:
+                    text = event.text if event.kind == "content" else \
+                        f"<tool_call>{event.text}</tool_call>"
+                    yield chunk(i, {"content": text}, logprobs=new_logprobs(i))
+            if req.include_usage:
+                yield sse(usage_chunk(rid, created, model.name, 0, 0) | {"usage": totals(gens)})
         except APIError as exc:
             yield sse_error(exc)
         finally:
-            gen.close()                        # also on disconnect: aborts the worker's slot
+            for gen in gens:
+                gen.close()                    # also on disconnect: aborts the worker's slots
         yield sse("[DONE]")
 
 
-async def collect(gen: Generation) -> str:
-    return "".join([piece async for piece in gen.pieces()])
+def totals(gens: list[Generation]) -> dict:
+    return usage(len(gens[0].prompt), sum(g.completion_tokens for g in gens),
+                 gens[0].cached_tokens)
+
+
+async def collect(gen: Generation) -> list:
+    return [event async for event in gen.events()]
+
+
+async def merged(gens: list[Generation]):
+    """(choice index, event) from every generation as they come; (i, None) when i ends."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, gen):
+        try:
+            async for event in gen.events():
+                await queue.put((i, event))
+            await queue.put((i, None))
+        except Exception as exc:
+            await queue.put((i, exc))
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        for _ in range(len(gens)):
+            while True:
+                i, item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield i, item
+                if item is None:
+                    break
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 async def until_disconnect(request: Request, work):

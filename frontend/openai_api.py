@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP = 16
+MAX_N = 16
 SEED_LIMIT = 2**63 - 1
 
 
@@ -59,6 +60,37 @@ class ChatRequest:
     session_id: str | None = None
     tools: list[dict] | None = None
     tool_choice: object = None
+    n: int = 1
+    logprobs: bool = False
+    top_logprobs: int = 0
+    response_format: dict | None = None
+
+
+@dataclass(slots=True)
+class CompletionRequest:
+    """A /v1/completions body, normalized: one entry of `prompts` per prompt."""
+
+    model: str | None
+    prompts: list                       # each a str or a list of token ids
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    user: str | None = None
+    session_id: str | None = None
+    n: int = 1
+    echo: bool = False
+    logprobs: int | None = None         # None: off; N: the chosen token's and the top N
+    response_format: dict | None = None
 
 
 # name: (integers only, accepts the value, what it must be). Booleans are never numbers.
@@ -73,8 +105,11 @@ _NUMERIC = {
     "max_tokens": (True, lambda v: v >= 1, "an integer >= 1"),
     "max_completion_tokens": (True, lambda v: v >= 1, "an integer >= 1"),
     "seed": (True, lambda v: abs(v) <= SEED_LIMIT, f"an integer with absolute value <= {SEED_LIMIT}"),
-    "n": (True, lambda v: v >= 1, "an integer >= 1"),
+    "n": (True, lambda v: 1 <= v <= MAX_N, f"an integer in [1, {MAX_N}]"),
+    "top_logprobs": (True, lambda v: 0 <= v <= 20, "an integer in [0, 20]"),
 }
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                   "frequency_penalty", "repetition_penalty", "seed")
 _TOKEN_ID = re.compile(r"[0-9]+")
 
 
@@ -201,29 +236,22 @@ def _optional(body: dict, name: str, kind: type, what: str, prefix: str = ""):
     return value
 
 
-def parse_chat_request(body: bytes, session_header: str | None = None) -> ChatRequest:
-    """Validate a /v1/chat/completions body; raises `APIError(400)` naming the bad field."""
+def _json_object(body: bytes) -> dict:
     try:
         data = json.loads(body)
     except (ValueError, RecursionError) as e:   # JSONDecodeError, UnicodeDecodeError
         raise _bad(None, f"request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise _bad(None, "request body must be a JSON object")
+    return data
 
-    messages = data.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise _bad("messages", "messages must be a non-empty list of message objects"
-                   if messages is not None else "messages is required")
-    messages = [_message(m, i) for i, m in enumerate(messages)]
 
-    if (_number(data, "n") or 1) > 1:
-        raise _bad("n", "n > 1 is not supported yet", code="unsupported")
+def _common(data: dict, session_header: str | None) -> dict:
+    """Fields /v1/chat/completions and /v1/completions share, validated."""
     numbers = {name: _number(data, name) for name in _NUMERIC}
-    sampling = {k: v for k, v in numbers.items()
-                if v is not None and k not in ("max_tokens", "max_completion_tokens", "n")}
+    sampling = {k: numbers[k] for k in SAMPLING_FIELDS if numbers[k] is not None}
     if sampling.get("top_k") == -1:
         sampling["top_k"] = 0
-
     stream = _optional(data, "stream", bool, "a boolean") or False
     options = _optional(data, "stream_options", dict, "an object")
     include_usage = False
@@ -232,26 +260,68 @@ def parse_chat_request(body: bytes, session_header: str | None = None) -> ChatRe
             raise _bad("stream_options", "stream_options is only allowed when stream is true")
         include_usage = _optional(options, "include_usage", bool, "a boolean",
                                   "stream_options.") or False
-
     session_id = _optional(data, "session_id", str, "a string")
+    response_format = _optional(data, "response_format", dict, "an object")
+    return dict(model=_optional(data, "model", str, "a string"),
+                logit_bias=_logit_bias(data.get("logit_bias")), stop=_stop(data.get("stop")),
+                stream=stream, include_usage=include_usage, n=numbers["n"] or 1,
+                user=_optional(data, "user", str, "a string"),
+                session_id=session_id if session_id is not None else (session_header or None),
+                response_format=response_format, **sampling), numbers
+
+
+def parse_completion_request(body: bytes, session_header: str | None = None) -> CompletionRequest:
+    """Validate a /v1/completions body; raises `APIError(400)` naming the bad field."""
+    data = _json_object(body)
+    prompt = data.get("prompt")
+    if isinstance(prompt, str) or _token_list(prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(
+            isinstance(p, str) or _token_list(p) for p in prompt):
+        prompts = prompt
+    else:
+        raise _bad("prompt", "prompt is required: a string, a list of token ids, or a list "
+                             "of those" if prompt is None else
+                   "prompt must be a string, a non-empty list of token ids, or a list of those")
+    if any(p == "" or p == [] for p in prompts):
+        raise _bad("prompt", "prompt must not be empty")
+    if data.get("suffix") not in (None, ""):
+        raise _bad("suffix", "suffix (fill-in-the-middle) is not supported", code="unsupported")
+    if data.get("best_of") not in (None, 1):
+        raise _bad("best_of", "best_of is not supported", code="unsupported")
+    fields, numbers = _common(data, session_header)
+    logprobs = data.get("logprobs")
+    if logprobs is not None and (not _is_number(logprobs, True) or not 0 <= logprobs <= 20):
+        raise _bad("logprobs", f"logprobs must be an integer in [0, 20], got {_show(logprobs)}")
+    return CompletionRequest(prompts=prompts, max_tokens=numbers["max_tokens"] or 16,
+                             echo=_optional(data, "echo", bool, "a boolean") or False,
+                             logprobs=logprobs, **fields)
+
+
+def _token_list(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        _is_number(t, True) and t >= 0 for t in value)
+
+
+def parse_chat_request(body: bytes, session_header: str | None = None) -> ChatRequest:
+    """Validate a /v1/chat/completions body; raises `APIError(400)` naming the bad field."""
+    data = _json_object(body)
+    messages = data.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages", "messages must be a non-empty list of message objects"
+                   if messages is not None else "messages is required")
+    messages = [_message(m, i) for i, m in enumerate(messages)]
+    fields, numbers = _common(data, session_header)
+    logprobs = _optional(data, "logprobs", bool, "a boolean") or False
+    if numbers["top_logprobs"] is not None and not logprobs:
+        raise _bad("top_logprobs", "top_logprobs needs logprobs: true")
     max_tokens = numbers["max_completion_tokens"] or numbers["max_tokens"]
-    return ChatRequest(
-        model=_optional(data, "model", str, "a string"),
-        messages=messages,
-        max_tokens=max_tokens,
-        logit_bias=_logit_bias(data.get("logit_bias")),
-        stop=_stop(data.get("stop")),
-        stream=stream,
-        include_usage=include_usage,
-        user=_optional(data, "user", str, "a string"),
-        session_id=session_id if session_id is not None else (session_header or None),
-        tools=_tools(data.get("tools")),
-        tool_choice=data.get("tool_choice"),
-        **sampling,
-    )
+    return ChatRequest(messages=messages, max_tokens=max_tokens,
+                       tools=_tools(data.get("tools")), tool_choice=data.get("tool_choice"),
+                       logprobs=logprobs, top_logprobs=numbers["top_logprobs"] or 0, **fields)
 
 
-def to_sampling(req: ChatRequest) -> dict:
+def to_sampling(req: ChatRequest | CompletionRequest) -> dict:
     """The sampling fields, named as the worker's `SamplingParams` names them."""
     return {"temperature": req.temperature, "top_k": req.top_k, "top_p": req.top_p,
             "min_p": req.min_p, "repetition_penalty": req.repetition_penalty,
@@ -265,7 +335,7 @@ def completion_id() -> str:
     return "chatcmpl-" + uuid.uuid4().hex
 
 
-def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
@@ -281,7 +351,7 @@ def chat_response(id: str, created: int, model: str, content: str | None, finish
     return {"id": id, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": message, "logprobs": None,
                          "finish_reason": finish_reason}],
-            "usage": _usage(prompt_tokens, completion_tokens, cached_tokens)}
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 def chat_chunk(id: str, created: int, model: str, delta: dict, finish_reason=None) -> dict:
@@ -294,7 +364,7 @@ def usage_chunk(id: str, created: int, model: str, prompt_tokens: int, completio
                 cached_tokens: int = 0) -> dict:
     """The last chunk of a stream with `stream_options.include_usage`: no choices, usage."""
     return {"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [], "usage": _usage(prompt_tokens, completion_tokens, cached_tokens)}
+            "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 def sse(data: dict | str) -> bytes:

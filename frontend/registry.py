@@ -73,10 +73,9 @@ class ServedModel:
         """Context positions a request may use: the smallest of the ready replicas'."""
         return min((r.ctx for r in self.ready()), default=0)
 
-    def render(self, messages: list[dict], tools=None) -> list[int]:
-        """Chat template → token ids (CPU work: call off the event loop)."""
-        text = self.template.render(messages, tools=tools, add_generation_prompt=True)
-        return self.tokenizer.encode(text)
+    def render_text(self, messages: list[dict], tools=None) -> str:
+        """The chat template's prompt text (CPU work: call off the event loop)."""
+        return self.template.render(messages, tools=tools, add_generation_prompt=True)
 
 
 def open_model(path: str, name: str | None, created: int) -> ServedModel:

@@ -42,6 +42,7 @@ class ServeConfig:
     admin_addr: str = "tcp://127.0.0.1:5571"
     admin_key: str | None = None
     max_models: int = 16
+    context_cap: bool = True
 
 
 async def serve(cfg: ServeConfig) -> int:
@@ -69,7 +70,7 @@ async def serve(cfg: ServeConfig) -> int:
         await pool.close()
         raise
     app = build_app(registry, pool, admission, admin, cfg.api_key, cfg.admin_key,
-                    cfg.max_body_bytes)
+                    cfg.max_body_bytes, cfg.context_cap)
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, lifespan="off",
                                            log_level="warning", timeout_graceful_shutdown=5))
     pool.start()
@@ -136,5 +137,6 @@ def main(args) -> int:
                       args.ctx, args.api_key, args.max_body_bytes, args.worker_timeout,
                       args.prefill_chunk, args.prefix_cache_mb,
                       args.queue_depth if args.queue_depth is not None else queue_depth(),
-                      args.queue_timeout, args.admin_addr, args.admin_key, args.max_models)
+                      args.queue_timeout, args.admin_addr, args.admin_key, args.max_models,
+                      not args.no_context_cap)
     return asyncio.run(serve(cfg))

@@ -138,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-models", type=int, default=16,
                        help="resident replicas at most (the spec's MR_MAX_MODELS)")
     serve.add_argument("--max-body-bytes", type=int, default=8 << 20)
+    serve.add_argument("--no-context-cap", action="store_true",
+                       help="refuse (400) a conversation longer than the context instead of "
+                            "dropping its oldest turns")
     serve.add_argument("--worker-timeout", type=float, default=5.0,
                        help="seconds of silence before a worker is declared lost")
     serve.set_defaults(func=cmd_serve)

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from pantheon.frontend.openai_api import (
+from pantheon.frontend.openai_api import (parse_completion_request,
     APIError, ChatRequest, chat_chunk, chat_response, completion_id, models_list,
     parse_chat_request, sse, sse_error, to_sampling, usage_chunk,
 )
@@ -83,8 +83,15 @@ BAD = [
     ("logit_bias value range", body(logit_bias={"5": 101}), "logit_bias", "[-100, 100]", 400),
     ("logit_bias value str", body(logit_bias={"5": "1"}), "logit_bias", "[-100, 100]", 400),
     ("logit_bias NaN", raw('"logit_bias": {"5": NaN}'), "logit_bias", "[-100, 100]", 400),
-    ("n two", body(n=2), "n", "n > 1 is not supported yet", 400),
-    ("n zero", body(n=0), "n", "integer >= 1", 400),
+    ("n too many", body(n=17), "n", "integer in [1, 16]", 400),
+    ("n zero", body(n=0), "n", "integer in [1, 16]", 400),
+    ("top_logprobs without logprobs", body(top_logprobs=2), "top_logprobs", "needs logprobs",
+     400),
+    ("top_logprobs too many", body(logprobs=True, top_logprobs=21), "top_logprobs",
+     "[0, 20]", 400),
+    ("logprobs not bool", body(logprobs=3), "logprobs", "boolean", 400),
+    ("response_format not object", body(response_format="json"), "response_format", "object",
+     400),
     ("stop number", body(stop=5), "stop", "stop must be", 400),
     ("stop list of numbers", body(stop=["a", 1]), "stop", "list of non-empty strings", 400),
     ("stop empty string", body(stop=""), "stop", "non-empty", 400),
@@ -116,10 +123,32 @@ def test_bad_requests(case, data, param, words, status):
     assert err.body()["error"]["type"] == "invalid_request_error"
 
 
-def test_unsupported_n_has_code():
+def test_n_logprobs_and_response_format_are_kept():
+    req = parse_chat_request(body(n=3, logprobs=True, top_logprobs=5,
+                                  response_format={"type": "json_object"}))
+    assert (req.n, req.logprobs, req.top_logprobs) == (3, True, 5)
+    assert req.response_format == {"type": "json_object"}
+
+
+@pytest.mark.parametrize("prompt, prompts", [
+    ("hi", ["hi"]), ([1, 2, 3], [[1, 2, 3]]), (["a", "b"], ["a", "b"]),
+    ([[1], [2, 3]], [[1], [2, 3]])])
+def test_completion_prompts(prompt, prompts):
+    req = parse_completion_request(json.dumps({"prompt": prompt, "echo": True,
+                                               "logprobs": 2}).encode())
+    assert req.prompts == prompts and req.echo and req.logprobs == 2 and req.max_tokens == 16
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"prompt": None}, "prompt"), ({"prompt": ""}, "prompt"), ({"prompt": [1, -2]}, "prompt"),
+    ({"prompt": [["x"]]}, "prompt"), ({"prompt": 5}, "prompt"),
+    ({"prompt": "a", "suffix": "b"}, "suffix"), ({"prompt": "a", "logprobs": 21}, "logprobs"),
+    ({"prompt": "a", "echo": "yes"}, "echo"), ({"prompt": "a", "best_of": 3}, "best_of"),
+    ({"prompt": "a", "max_tokens": 0}, "max_tokens")])
+def test_bad_completion_requests(extra, param):
     with pytest.raises(APIError) as info:
-        parse_chat_request(body(n=3))
-    assert info.value.code == "unsupported"
+        parse_completion_request(json.dumps(extra).encode())
+    assert info.value.status == 400 and info.value.param == param
 
 
 def test_minimal_request_defaults():

@@ -26,6 +26,8 @@ SAMPLES = [
     p.Generate("r2", "m-1", list(range(5000)),
                p.Sampling(0.7, 40, 0.9, 0.05, 1.1, 0.5, 0.2, {7: -100.0, 8: 2.5}, 2**62),
                128, stop_ids=[2], session_id="s"),
+    p.Generate("r3", "m-1", [1], p.Sampling(0.0), 8, grammar='{"grammars": []}', logprobs=2),
+    p.Tokens("r3", [5], logprobs=[[-0.5, [[5, -0.5], [7, -1.25]]]]),
     p.Abort("r1"),
     p.Shutdown(),
     p.AdminRequest("load", {"path": "/m.gguf", "dies": ["cpu:1"], "ctx": 512}, "tok"),

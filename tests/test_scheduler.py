@@ -285,3 +285,16 @@ def test_a_prompt_that_fits_one_chunk_goes_whole_beside_decodes():
     model.calls.clear()
     sched.step()
     assert [s.n for s in model.calls[0][1]] == [1, 120]
+
+
+def test_logprobs_are_the_models_own_distribution():
+    from pantheon.worker.scheduler import token_logprobs
+    logits = np.array([1.0, 3.0, 2.0, -1.0], np.float32)
+    lp, top = token_logprobs(logits, 2, 2)
+    ref = logits - np.log(np.exp(logits).sum())
+    assert abs(lp - ref[2]) < 1e-6
+    assert [t[0] for t in top] == [1, 2] and abs(top[0][1] - ref[1]) < 1e-6
+    sched = Scheduler(FakeModel(), 1, ctx=64)
+    sched.add(Request("a", [3], GREEDY, max_tokens=2, logprobs=1))
+    out = sched.step()[0]
+    assert out.tokens == [4] and out.logprobs[0][1][0][0] == 4 and out.logprobs[0][0] < 0

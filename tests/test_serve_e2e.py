@@ -98,7 +98,7 @@ BAD_INPUTS = [
      "temperature"),
     (b'{"messages": [{"role": "user", "content": "hi"}], "top_p": 0}', 400, "top_p"),
     (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}', 400, "max_tokens"),
-    (b'{"messages": [{"role": "user", "content": "hi"}], "n": 2}', 400, "n"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "n": 17}', 400, "n"),
     (b'{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"x": 1}}', 400,
      "logit_bias"),
     (b'{"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}', 400, "stream"),

@@ -42,8 +42,17 @@ class Replica:
 
     model_id: str
     name: str
+    path: str
     engine: Engine
     waiting: deque = field(default_factory=deque)
+    constraints: object = None       # ConstraintFactory, built on the first grammar request
+
+    def constraint(self, grammar: str):
+        if self.constraints is None:  # needs the tokenizer: read it only when asked
+            from ..common.tokenizer import open_tokenizer
+            from .constraint import ConstraintFactory
+            self.constraints = ConstraintFactory(open_tokenizer(self.path))
+        return self.constraints.make(grammar)
 
 
 class Worker:
@@ -153,8 +162,15 @@ class Worker:
         except (TypeError, ValueError) as exc:
             self.send(p.Error(str(exc), code="bad_request", request_id=msg.request_id))
             return
+        try:
+            constraint = replica.constraint(msg.grammar) if msg.grammar else None
+        except (TypeError, ValueError) as exc:
+            self.send(p.Error(f"invalid grammar: {exc}", code="bad_request",
+                              request_id=msg.request_id))
+            return
         replica.waiting.append(Request(msg.request_id, msg.prompt, params, msg.max_tokens,
-                                       frozenset(msg.stop_ids), msg.session_id))
+                                       frozenset(msg.stop_ids), msg.session_id, constraint,
+                                       min(msg.logprobs, 20)))
         self.owner[msg.request_id] = replica
 
     def on_abort(self, msg: p.Abort) -> None:
@@ -223,7 +239,7 @@ class Worker:
             if isinstance(result, Exception):
                 self.send(p.LoadFailed(msg.model_id, f"{type(result).__name__}: {result}"))
                 continue
-            replica = Replica(msg.model_id, msg.name, result)
+            replica = Replica(msg.model_id, msg.name, msg.path, result)
             self.replicas[msg.model_id] = replica
             self.send(self.loaded_message(replica))
 
@@ -257,7 +273,7 @@ class Worker:
             if out.finish:
                 self.owner.pop(out.request_id, None)
             self.send(p.Tokens(out.request_id, out.tokens, out.finish, out.prompt_tokens,
-                               out.completion_tokens, out.cached_tokens))
+                               out.completion_tokens, out.cached_tokens, out.logprobs))
 
 
 def pin_cores(cores: list[int] | None) -> None:

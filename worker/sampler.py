@@ -56,8 +56,9 @@ class SequenceSampler:
     # when the ones above already hold the nucleus (exact, and much cheaper).
     CUTOFF = 1e4
 
-    def __init__(self, params: SamplingParams, prompt: list[int]):
+    def __init__(self, params: SamplingParams, prompt: list[int], constraint=None):
         self.p = params
+        self.constraint = constraint     # grammar: masks disallowed tokens, then follows
         self.recent = list(prompt[-params.repeat_last_n:]) if params.repeat_last_n else []
         self.generated: Counter[int] = Counter()
         self.rng = np.random.default_rng(params.seed)
@@ -90,7 +91,14 @@ class SequenceSampler:
 
     def sample(self, logits: np.ndarray) -> int:
         """The next token for this sequence from its logits row [V]; recorded."""
-        token = self.choose(self.adjust(logits))
+        adjusted = self.adjust(logits)
+        if self.constraint is not None:
+            allowed = self.constraint.mask(adjusted.size)
+            if allowed is not None:
+                adjusted[~allowed] = -np.inf
+        token = self.choose(adjusted)
+        if self.constraint is not None:
+            self.constraint.accept(token)
         self.accept(token)
         return token
 

@@ -56,6 +56,8 @@ class Request:
     max_tokens: int = 256
     stop_ids: frozenset[int] = frozenset()
     session_id: str | None = None
+    constraint: object = None        # a grammar the output must follow (worker/constraint.py)
+    logprobs: int = -1               # -1: none; N: the chosen token's logprob and the top N
 
 
 @dataclass
@@ -68,6 +70,7 @@ class Output:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0           # prompt tokens whose KV was reused, not computed
+    logprobs: list = field(default_factory=list)   # [logprob, [[id, logprob], ...]] per token
 
 
 @dataclass
@@ -168,7 +171,7 @@ class Scheduler:
                                         matches[s.index], -s.last_used))
         reuse = self.warm_start(slot, matches[slot.index], req)
         slot.state, slot.request, slot.last_used = SlotState.PREFILL, req, next(self.uses)
-        slot.sampler = SequenceSampler(req.params, req.prompt)
+        slot.sampler = SequenceSampler(req.params, req.prompt, req.constraint)
         slot.history = list(req.prompt[:reuse])
         slot.feed, slot.generated, slot.reused = list(req.prompt[reuse:]), 0, reuse
         self.by_id[req.id] = slot
@@ -240,19 +243,33 @@ class Scheduler:
         slot.generated += 1
         slot.state = SlotState.DECODE
         finish = None
-        if token in req.stop_ids:
+        if token in req.stop_ids or (req.constraint is not None and req.constraint.finished()):
             finish = "stop"
         elif slot.generated >= req.max_tokens or slot.cached + 1 >= self.ctx:
             finish = "length"
+        logprobs = [token_logprobs(logits, token, req.logprobs)] if req.logprobs >= 0 else []
         if finish is None:
             slot.feed = [token]
-            return self._output(slot, [token], None)
-        out = self._output(slot, [token], finish)
+            return self._output(slot, [token], None, logprobs)
+        out = self._output(slot, [token], finish, logprobs)
         del self.by_id[req.id]
         slot.release()
         return out
 
     @staticmethod
-    def _output(slot: Slot, tokens: list[int], finish: str | None) -> Output:
+    def _output(slot: Slot, tokens: list[int], finish: str | None, logprobs=()) -> Output:
         return Output(slot.request.id, tokens, finish, len(slot.request.prompt), slot.generated,
-                      slot.reused)
+                      slot.reused, list(logprobs))
+
+
+def token_logprobs(logits: np.ndarray, token: int, top: int) -> list:
+    """[logprob of `token`, [[id, logprob] of the `top` likeliest]] under the model's own
+    distribution (before penalties, biases and grammar), as vLLM reports by default."""
+    shifted = logits - logits.max()
+    logz = float(np.log(np.exp(shifted).sum()))
+    out = [float(shifted[token]) - logz, []]
+    if top > 0:
+        ids = np.argpartition(-logits, top - 1)[:top]
+        ids = ids[np.argsort(-logits[ids], kind="stable")]
+        out[1] = [[int(i), float(shifted[i]) - logz] for i in ids]
+    return out

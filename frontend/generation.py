@@ -1,0 +1,126 @@
+"""One sequence running on one replica: token ids from a worker → text events.
+
+Token ids → incremental detokenizer → emitter (reasoning, content, tool-call
+blocks, stop strings) → events. Both OpenAI endpoints (chat and the legacy
+completions) build their answers from these events; `n` > 1 is several
+Generations side by side.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..common import protocol as p
+from .admission import Admission
+from .emitter import Emitter, Event
+from .openai_api import APIError
+from .registry import Replica, ServedModel
+from .workers import WorkerLost, WorkerPool
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: list          # [[token id, logprob], ...]
+
+
+class Generation:
+    def __init__(self, pool: WorkerPool, admission: Admission, model: ServedModel,
+                 replica: Replica, prompt: list[int], sampling: dict, max_tokens: int,
+                 emitter: Emitter, session_id: str | None = None, grammar: str | None = None,
+                 logprobs: int = -1):
+        self.pool, self.admission, self.model, self.replica = pool, admission, model, replica
+        self.prompt, self.max_tokens, self.emitter = prompt, max_tokens, emitter
+        self.request_id = pool.new_request_id()
+        self.msg = p.Generate(self.request_id, replica.model_id, prompt, p.Sampling(**sampling),
+                              max_tokens, sorted(model.tokenizer.eot_ids), session_id,
+                              grammar, logprobs)
+        self.detok = model.tokenizer.detokenizer()
+        self.completion_tokens = self.cached_tokens = 0
+        self.finish_reason: str | None = None
+        self.logprobs: list[TokenLogprob] = []
+        self.stream = None
+
+    async def start(self) -> None:
+        try:
+            self.stream = await self.pool.generate(self.replica.worker, self.msg)
+        except WorkerLost as exc:
+            self.close()
+            raise worker_lost(exc) from exc
+
+    async def events(self):
+        """Events to send, as they settle; sets finish_reason at the end."""
+        eot = self.model.tokenizer.eot_ids
+        while self.finish_reason is None:
+            try:
+                msg = await self.stream.next()
+            except WorkerLost as exc:
+                raise worker_lost(exc) from exc
+            if isinstance(msg, p.Error):
+                status = 400 if msg.code == "bad_request" else 500
+                raise APIError(status, msg.message, type="server_error" if status == 500
+                               else "invalid_request_error", code=msg.code)
+            self.cached_tokens = msg.cached_tokens
+            for i, token in enumerate(msg.tokens):
+                self.completion_tokens += 1
+                if i < len(msg.logprobs):
+                    lp, top = msg.logprobs[i]
+                    self.logprobs.append(TokenLogprob(token, lp, top))
+                if token in eot:
+                    continue
+                for event in self.emitter.push(self.detok.push(token)):
+                    yield event
+                if self.emitter.stopped:      # free the worker's slot at once
+                    self.finish_reason = "stop"
+                    self.pool.abort_soon(self.request_id)
+                    return
+            if msg.finish == "abort":
+                raise APIError(503, "the model was unloaded while this request ran",
+                               type="service_unavailable", code="model_unloaded")
+            if msg.finish:
+                for event in self.emitter.push(self.detok.flush()) + self.emitter.finish():
+                    yield event
+                self.finish_reason = "stop" if self.emitter.stopped else msg.finish
+
+    def close(self) -> None:
+        """Idempotent: abort the worker's side if unfinished, release the replica."""
+        if self.replica is None:
+            return
+        self.admission.release(self.model, self.replica)
+        self.replica = None
+        if self.finish_reason is None:
+            self.pool.abort_soon(self.request_id)
+        else:
+            self.pool.release(self.request_id)
+
+
+def worker_lost(exc: Exception) -> APIError:
+    return APIError(503, str(exc), type="service_unavailable", code="worker_lost")
+
+
+async def start_all(gens: list[Generation]) -> None:
+    """Start every generation, or none: a failure closes the ones already started."""
+    try:
+        for gen in gens:
+            await gen.start()
+    except BaseException:
+        for gen in gens:
+            gen.close()
+        raise
+
+
+async def acquire_all(admission: Admission, model: ServedModel, n: int,
+                      session_id: str | None) -> list[Replica]:
+    """n slots for n parallel sequences; all or nothing."""
+    replicas: list[Replica] = []
+    try:
+        for i in range(n):
+            replicas.append(await admission.acquire(model, session_id if i == 0 else None))
+    except BaseException:
+        for replica in replicas:
+            admission.release(model, replica)
+        raise
+    return replicas
+
+
+__all__ = ["Event", "Generation", "TokenLogprob", "acquire_all", "start_all", "worker_lost"]

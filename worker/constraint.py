@@ -1,0 +1,94 @@
+"""Constrained decoding: an llguidance matcher per request turns its grammar into a mask
+of the tokens that may come next, so the sampled text always fits the grammar.
+
+Per step the scheduler asks `mask()` before sampling (disallowed logits -> -inf), feeds
+the sampled id to `accept()`, and ends the request when `finished()`. The mask for a
+state is computed once (llguidance walks its token trie against the grammar's lexer:
+~0.09 ms mean, 0.2 ms worst for JSON over SmolLM2's 49k vocabulary, against ~30 ms for
+its forward) and cached until the next `accept()`, so `finished()` and `mask()` on the
+same step share it.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+class Constraint:
+    """One request's grammar state during generation."""
+
+    def __init__(self, matcher, n_tokens: int, not_eos: np.ndarray):
+        self._matcher = matcher
+        self._n = n_tokens                    # ids the llguidance tokenizer knows
+        self._not_eos = not_eos               # bool [n_tokens]: False at the EOS ids
+        self._bits = np.full((1, (n_tokens + 31) // 32), -1, dtype=np.int32)
+        self._allowed: np.ndarray | None = None  # bool [n_tokens] for the current state
+
+    def _current(self) -> np.ndarray:
+        if self._allowed is None:
+            from llguidance.numpy import fill_next_token_bitmask
+            fill_next_token_bitmask(self._matcher, self._bits)
+            # bit k of int32 word w is token 32*w + k: little-endian bytes, low bit first
+            raw = self._bits.astype("<i4", copy=False).view(np.uint8)
+            self._allowed = np.unpackbits(raw, bitorder="little")[:self._n].view(bool)
+        return self._allowed
+
+    def mask(self, vocab_size: int) -> np.ndarray | None:
+        """bool [vocab_size]: the tokens allowed next. Ids the tokenizer does not know (a
+        model's padded vocabulary) are never allowed; the array is the caller's to keep."""
+        allowed = self._current()
+        if vocab_size <= self._n:
+            return allowed[:vocab_size].copy()
+        out = np.zeros(vocab_size, dtype=bool)
+        out[:self._n] = allowed
+        return out
+
+    def accept(self, token: int) -> None:
+        """Advance past the sampled token; ValueError if the grammar does not allow it
+        (the matcher then stays in its error state, so the request should end)."""
+        token = int(token)
+        if not 0 <= token < self._n:
+            raise ValueError(f"token {token} is outside the grammar's vocabulary")
+        self._allowed = None
+        if not self._matcher.consume_token(token):
+            raise ValueError(f"token {token} rejected by the grammar: "
+                             f"{self._matcher.get_error() or 'not allowed here'}")
+
+    def finished(self) -> bool:
+        """The grammar is complete and nothing but end-of-sequence may follow: generation
+        must stop here (the EOS need not be sampled). True also once an EOS was accepted."""
+        if self._matcher.is_stopped():
+            return True
+        if not self._matcher.is_accepting():
+            return False
+        return not (self._current() & self._not_eos).any()
+
+    @property
+    def error(self) -> str | None:
+        """Why the matcher failed, if it did."""
+        return (self._matcher.get_error() or "error") if self._matcher.is_error() else None
+
+
+class ConstraintFactory:
+    """One model's llguidance tokenizer (built once: ~0.35 s for a 49k vocabulary) and the
+    matchers made from it, one per constrained request."""
+
+    def __init__(self, tokenizer):
+        from llguidance import LLTokenizer
+        # llguidance reads the same `tokenizers` pipeline we encode with (byte-level BPE and
+        # SentencePiece byte fallback alike), so token bytes agree with our decode().
+        eos = [i for i in (tokenizer.eos_id,) if i is not None]
+        eos += sorted(set(tokenizer.eot_ids) - set(eos))
+        self._tok = LLTokenizer(tokenizer._hf.to_str(), eos_token=eos or None)
+        self.vocab_size = self._tok.vocab_size
+        self.eos_ids = sorted(set(self._tok.eos_tokens))
+        self._not_eos = np.ones(self.vocab_size, dtype=bool)
+        self._not_eos[self.eos_ids] = False
+
+    def make(self, grammar: str) -> Constraint:
+        """A fresh matcher for `grammar`; ValueError when it does not compile (the frontend
+        checks with common.grammar.validate_grammar first, so this is rare)."""
+        from llguidance import LLMatcher
+        matcher = LLMatcher(self._tok, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"invalid grammar: {matcher.get_error()}")
+        return Constraint(matcher, self.vocab_size, self._not_eos)

@@ -75,7 +75,8 @@ class Guard:
 
 def worker_status(worker) -> dict:
     beat = worker.heartbeat
-    return {"die": worker.die, "kind": worker.hello.kind, "device": worker.hello.device_name,
+    return {"die": worker.die, "pid": worker.hello.pid, "kind": worker.hello.kind,
+            "device": worker.hello.device_name,
             "active": beat.active if beat else 0, "waiting": beat.waiting if beat else 0,
             "pressure": worker.pressure, "in_flight": len(worker.requests)}
 

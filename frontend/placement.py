@@ -52,9 +52,14 @@ class Placer:
             self.place_pending()
 
     def lost(self, worker: WorkerInfo) -> None:
-        for _, replica in self.registry.replicas():
+        """Its replicas wait for their die to come back (or are reloaded at once when
+        another worker for that die is already here)."""
+        live = {w.die: w for w in self.pool.live()}
+        for model, replica in self.registry.replicas():
             if replica.worker is worker:
                 replica.state, replica.worker = ReplicaState.PLACED, None
+                if replica.die in live:
+                    self.start_load(model, replica, live[replica.die])
 
     def place_pending(self) -> None:
         """Give every unplaced replica a die: the one with the most free budget that fits."""

@@ -178,8 +178,12 @@ class WorkerPool:
         now = time.monotonic()
         if isinstance(msg, p.Hello):
             old = self.workers.get(ident)
-            if old is not None and old.alive:
-                self.lose(old, "said hello again")
+            if old is not None and old.alive and old.hello.pid == msg.pid:
+                old.hello, old.last_seen = msg, now    # the same process, introducing itself
+                return                                  # again (after queued heartbeats)
+            for other in list(self.workers.values()):   # one worker per die: a newcomer
+                if other.alive and (other is old or other.die == msg.die):   # replaces it
+                    self.lose(other, f"replaced by a new worker (pid {msg.pid})")
             info = WorkerInfo(ident, msg, now)
             self.workers[ident] = info
             log.info("worker joined: die %s (%s, %s), pid %d", msg.die, msg.kind,

@@ -1,0 +1,75 @@
+"""deploy/supervisord.conf, really started: frontend + worker under supervisord."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from cluster import free_port
+from pantheon.common.default_model import cached_path
+
+CONF = Path(__file__).resolve().parents[1] / "deploy" / "supervisord.conf"
+pytestmark = pytest.mark.skipif(not cached_path().exists(), reason="default model not fetched")
+
+
+def healthy(url, timeout=90) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    return False
+
+
+def worker_of(sup: psutil.Process) -> psutil.Process:
+    (worker,) = [p for p in sup.children(recursive=True) if "worker" in p.cmdline()]
+    return worker
+
+
+def test_supervisord_runs_and_restarts_the_cluster(tmp_path):
+    pytest.importorskip("supervisor")
+    port = free_port()
+    env = {**os.environ, "PANTHEON_BIN": str(Path(sys.executable).parent),
+           "PANTHEON_PORT": str(port), "PANTHEON_RUN": str(tmp_path),
+           "PANTHEON_WORKER_ADDR": f"tcp://127.0.0.1:{free_port()}",
+           "PANTHEON_ADMIN_ADDR": f"tcp://127.0.0.1:{free_port()}"}
+    sup = subprocess.Popen([sys.executable, "-m", "supervisor.supervisord", "-c", str(CONF)],
+                           env=env, cwd=tmp_path, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert healthy(url), (tmp_path / "frontend.log").read_text()[-3000:]
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        assert httpx.post(url + "/v1/chat/completions", json=chat, timeout=60).status_code == 200
+        first = worker_of(psutil.Process(sup.pid))
+        first.kill()                                   # supervisord brings it back
+        first.wait(10)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:             # the restarted worker, loaded again
+            try:
+                health = httpx.get(url + "/health", timeout=2)
+                workers = health.json().get("workers", []) if health.status_code == 200 else []
+                if workers and workers[0]["pid"] == worker_of(psutil.Process(sup.pid)).pid \
+                        != first.pid:
+                    break
+            except (ValueError, httpx.HTTPError):
+                pass
+            time.sleep(0.2)
+        r = httpx.post(url + "/v1/chat/completions", json=chat, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    finally:
+        sup.send_signal(signal.SIGTERM)
+        try:
+            sup.wait(30)
+        finally:
+            try:
+                os.killpg(sup.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -53,7 +53,9 @@ def cpu_device() -> Device:
     return Device("cpu", -1, np, "cpu", np.float32)
 
 
-def cuda_device(index: int, fp16: bool = True) -> Device:
+def cuda_device(index: int, fp16: bool | None = None) -> Device:
+    """A CUDA die. Weights are fp16 where the GPU computes in fp16 at speed (compute
+    capability 6.0 and up), else fp32: a Kepler K80 (3.7) has no fast fp16 math."""
     try:
         import cupy
     except ImportError as exc:
@@ -68,10 +70,12 @@ def cuda_device(index: int, fp16: bool = True) -> Device:
     cupy.cuda.Device(index).use()
     props = cupy.cuda.runtime.getDeviceProperties(index)
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    if fp16 is None:
+        fp16 = props["major"] >= 6
     return Device("cuda", index, cupy, name, cupy.float16 if fp16 else cupy.float32)
 
 
-def open_device(die: str, fp16: bool = True) -> Device:
+def open_device(die: str, fp16: bool | None = None) -> Device:
     """`die` is "cpu" or a CUDA ordinal as text ("0", "1", ...)."""
     if die == "cpu":
         return cpu_device()

@@ -73,11 +73,10 @@ def attend(q, k, v, start: int):
     # query head h reads kv head h // group: group the queries by kv head
     qg = q.reshape(n, n_kv, group, hd).transpose(1, 2, 0, 3).reshape(n_kv, group * n, hd)
     s = (qg.astype(k.dtype, copy=False) @ k.transpose(0, 2, 1)).astype(F32, copy=False)
-    if n > 1:  # position start+i sees keys 0..start+i
-        s = s.reshape(n_kv, group, n, length)
-        future = xp.arange(length)[None, :] > (start + xp.arange(n))[:, None]
-        s[:, :, future] = -np.inf
-        s = s.reshape(n_kv, group * n, length)
+    if n > 1:  # position start+i sees keys 0..start+i (an additive mask: same on CuPy)
+        future = xp.arange(length)[None, :] > (start + xp.arange(n))[:, None]     # [n, L]
+        bias = xp.where(future, F32(-np.inf), F32(0.0))
+        s = (s.reshape(n_kv, group, n, length) + bias).reshape(n_kv, group * n, length)
     s -= s.max(axis=-1, keepdims=True)
     p = xp.exp(s)
     p /= p.sum(axis=-1, keepdims=True)

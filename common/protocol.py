@@ -86,7 +86,8 @@ class Loaded:
 
 @dataclass(slots=True)
 class LoadProgress:
-    """A load under way: `done` of `total` layers are on the die."""
+    """A load under way: `done` of `total` layers are on the die (worker → frontend, and
+    frontend → an admin client while its load command runs)."""
 
     model_id: str
     done: int
@@ -197,15 +198,6 @@ class AdminRequest:
 
 
 @dataclass(slots=True)
-class AdminProgress:
-    """Sent while a load runs: `done` of `total` layers uploaded."""
-
-    model_id: str
-    done: int
-    total: int
-
-
-@dataclass(slots=True)
 class AdminReply:
     """The final answer: an HTTP-like status and the same JSON body as the HTTP route."""
 
@@ -218,7 +210,7 @@ MESSAGES: dict[str, type] = {
     "load_progress": LoadProgress,
     "unloaded": Unloaded, "tokens": Tokens, "error": Error, "stopping": Stopping,
     "load": Load, "unload": Unload, "generate": Generate, "abort": Abort, "shutdown": Shutdown,
-    "admin_request": AdminRequest, "admin_progress": AdminProgress, "admin_reply": AdminReply,
+    "admin_request": AdminRequest, "admin_reply": AdminReply,
 }
 KIND_OF = {cls: kind for kind, cls in MESSAGES.items()}
 NESTED = {Sampling}

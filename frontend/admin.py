@@ -216,7 +216,7 @@ class Admin:
 
 
 class AdminSocket:
-    """The ZeroMQ admin endpoint: AdminRequest in; AdminProgress…, AdminReply out."""
+    """The ZeroMQ admin endpoint: AdminRequest in; LoadProgress…, AdminReply out."""
 
     def __init__(self, admin: Admin, address: str, token: str | None):
         self.admin, self.token = admin, token
@@ -250,7 +250,7 @@ class AdminSocket:
             return
 
         async def progress(model_id, done, total):
-            await send(p.AdminProgress(model_id, done, total))
+            await send(p.LoadProgress(model_id, done, total))
         status, body = await self.admin.call(req.cmd, req.args, progress)
         await send(p.AdminReply(status, body))
 

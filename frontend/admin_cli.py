@@ -45,7 +45,7 @@ def call(addr: str, cmd: str, args: dict, key: str | None, timeout: float,
             if not sock.poll(200):
                 continue
             msg = p.decode(sock.recv())
-            if isinstance(msg, p.AdminProgress):
+            if isinstance(msg, p.LoadProgress):
                 if on_progress:
                     on_progress(msg)
                 continue
@@ -56,7 +56,7 @@ def call(addr: str, cmd: str, args: dict, key: str | None, timeout: float,
 
 
 def main(args) -> int:
-    def progress(msg: p.AdminProgress):
+    def progress(msg: p.LoadProgress):
         sys.stderr.write(bar(msg.done, msg.total))
         sys.stderr.flush()
     try:

@@ -37,13 +37,11 @@ def _bad(param: str | None, message: str, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
 
 
-@dataclass(slots=True)
-class ChatRequest:
-    """A validated, normalized chat-completions request."""
+@dataclass(slots=True, kw_only=True)
+class GenerationRequest:
+    """What both endpoints share: sampling, stop strings, streaming, routing."""
 
-    model: str | None
-    messages: list[dict]
-    max_tokens: int | None
+    model: str | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0                       # 0 = off
@@ -58,39 +56,30 @@ class ChatRequest:
     include_usage: bool = False
     user: str | None = None
     session_id: str | None = None
+    n: int = 1
+    response_format: dict | None = None
+
+
+@dataclass(slots=True, kw_only=True)
+class ChatRequest(GenerationRequest):
+    """A validated, normalized chat-completions request."""
+
+    messages: list[dict]
+    max_tokens: int | None = None
     tools: list[dict] | None = None
     tool_choice: object = None
-    n: int = 1
     logprobs: bool = False
     top_logprobs: int = 0
-    response_format: dict | None = None
 
 
-@dataclass(slots=True)
-class CompletionRequest:
+@dataclass(slots=True, kw_only=True)
+class CompletionRequest(GenerationRequest):
     """A /v1/completions body, normalized: one entry of `prompts` per prompt."""
 
-    model: str | None
     prompts: list                       # each a str or a list of token ids
     max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    stop: list[str] = field(default_factory=list)
-    stream: bool = False
-    include_usage: bool = False
-    user: str | None = None
-    session_id: str | None = None
-    n: int = 1
     echo: bool = False
     logprobs: int | None = None         # None: off; N: the chosen token's and the top N
-    response_format: dict | None = None
 
 
 # name: (integers only, accepts the value, what it must be). Booleans are never numbers.
@@ -321,7 +310,7 @@ def parse_chat_request(body: bytes, session_header: str | None = None) -> ChatRe
                        logprobs=logprobs, top_logprobs=numbers["top_logprobs"] or 0, **fields)
 
 
-def to_sampling(req: ChatRequest | CompletionRequest) -> dict:
+def to_sampling(req: GenerationRequest) -> dict:
     """The sampling fields, named as the worker's `SamplingParams` names them."""
     return {"temperature": req.temperature, "top_k": req.top_k, "top_p": req.top_p,
             "min_p": req.min_p, "repetition_penalty": req.repetition_penalty,

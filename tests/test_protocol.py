@@ -32,7 +32,6 @@ SAMPLES = [
     p.Shutdown(),
     p.AdminRequest("load", {"path": "/m.gguf", "dies": ["cpu:1"], "ctx": 512}, "tok"),
     p.AdminRequest("dies"),
-    p.AdminProgress("m#2", 4, 30),
     p.AdminReply(200, {"dies": [{"die": "cpu", "models": []}]}),
 ]
 

@@ -43,7 +43,8 @@ def test_tools_round_trip_with_the_sdk(server):
 def test_named_tool_choice_streams_tool_call_deltas(server):
     chunks = list(server.client().chat.completions.create(
         model="m", messages=[{"role": "user", "content": "Weather in Rome?"}], stream=True,
-        tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+        temperature=0, tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}))
     calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
     assert len(calls) == 1 and calls[0].function.name == "get_weather"
     assert "city" in json.loads(calls[0].function.arguments)

@@ -149,3 +149,24 @@ def test_legacy_completions(server):
     assert " six" not in joined and stream[-1].choices[0].finish_reason in ("stop", "length")
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "a", "suffix": "b"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "suffix"
+
+
+THINK_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
+                  "{% if add_generation_prompt %}<|assistant|><think>\n{% endif %}")
+
+
+def test_a_template_that_opens_think_starts_the_reply_as_reasoning(tmp_path):
+    import tiny_models as tm
+    path = tm.write_gguf("qwen2", tmp_path / "thinker.gguf", chat_template=THINK_TEMPLATE)
+    with Server("--model", str(path), "--name", "thinker", "--slots", "2",
+                "--ctx", "128") as srv:
+        client = srv.client()
+        kw = dict(model="thinker", messages=[{"role": "user", "content": "hi"}],
+                  max_tokens=12, temperature=0, logit_bias={"2": -100})
+        message = client.chat.completions.create(**kw).choices[0].message
+        reasoning = message.model_extra["reasoning_content"]
+        assert reasoning and message.model_extra["reasoning"] == reasoning
+        deltas = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **kw)
+                  if c.choices]
+        streamed = "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas)
+        assert streamed == reasoning and not any(d.content for d in deltas[1:])

@@ -288,7 +288,7 @@ def gguf_tensors(name: str) -> dict[str, np.ndarray]:
 
 
 def write_gguf(name: str, path: str | Path, tensor_type: str = "F32",
-               with_tokenizer: bool = True) -> Path:
+               with_tokenizer: bool = True, chat_template: str | None = None) -> Path:
     """Write `name` as a GGUF the way convert_hf_to_gguf.py would.
 
     tensor_type "F32", or "F16" for 2-D weights (1-D norms, biases and
@@ -327,6 +327,8 @@ def write_gguf(name: str, path: str | Path, tensor_type: str = "F32",
     wr.add_rope_dimension_count(head_dim(cfg))
     if with_tokenizer:
         _add_tiny_tokenizer(wr, cfg["vocab_size"])
+    if chat_template is not None:
+        wr.add_chat_template(chat_template)
 
     for tname, data in gguf_tensors(name).items():
         if tensor_type == "F16" and data.ndim == 2:

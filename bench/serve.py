@@ -21,11 +21,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import time
 
 import httpx
+
+from ..common import settings
 
 TOPICS = ["a lighthouse keeper", "a lost robot", "a desert caravan", "an old violin",
           "a city under ice", "a talking crow", "the last train home", "a garden on Mars",
@@ -205,7 +206,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, help="requests per level (default 2*c, min 4)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompt-words", type=int, default=64, help="approximate prompt size")
-    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    parser.add_argument("--api-key", default=settings.openai_api_key())
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup", type=int, default=1, help="untimed requests first")
     parser.add_argument("--output", help="also write the JSON to this file")

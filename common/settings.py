@@ -50,3 +50,8 @@ def admin_key() -> str | None:
 def admin_addr() -> str:
     """Where `pantheon admin` finds the admin socket (`PANTHEON_ADMIN_ADDR`)."""
     return os.environ.get("PANTHEON_ADMIN_ADDR", "tcp://127.0.0.1:5571")
+
+
+def openai_api_key() -> str | None:
+    """The key `pantheon bench serve` sends by default (`OPENAI_API_KEY`, the SDKs' name)."""
+    return os.environ.get("OPENAI_API_KEY") or None

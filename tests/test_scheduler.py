@@ -152,6 +152,9 @@ class HistoryModel:
         self.kv[slot][:len(state)] = state
         return len(state)
 
+    def copy_prefix(self, src, dst, n):
+        self.kv[dst] = list(self.kv[src][:n])
+
 
 def run(sched, req):
     sched.add(req)
@@ -298,3 +301,36 @@ def test_logprobs_are_the_models_own_distribution():
     sched.add(Request("a", [3], GREEDY, max_tokens=2, logprobs=1))
     out = sched.step()[0]
     assert out.tokens == [4] and out.logprobs[0][1][0][0] == 4 and out.logprobs[0][0] < 0
+
+
+def test_parallel_requests_with_one_prompt_prefill_it_once():
+    """n > 1: the later copies wait for the first one's prefill, then copy its KV."""
+    model = HistoryModel(3)
+    sched = Scheduler(model, 3, ctx=256, prefill_chunk=16, kv=model)
+    prompt = list(range(100, 160))
+    for i in range(3):
+        sched.add(Request(f"r{i}", prompt, SamplingParams(temperature=0), 4))
+    assert [s.state for s in sched.slots].count(SlotState.WAIT) == 2
+    got, cached = {}, {}
+    while sched.active():
+        for out in sched.step():
+            got.setdefault(out.request_id, []).extend(out.tokens)
+            cached[out.request_id] = out.cached_tokens
+    assert model.fed == 60 + 2 * 1 + 3 * 3      # one prefill, two last tokens, 3x3 decodes
+    assert cached == {"r0": 0, "r1": 59, "r2": 59}
+    assert got["r0"] == got["r1"] == got["r2"] == fresh(prompt)
+
+
+def test_a_waiting_copy_computes_its_prompt_when_the_source_is_aborted():
+    model = HistoryModel(2)
+    sched = Scheduler(model, 2, ctx=256, prefill_chunk=16, kv=model)
+    prompt = list(range(200, 250))
+    sched.add(Request("a", prompt, GREEDY, 3))
+    sched.add(Request("b", prompt, GREEDY, 3))
+    sched.step()
+    sched.abort("a")
+    got, out = [], None
+    while sched.active():
+        for out in sched.step():
+            got += out.tokens
+    assert out.request_id == "b" and got == fresh(prompt, 3)

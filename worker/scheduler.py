@@ -43,6 +43,7 @@ from .sampler import SamplingParams, SequenceSampler
 class SlotState(enum.Enum):
     IDLE = "idle"          # free for a new request
     PREFILL = "prefill"    # feeding its prompt, chunk by chunk
+    WAIT = "wait"          # another slot is prefilling the same prompt prefix: copy it then
     DECODE = "decode"      # one token per step until a stop, the budget or the context
 
 
@@ -85,6 +86,8 @@ class Slot:
     reused: int = 0                  # prompt tokens taken from a warm state
     session_id: str | None = None    # of the last request that ran here
     last_used: int = 0
+    fork_from: "Slot | None" = None  # WAIT: the slot whose prefix this one will copy
+    fork_len: int = 0
 
     @property
     def cached(self) -> int:
@@ -94,7 +97,7 @@ class Slot:
         """Back to IDLE; the KV and its history stay for a later request to reuse."""
         self.session_id = self.request.session_id if self.request else None
         self.state, self.request, self.sampler = SlotState.IDLE, None, None
-        self.feed, self.generated = [], 0
+        self.feed, self.generated, self.fork_from = [], 0, None
 
 
 class PrefillPacer:
@@ -175,6 +178,38 @@ class Scheduler:
         slot.history = list(req.prompt[:reuse])
         slot.feed, slot.generated, slot.reused = list(req.prompt[reuse:]), 0, reuse
         self.by_id[req.id] = slot
+        source, shared = self.fork_source(slot, prompt)
+        if source is not None and shared > reuse:   # n > 1, retries: prefill once, copy
+            slot.state, slot.fork_from, slot.fork_len = SlotState.WAIT, source, shared
+
+    FORK_MIN = 16      # shared prompt tokens worth waiting for instead of computing
+
+    def fork_source(self, slot: Slot, prompt: np.ndarray) -> tuple[Slot | None, int]:
+        """A slot now prefilling a prompt that shares a long prefix with `prompt`."""
+        if self.kv is None or not hasattr(self.kv, "copy_prefix"):
+            return None, 0
+        best, best_len = None, self.FORK_MIN - 1
+        for other in self.slots:
+            if other is not slot and other.state is SlotState.PREFILL:
+                shared = min(common_prefix(np.asarray(other.request.prompt, dtype=np.int64),
+                                           prompt), len(prompt) - 1)
+                if shared > best_len:
+                    best, best_len = other, shared
+        return best, best_len
+
+    def resolve_forks(self) -> None:
+        """WAIT slots whose source now holds the shared prefix copy it and go on;
+        those whose source went away (aborted, reused) compute it themselves."""
+        for slot in self.slots:
+            if slot.state is not SlotState.WAIT:
+                continue
+            src, k, prompt = slot.fork_from, slot.fork_len, slot.request.prompt
+            if src.cached >= k and src.history[:k] == prompt[:k]:
+                self.kv.copy_prefix(src.index, slot.index, k)
+                slot.history, slot.feed, slot.reused = list(prompt[:k]), list(prompt[k:]), k
+            elif src.state is SlotState.PREFILL and src.request.prompt[:k] == prompt[:k]:
+                continue                          # still on its way there
+            slot.state, slot.fork_from = SlotState.PREFILL, None
 
     def warm_start(self, slot: Slot, match: int, req: Request) -> int:
         """Prompt tokens `slot` can skip, saving or restoring cached state as needed.
@@ -204,6 +239,7 @@ class Scheduler:
     # -- one step ----------------------------------------------------------------
     def plan(self) -> list[tuple[Slot, int]]:
         """(slot, tokens to feed) for this step: every decode, then prefill chunks."""
+        self.resolve_forks()
         plan = [(s, 1) for s in self.slots if s.state is SlotState.DECODE]
         # a prompt that fits one chunk goes whole (one stall); a longer one is paced
         long_prompt = any(s.state is SlotState.PREFILL and len(s.feed) > self.prefill_chunk

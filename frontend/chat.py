@@ -19,8 +19,9 @@ from ..common.grammar import grammar_for_response_format, validate_grammar
 from .admission import Admission
 from .emitter import Emitter, joined
 from .generation import Generation, acquire_all, start_all
-from .openai_api import (APIError, ChatRequest, completion_id, parse_chat_request, sse,
-                         sse_error, to_sampling, usage_chunk, usage)
+from .openai_api import (APIError, ChatRequest, chat_choice, chat_chunk, chat_response,
+                         completion_id, parse_chat_request, sse, sse_error, to_sampling, usage,
+                         usage_chunk)
 from .registry import Registry, ServedModel
 from .tools import check_tools, parse_tool_calls, prepare_conversation, tool_call_grammar
 from .workers import WorkerPool
@@ -154,8 +155,7 @@ class ChatService:
             return Response(status_code=499)
         choices = [self.choice(i, req, model, gen, events)
                    for i, (gen, events) in enumerate(zip(gens, results))]
-        body = {"id": rid, "object": "chat.completion", "created": created, "model": model.name,
-                "choices": choices, "usage": totals(gens)}
+        body = chat_response(rid, created, model.name, choices, totals(gens))
         if capped:
             body["context_capped"] = True
         return JSONResponse(body)
@@ -170,23 +170,15 @@ class ChatService:
                 calls += parsed
             else:                                # malformed: the raw text, as content
                 content += f"<tool_call>{block}</tool_call>"
-        message = {"role": "assistant", "content": content if content or not calls else None}
-        if parts["reasoning"]:
-            message["reasoning_content"] = message["reasoning"] = parts["reasoning"]
-        if calls:
-            message["tool_calls"] = calls
         finish = "tool_calls" if calls and gen.finish_reason == "stop" else gen.finish_reason
-        return {"index": index, "message": message, "finish_reason": finish,
-                "logprobs": chat_logprobs(model.tokenizer, gen.logprobs)
-                if req.logprobs else None}
+        return chat_choice(index, content if content or not calls else None, finish,
+                           parts["reasoning"], calls,
+                           chat_logprobs(model.tokenizer, gen.logprobs) if req.logprobs else None)
 
     async def sse(self, req: ChatRequest, model: ServedModel, gens: list[Generation], rid: str,
                   created: int, capped: bool):
         def chunk(index, delta, finish=None, logprobs=None):
-            body = {"id": rid, "object": "chat.completion.chunk", "created": created,
-                    "model": model.name, "choices": [{"index": index, "delta": delta,
-                                                      "logprobs": logprobs,
-                                                      "finish_reason": finish}]}
+            body = chat_chunk(rid, created, model.name, delta, finish, index, logprobs)
             if capped:
                 body["context_capped"] = True
             return sse(body)
@@ -222,7 +214,7 @@ class ChatService:
                         f"<tool_call>{event.text}</tool_call>"
                     yield chunk(i, {"content": text}, logprobs=new_logprobs(i))
             if req.include_usage:
-                yield sse(usage_chunk(rid, created, model.name, 0, 0) | {"usage": totals(gens)})
+                yield sse(usage_chunk(rid, created, model.name, *counts(gens)))
         except APIError as exc:
             yield sse_error(exc)
         finally:
@@ -231,9 +223,13 @@ class ChatService:
         yield sse("[DONE]")
 
 
+def counts(gens: list[Generation]) -> tuple[int, int, int]:
+    """(prompt, completion, cached) tokens of a request's choices together."""
+    return len(gens[0].prompt), sum(g.completion_tokens for g in gens), gens[0].cached_tokens
+
+
 def totals(gens: list[Generation]) -> dict:
-    return usage(len(gens[0].prompt), sum(g.completion_tokens for g in gens),
-                 gens[0].cached_tokens)
+    return usage(*counts(gens))
 
 
 async def collect(gen: Generation) -> list:

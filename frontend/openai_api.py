@@ -330,22 +330,29 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def chat_response(id: str, created: int, model: str, content: str | None, finish_reason,
-                  prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
-                  reasoning: str | None = None) -> dict:
-    """A whole (non-streamed) chat.completion; `reasoning` goes in `reasoning_content`."""
+def chat_choice(index: int, content: str | None, finish_reason, reasoning: str = "",
+                tool_calls: list | None = None, logprobs: dict | None = None) -> dict:
+    """One choice of a whole chat.completion. Reasoning goes in `reasoning_content` and,
+    for clients of vLLM's newer name, `reasoning`."""
     message = {"role": "assistant", "content": content}
-    if reasoning is not None:
-        message["reasoning_content"] = reasoning
+    if reasoning:
+        message["reasoning_content"] = message["reasoning"] = reasoning
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs,
+            "finish_reason": finish_reason}
+
+
+def chat_response(id: str, created: int, model: str, choices: list[dict], usage: dict) -> dict:
+    """A whole (non-streamed) chat.completion."""
     return {"id": id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": message, "logprobs": None,
-                         "finish_reason": finish_reason}],
-            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
+            "choices": choices, "usage": usage}
 
 
-def chat_chunk(id: str, created: int, model: str, delta: dict, finish_reason=None) -> dict:
+def chat_chunk(id: str, created: int, model: str, delta: dict, finish_reason=None,
+               index: int = 0, logprobs: dict | None = None) -> dict:
     return {"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None,
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                          "finish_reason": finish_reason}]}
 
 

@@ -2,9 +2,10 @@ import json
 
 import pytest
 
-from pantheon.frontend.openai_api import (parse_completion_request,
-    APIError, ChatRequest, chat_chunk, chat_response, completion_id, models_list,
-    parse_chat_request, sse, sse_error, to_sampling, usage_chunk,
+from pantheon.frontend.openai_api import (
+    APIError, ChatRequest, chat_choice, chat_chunk, chat_response, completion_id, models_list,
+    parse_chat_request, parse_completion_request, sse, sse_error, to_sampling, usage,
+    usage_chunk,
 )
 
 USER = [{"role": "user", "content": "hi"}]
@@ -240,16 +241,18 @@ def test_completion_id_unique():
 
 
 def test_chat_response_shape():
-    r = chat_response("chatcmpl-1", 100, "smol", "hello", "stop", 7, 3, cached_tokens=4)
+    r = chat_response("chatcmpl-1", 100, "smol", [chat_choice(0, "hello", "stop")],
+                      usage(7, 3, 4))
     assert r == {
         "id": "chatcmpl-1", "object": "chat.completion", "created": 100, "model": "smol",
         "choices": [{"index": 0, "message": {"role": "assistant", "content": "hello"},
                      "logprobs": None, "finish_reason": "stop"}],
         "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10,
                   "prompt_tokens_details": {"cached_tokens": 4}}}
-    with_reasoning = chat_response("i", 1, "m", None, "length", 1, 1, reasoning="hmm")
+    with_reasoning = chat_response("i", 1, "m", [chat_choice(0, None, "length", "hmm")],
+                                   usage(1, 1, 0))
     assert with_reasoning["choices"][0]["message"] == {
-        "role": "assistant", "content": None, "reasoning_content": "hmm"}
+        "role": "assistant", "content": None, "reasoning_content": "hmm", "reasoning": "hmm"}
     assert with_reasoning["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
 
 
@@ -259,6 +262,7 @@ def test_chunk_shapes():
                  "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None}]}
     assert chat_chunk("i", 5, "m", {}, "stop")["choices"][0]["finish_reason"] == "stop"
+    assert chat_chunk("i", 5, "m", {}, index=2)["choices"][0]["index"] == 2
     u = usage_chunk("i", 5, "m", 10, 2, cached_tokens=8)
     assert u["object"] == "chat.completion.chunk" and u["choices"] == []
     assert u["usage"] == {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12,

@@ -132,8 +132,3 @@ class SequenceSampler:
         cum = np.cumsum(probs[order])
         keep = order[:int(np.searchsorted(cum, self.p.top_p)) + 1]
         return (keep if ids is None else ids[keep]), probs[keep]
-
-
-def sample_batch(samplers: list[SequenceSampler], logits: np.ndarray) -> list[int]:
-    """One token per row of logits [B, V], row i sampled by samplers[i]."""
-    return [s.sample(row) for s, row in zip(samplers, logits)]

@@ -43,6 +43,18 @@ def pressure_level(free: int, total: int) -> int:
 # -- worker → frontend ------------------------------------------------------------
 
 @dataclass(slots=True)
+class Resident:
+    """A replica a worker holds, as its hello lists it."""
+
+    model_id: str
+    path: str
+    slots: int
+    ctx: int
+    weight_bytes: int = 0
+    kv_bytes: int = 0
+
+
+@dataclass(slots=True)
 class Hello:
     """A worker announces itself (on connect, and again after a restart)."""
 
@@ -55,11 +67,16 @@ class Hello:
     pid: int = 0
     models: list[str] = field(default_factory=list)   # replica ids already resident
     budget: int = 0          # bytes models may use on this die (0: mem_total)
+    # what it holds, so that a rejoining worker is reconciled instead of reloaded
+    replicas: list[Resident] = field(default_factory=list)
+    running: list[str] = field(default_factory=list)  # request ids it is still generating
 
 
 @dataclass(slots=True)
 class Heartbeat:
-    """Liveness and load, sent about once a second even while busy."""
+    """Liveness and load, sent every HEARTBEAT_S by a thread of its own (and from a
+    socket of its own, whose identity is the worker's plus HEARTBEAT_SUFFIX), so a step
+    of any length does not silence it."""
 
     die: str
     active: int              # sequences running on this die, all models
@@ -68,6 +85,12 @@ class Heartbeat:
     mem_free: int
     host_mem_free: int
     pressure: int            # 0 ok, 1 elevated, 2 high, 3 critical
+    pid: int = 0
+    step_s: float = 0.0      # age of the step (or other loop work) in progress; 0: idle
+
+
+HEARTBEAT_S = 0.5
+HEARTBEAT_SUFFIX = b"~hb"    # identity of a worker's heartbeat socket: its own + this
 
 
 @dataclass(slots=True)
@@ -188,6 +211,11 @@ class Shutdown:
     pass
 
 
+@dataclass(slots=True)
+class Ping:
+    """A probe of the link (a dropped connection fails to take it); no answer."""
+
+
 # -- ops script → frontend admin socket, and back ----------------------------------
 
 @dataclass(slots=True)
@@ -210,10 +238,11 @@ MESSAGES: dict[str, type] = {
     "load_progress": LoadProgress,
     "unloaded": Unloaded, "tokens": Tokens, "error": Error, "stopping": Stopping,
     "load": Load, "unload": Unload, "generate": Generate, "abort": Abort, "shutdown": Shutdown,
+    "ping": Ping,
     "admin_request": AdminRequest, "admin_reply": AdminReply,
 }
 KIND_OF = {cls: kind for kind, cls in MESSAGES.items()}
-NESTED = {Sampling}
+NESTED = {Sampling, Resident}
 
 
 def encode(msg) -> bytes:
@@ -222,9 +251,17 @@ def encode(msg) -> bytes:
         raise TypeError(f"{type(msg).__name__} is not a protocol message")
     body = {"v": PROTOCOL, "k": kind}
     for f in dataclasses.fields(msg):
-        value = getattr(msg, f.name)
-        body[f.name] = dataclasses.asdict(value) if type(value) in NESTED else value
+        body[f.name] = plain(getattr(msg, f.name))
     return msgpack.packb(body, use_bin_type=True)
+
+
+def plain(value):
+    """A field's value as msgpack takes it: nested messages become maps."""
+    if type(value) in NESTED:
+        return dataclasses.asdict(value)
+    if type(value) is list and value and type(value[0]) in NESTED:
+        return [dataclasses.asdict(v) for v in value]
+    return value
 
 
 def decode(data: bytes):

@@ -55,3 +55,19 @@ def admin_addr() -> str:
 def openai_api_key() -> str | None:
     """The key `pantheon bench serve` sends by default (`OPENAI_API_KEY`, the SDKs' name)."""
     return os.environ.get("OPENAI_API_KEY") or None
+
+
+def test_stall(die: str) -> tuple[int, float] | None:
+    """A test hook (`PANTHEON_TEST_STALL=STEP:SECONDS[@DIE]`): a worker (only DIE's, when
+    given) sleeps SECONDS inside its STEP-th scheduler step, once, as a long step on a
+    contended host would take."""
+    raw = os.environ.get("PANTHEON_TEST_STALL")
+    if not raw:
+        return None
+    spec, _, only = raw.partition("@")
+    try:
+        step, seconds = spec.split(":")
+        stall = int(step), float(seconds)
+    except ValueError:
+        raise ValueError(f"PANTHEON_TEST_STALL must be STEP:SECONDS[@DIE], not {raw!r}") from None
+    return stall if not only or only == die else None

@@ -44,8 +44,11 @@ class Admission:
 
     def free_replica(self, model: ServedModel, session: str | None = None) -> Replica | None:
         """A ready replica with a free slot: the session's own (its warm prefix lives
-        there) unless that one is saturated, else the one with the fewest in flight."""
-        free = [r for r in model.ready() if r.inflight < max(r.slots, 1)]
+        there) unless that one is saturated, else the one with the fewest in flight.
+        Replicas on a slow worker are left out while another replica can serve."""
+        ready = model.ready()
+        fast = [r for r in ready if r.worker is None or not r.worker.slow]
+        free = [r for r in (fast or ready) if r.inflight < max(r.slots, 1)]
         home = self.affinity.get(session) if session else None
         for r in free:
             if r.model_id == home:

@@ -73,14 +73,6 @@ class Guard:
         await send({"type": "http.response.body", "body": data})
 
 
-def worker_status(worker) -> dict:
-    beat = worker.heartbeat
-    return {"die": worker.die, "pid": worker.hello.pid, "kind": worker.hello.kind,
-            "device": worker.hello.device_name,
-            "active": beat.active if beat else 0, "waiting": beat.waiting if beat else 0,
-            "pressure": worker.pressure, "in_flight": len(worker.requests)}
-
-
 def model_status(model, admission: Admission) -> dict:
     return {"name": model.name, "queued": admission.queued(model),
             "replicas": [{"id": r.model_id, "die": r.die, "state": r.state,
@@ -119,7 +111,7 @@ def build_app(registry: Registry, pool: WorkerPool, admission: Admission, admin:
                            code="model_not_ready")
             return JSONResponse(err.body(), status_code=503)
         return JSONResponse({"status": "ok", "models": [m.name for m in ready],
-                             "workers": [worker_status(w) for w in pool.live()],
+                             "workers": [w.status() for w in pool.latest()],
                              "replicas": [model_status(m, admission)
                                           for m in registry.models.values()]})
 

@@ -49,6 +49,7 @@ class DieInfo:
     mem_total: int
     mem_free: int
     models: list[str]
+    worker: dict             # its worker's state: ready / slow / lost, heartbeat and step age
 
     @property
     def free_budget(self) -> int:
@@ -58,7 +59,9 @@ class DieInfo:
         return {"die": self.die, "kind": self.kind, "device": self.device, "alive": self.alive,
                 "budget_bytes": self.budget, "used_bytes": self.reserved,
                 "free_bytes": self.free_budget, "mem_total_bytes": self.mem_total,
-                "mem_free_bytes": self.mem_free, "models": self.models}
+                "mem_free_bytes": self.mem_free, "models": self.models,
+                "state": self.worker["state"], "heartbeat_age_s": self.worker["heartbeat_age_s"],
+                "step_s": self.worker["step_s"], "pid": self.worker["pid"]}
 
 
 class DieTable:
@@ -67,13 +70,12 @@ class DieTable:
 
     def snapshot(self) -> list[DieInfo]:
         dies: dict[str, DieInfo] = {}
-        for w in self.pool.workers.values():
-            if w.alive or w.die not in dies:
-                beat = w.heartbeat
-                dies[w.die] = DieInfo(w.die, w.hello.kind, w.hello.device_name, w.alive,
-                                      w.hello.budget or w.hello.mem_total, 0,
-                                      beat.mem_total if beat else w.hello.mem_total,
-                                      beat.mem_free if beat else w.hello.mem_free, [])
+        for w in self.pool.latest():
+            beat = w.heartbeat
+            dies[w.die] = DieInfo(w.die, w.hello.kind, w.hello.device_name, w.alive,
+                                  w.hello.budget or w.hello.mem_total, 0,
+                                  beat.mem_total if beat else w.hello.mem_total,
+                                  beat.mem_free if beat else w.hello.mem_free, [], w.status())
         for model, replica in self.registry.replicas():
             info = dies.get(replica.die)
             if info is not None:

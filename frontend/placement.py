@@ -3,7 +3,9 @@
 The registry holds the desired placement (replica → die). This module acts
 on it: when a worker for a die joins (first start, restart, reconnect) the
 replicas meant for that die are loaded there; when it is lost, they wait
-for it to come back. At most one weight upload runs at a time across the
+for it to come back. A worker that rejoins still holding a replica (it was
+only cut off) keeps it: its hello lists what it holds, and what matches the
+registry is adopted as is; what does not, it is told to unload. At most one weight upload runs at a time across the
 whole fleet, startup loads included (the spec's upload_lock), so two large
 transients never stack on one host.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 
 from ..common import protocol as p
 from .dies import DieTable, PlacementError
@@ -35,14 +38,42 @@ class Placer:
         pool.on_lost.append(self.lost)
 
     def joined(self, worker: WorkerInfo) -> None:
-        for model_id in worker.hello.models:     # state we did not ask for: start clean
-            self.spawn(self.pool.send(worker, p.Unload(model_id)))
+        held = {r.model_id: r for r in worker.hello.replicas}
+        for model_id in worker.hello.models:
+            if not self.adopt(worker, held.get(model_id)):   # not ours: start clean
+                log.warning("worker for die %s holds %s, which is not placed there; "
+                            "telling it to unload it", worker.die, model_id)
+                self.spawn(self.pool.send(worker, p.Unload(model_id)))
         self.expected.discard(worker.die)
         self.place_pending()
         for model, replica in self.registry.replicas():
             if replica.die == worker.die and replica.state in (ReplicaState.PLACED,
                                                                ReplicaState.FAILED):
                 self.start_load(model, replica, worker)
+
+    def adopt(self, worker: WorkerInfo, held: p.Resident | None) -> bool:
+        """Take a replica the worker already holds as ready, if it is the one the registry
+        places on its die (same replica id, same model file): no reload."""
+        if held is None:
+            return False
+        for model, replica in self.registry.replicas():
+            if replica.model_id != held.model_id:
+                continue
+            if (replica.die not in (None, worker.die)
+                    or replica.state not in (ReplicaState.PLACED, ReplicaState.FAILED)
+                    or not same_file(model.path, held.path)
+                    or replica.want_slots not in (0, held.slots)
+                    or replica.want_ctx not in (0, held.ctx)):
+                return False
+            if replica.die is None:
+                replica.reserved = held.weight_bytes + held.kv_bytes
+            replica.die, replica.worker, replica.state = worker.die, worker, ReplicaState.READY
+            replica.slots, replica.ctx, replica.error = held.slots, held.ctx, ""
+            log.info("%s is still resident on die %s: kept, not reloaded", held.model_id,
+                     worker.die)
+            self.pool.changed()
+            return True
+        return False
 
     def stop_waiting(self) -> None:
         if self.expected:
@@ -103,6 +134,7 @@ class Placer:
         finally:
             replica.progress = self.pool.progress.pop(replica.model_id, replica.progress)
         replica.state, replica.worker = ReplicaState.READY, worker
+        replica.loads += 1
         replica.slots, replica.ctx, replica.error = loaded.slots, loaded.ctx, ""
         self.pool.changed()                       # queued requests may start now
         log.info("%s ready on die %s: %d slots x %d ctx, loaded in %.1f s", model.name,
@@ -117,3 +149,10 @@ class Placer:
         """Every replica is ready or has failed (startup is over)."""
         return all(r.state in (ReplicaState.READY, ReplicaState.FAILED)
                    for _, r in self.registry.replicas())
+
+
+def same_file(a: str, b: str) -> bool:
+    try:
+        return Path(a).resolve() == Path(b).resolve()
+    except OSError:
+        return False

@@ -47,10 +47,12 @@ class Replica:
     reserved: int = 0              # bytes admitted on its die
     progress: tuple[int, int] = (0, 0)
     served: int = 0                # requests routed here, for the record
+    loads: int = 0                 # uploads that completed (a kept replica adds none)
 
     def as_json(self) -> dict:
         return {"id": self.model_id, "die": self.die, "state": self.state,
-                "in_flight": self.inflight, "served": self.served, "slots": self.slots,
+                "in_flight": self.inflight, "served": self.served, "loads": self.loads,
+                "slots": self.slots,
                 "ctx": self.ctx, "reserved_bytes": self.reserved,
                 "progress": {"done": self.progress[0], "total": self.progress[1]},
                 "error": self.error or None}

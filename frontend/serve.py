@@ -34,7 +34,7 @@ class ServeConfig:
     ctx: int = 0
     api_key: str | None = None
     max_body_bytes: int = 8 << 20
-    worker_timeout_s: float = 5.0
+    worker_timeout_s: float = 5.0        # silence (or a step) this long: the worker is slow
     prefill_chunk: int = 128
     prefix_cache_mb: float = 512
     queue_depth: int = 32
@@ -43,6 +43,7 @@ class ServeConfig:
     admin_key: str | None = None
     max_models: int = 16
     context_cap: bool = True
+    worker_lost_after_s: float = 60.0    # silence this long: an external worker is lost
 
 
 async def serve(cfg: ServeConfig) -> int:
@@ -52,8 +53,8 @@ async def serve(cfg: ServeConfig) -> int:
         model = await asyncio.to_thread(open_model, path, name, created)
         registry.add(model, die=None)
     # bind every socket before anything starts, so a taken address fails fast and clean
-    pool = bind("worker", cfg.worker_addr, lambda: WorkerPool(cfg.worker_addr,
-                                                               cfg.worker_timeout_s))
+    pool = bind("worker", cfg.worker_addr, lambda: WorkerPool(
+        cfg.worker_addr, cfg.worker_timeout_s, cfg.worker_lost_after_s))
     addr = pool.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
     dies = die_names(cfg.spawn)
     die_table = DieTable(registry, pool, cfg.slots)
@@ -138,5 +139,7 @@ def main(args) -> int:
                       args.prefill_chunk, args.prefix_cache_mb,
                       args.queue_depth if args.queue_depth is not None else queue_depth(),
                       args.queue_timeout, args.admin_addr, args.admin_key, args.max_models,
-                      not args.no_context_cap)
+                      not args.no_context_cap, worker_lost_after_s=args.worker_lost_after)
+    if cfg.worker_lost_after_s < cfg.worker_timeout_s:
+        raise ValueError("--worker-lost-after must be at least --worker-timeout")
     return asyncio.run(serve(cfg))

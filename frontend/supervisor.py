@@ -68,9 +68,11 @@ class Supervisor:
         while not self.stopping:
             proc = await asyncio.create_subprocess_exec(*self.command(die))
             self.procs[die] = proc
+            self.pool.spawned_pids.add(proc.pid)     # judged by its exit, not its silence
             started = loop.time()
             log.info("spawned worker for die %s (pid %d)", die, proc.pid)
             code = await proc.wait()
+            self.pool.spawned_pids.discard(proc.pid)
             if self.stopping:
                 return
             self.pool.process_exited(proc.pid, code)

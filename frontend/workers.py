@@ -1,16 +1,24 @@
 """The frontend's ZeroMQ link to its workers.
 
 One ROUTER socket, bound on loopback unless the operator says otherwise;
-workers connect to it. This module knows which workers are alive (hello,
-heartbeats, process exits), routes every worker message to whoever waits
-for it (a request's token stream, a load), and fails a dead worker's
-requests at once instead of leaving them to hang.
+workers connect to it. This module knows which workers are alive, routes
+every worker message to whoever waits for it (a request's token stream, a
+load), and fails a dead worker's requests at once instead of leaving them
+to hang.
+
+A worker is *ready*, *slow* or *lost*. Busy is not dead: a worker whose step
+runs long (its heartbeat thread says so) or that falls silent past
+`slow_after_s` is slow: it keeps its requests and gets no new ones while
+another replica can serve. A spawned worker is judged by its process: lost
+only when it exits. An external one is lost when its connection drops (a
+probe fails to reach it) or after `lost_after_s` of silence.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -31,6 +39,12 @@ class LoadError(Exception):
     """A worker could not load a model; the message says why."""
 
 
+class WorkerState:
+    READY = "ready"
+    SLOW = "slow"          # alive, but silent or inside a long step: no new requests
+    LOST = "lost"
+
+
 @dataclass
 class WorkerInfo:
     ident: bytes
@@ -39,6 +53,10 @@ class WorkerInfo:
     heartbeat: p.Heartbeat | None = None
     alive: bool = True
     requests: set[str] = field(default_factory=set)
+    spawned: bool = False          # a process of ours: judged by its exit, not by silence
+    slow: bool = False
+    beat_at: float = 0.0           # when the last heartbeat arrived
+    lost_reason: str = ""
 
     @property
     def die(self) -> str:
@@ -47,6 +65,32 @@ class WorkerInfo:
     @property
     def pressure(self) -> int:
         return self.heartbeat.pressure if self.heartbeat else 0
+
+    @property
+    def state(self) -> str:
+        return WorkerState.LOST if not self.alive else \
+            WorkerState.SLOW if self.slow else WorkerState.READY
+
+    def silent_s(self, now: float) -> float:
+        return now - self.last_seen
+
+    def step_s(self, now: float) -> float:
+        """Age of the step in progress (0 when the last heartbeat saw the loop idle)."""
+        beat = self.heartbeat
+        if beat is None or beat.step_s <= 0:
+            return 0.0
+        return beat.step_s + (now - self.beat_at)
+
+    def status(self) -> dict:
+        now, beat = time.monotonic(), self.heartbeat
+        return {"die": self.die, "pid": self.hello.pid, "kind": self.hello.kind,
+                "device": self.hello.device_name, "state": self.state,
+                "spawned": self.spawned,
+                "heartbeat_age_s": round(self.silent_s(now), 2),
+                "step_s": round(self.step_s(now), 2),
+                "active": beat.active if beat else 0, "waiting": beat.waiting if beat else 0,
+                "pressure": self.pressure, "in_flight": len(self.requests),
+                **({"lost_reason": self.lost_reason} if not self.alive else {})}
 
 
 class RequestStream:
@@ -64,13 +108,18 @@ class RequestStream:
 
 
 class WorkerPool:
-    def __init__(self, address: str, dead_after_s: float = 5.0):
-        self.address, self.dead_after_s = address, dead_after_s
+    PROBE_AFTER_S = 2 * p.HEARTBEAT_S    # silence after which an external link is probed
+
+    def __init__(self, address: str, slow_after_s: float = 5.0, lost_after_s: float = 60.0):
+        self.address, self.slow_after_s, self.lost_after_s = address, slow_after_s, lost_after_s
         self.ctx = zmq.asyncio.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)   # sending to a gone peer raises
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)    # a reconnecting worker takes over
         self.sock.bind(address)
+        self.spawned_pids: set[int] = set()             # kept by the supervisor
+        self.strangers: set[bytes] = set()              # unknown peers already logged
         self.workers: dict[bytes, WorkerInfo] = {}
         self.streams: dict[str, RequestStream] = {}
         self.loads: dict[str, asyncio.Future] = {}
@@ -80,7 +129,9 @@ class WorkerPool:
         self.on_lost: list[Callable[[WorkerInfo], None]] = []
         self.on_change: list[Callable[[], None]] = []   # load or capacity may have changed
         self.ids = itertools.count()
+        self.id_prefix = secrets.token_hex(3)   # ids stay unique across frontend restarts
         self.tasks: list[asyncio.Task] = []
+        self.pending: set[asyncio.Task] = set()         # fire-and-forget sends, referenced
 
     def start(self) -> None:
         self.tasks = [asyncio.create_task(self.receive_loop(), name="zmq-receive"),
@@ -177,29 +228,23 @@ class WorkerPool:
     def dispatch(self, ident: bytes, msg) -> None:
         now = time.monotonic()
         if isinstance(msg, p.Hello):
-            old = self.workers.get(ident)
-            if old is not None and old.alive and old.hello.pid == msg.pid:
-                old.hello, old.last_seen = msg, now    # the same process, introducing itself
-                return                                  # again (after queued heartbeats)
-            for other in list(self.workers.values()):   # one worker per die: a newcomer
-                if other.alive and (other is old or other.die == msg.die):   # replaces it
-                    self.lose(other, f"replaced by a new worker (pid {msg.pid})")
-            info = WorkerInfo(ident, msg, now)
-            self.workers[ident] = info
-            log.info("worker joined: die %s (%s, %s), pid %d", msg.die, msg.kind,
-                     msg.device_name, msg.pid)
-            for callback in self.on_join:
-                callback(info)
+            self.hello(ident, msg, now)
             return
-        worker = self.workers.get(ident)
-        if worker is None or not worker.alive:
+        beat = isinstance(msg, p.Heartbeat)
+        owner = ident[:-len(p.HEARTBEAT_SUFFIX)] if ident.endswith(p.HEARTBEAT_SUFFIX) else None
+        if beat != (owner is not None):
+            self.stranger(ident, f"a {type(msg).__name__} from the wrong socket")
+            return
+        worker = self.workers.get(owner if beat else ident)
+        if worker is None or not worker.alive or (beat and msg.pid != worker.hello.pid):
             # a worker we lost (or never met) is still talking: make it introduce itself
-            asyncio.ensure_future(self.sock.send_multipart(
-                [ident, p.encode(p.Error("unknown worker: send hello", code="unknown_worker"))]))
+            self.stranger(ident, f"{type(msg).__name__} before a hello")
+            self.spawn_send(ident, p.Error("unknown worker: send hello", code="unknown_worker"))
             return
         worker.last_seen = now
-        if isinstance(msg, p.Heartbeat):
-            worker.heartbeat = msg
+        if beat:
+            worker.heartbeat, worker.beat_at = msg, now
+            self.check_slow(worker, now)
             self.changed()
         elif isinstance(msg, p.Tokens):
             self.deliver(msg.request_id, msg)
@@ -223,6 +268,41 @@ class WorkerPool:
         else:
             log.warning("unexpected %s from worker %s", type(msg).__name__, worker.die)
 
+    def hello(self, ident: bytes, msg: p.Hello, now: float) -> None:
+        if ident.endswith(p.HEARTBEAT_SUFFIX):
+            self.stranger(ident, "a hello from a heartbeat socket")
+            return
+        old = self.workers.get(ident)
+        if old is not None and old.alive and old.hello.pid == msg.pid:
+            old.hello, old.last_seen = msg, now    # the same process, introducing itself
+            return                                  # again (after queued heartbeats)
+        for other in list(self.workers.values()):   # one worker per die: a newcomer
+            if other.alive and (other is old or other.die == msg.die):   # replaces it
+                self.lose(other, f"replaced by a new worker (pid {msg.pid})")
+        info = WorkerInfo(ident, msg, now, spawned=msg.pid in self.spawned_pids)
+        self.workers[ident] = info
+        self.strangers.discard(ident + p.HEARTBEAT_SUFFIX)
+        log.info("worker joined: die %s (%s, %s), pid %d%s", msg.die, msg.kind,
+                 msg.device_name, msg.pid,
+                 f", holding {', '.join(msg.models)}" if msg.models else "")
+        for request_id in msg.running:           # requests it runs that nobody waits for
+            if request_id not in self.streams:
+                self.spawn_send(ident, p.Abort(request_id))
+        for callback in self.on_join:
+            callback(info)
+
+    def stranger(self, ident: bytes, what: str) -> None:
+        """Log a peer we do not know, once: it may be a worker that will say hello."""
+        if ident not in self.strangers and len(self.strangers) < 1024:
+            self.strangers.add(ident)
+            log.info("dropped %s from peer %r", what, ident[:64])
+
+    def spawn_send(self, ident: bytes, msg) -> None:
+        task = asyncio.ensure_future(self.sock.send_multipart([ident, p.encode(msg)]))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())   # a gone peer
+        self.pending.add(task)
+        task.add_done_callback(self.pending.discard)
+
     def changed(self) -> None:
         for callback in self.on_change:
             callback()
@@ -243,9 +323,41 @@ class WorkerPool:
         while True:
             await asyncio.sleep(0.25)
             now = time.monotonic()
-            for worker in list(self.workers.values()):
-                if worker.alive and now - worker.last_seen > self.dead_after_s:
-                    self.lose(worker, f"silent for {now - worker.last_seen:.1f} s")
+            for worker in [w for w in self.workers.values() if w.alive]:
+                silent = worker.silent_s(now)
+                if not worker.spawned and silent > self.lost_after_s:
+                    self.lose(worker, f"silent for {silent:.1f} s")
+                    continue
+                if not worker.spawned and silent > self.PROBE_AFTER_S:
+                    await self.probe(worker)
+                self.check_slow(worker, now)
+
+    async def probe(self, worker: WorkerInfo) -> None:
+        """A dropped connection (the peer's process died, its host went away) fails the
+        send at once (ROUTER_MANDATORY); a live but busy worker just queues the ping."""
+        try:
+            await asyncio.wait_for(self.sock.send_multipart(
+                [worker.ident, p.encode(p.Ping())]), 1.0)
+        except zmq.ZMQError as exc:
+            self.lose(worker, f"connection dropped ({exc})")
+        except asyncio.TimeoutError:
+            pass                                 # its queue is full: alive, not reading
+
+    def check_slow(self, worker: WorkerInfo, now: float) -> None:
+        silent, step = worker.silent_s(now), worker.step_s(now)
+        slow = worker.alive and max(silent, step) > self.slow_after_s
+        if slow == worker.slow:
+            return
+        worker.slow = slow
+        if slow:
+            why = (f"a step in progress for {step:.1f} s" if step > self.slow_after_s
+                   else f"silent for {silent:.1f} s")
+            log.warning("worker for die %s is slow (%s): it keeps its %d request(s) and "
+                        "gets new ones only when no other replica can serve", worker.die, why,
+                        len(worker.requests))
+        else:
+            log.info("worker for die %s is ready again", worker.die)
+            self.changed()                       # requests may be routed to it again
 
     def process_exited(self, pid: int, code: int | None) -> None:
         """A spawned worker process ended: lose it now rather than at its timeout."""
@@ -256,7 +368,7 @@ class WorkerPool:
     def lose(self, worker: WorkerInfo, reason: str) -> None:
         if not worker.alive:
             return
-        worker.alive = False
+        worker.alive, worker.slow, worker.lost_reason = False, False, reason
         log.warning("worker for die %s lost: %s", worker.die, reason)
         error = WorkerLost(f"the worker for die {worker.die} went away ({reason})")
         for request_id in list(worker.requests):
@@ -274,5 +386,13 @@ class WorkerPool:
     def live(self) -> list[WorkerInfo]:
         return [w for w in self.workers.values() if w.alive]
 
+    def latest(self) -> list[WorkerInfo]:
+        """One worker per die: the live one, else the last one seen."""
+        by_die: dict[str, WorkerInfo] = {}
+        for w in self.workers.values():
+            if w.alive or w.die not in by_die or not by_die[w.die].alive:
+                by_die[w.die] = w
+        return sorted(by_die.values(), key=lambda w: w.die)
+
     def new_request_id(self) -> str:
-        return f"req-{next(self.ids)}"
+        return f"req-{self.id_prefix}-{next(self.ids)}"

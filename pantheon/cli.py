@@ -142,7 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="refuse (400) a conversation longer than the context instead of "
                             "dropping its oldest turns")
     serve.add_argument("--worker-timeout", type=float, default=5.0,
-                       help="seconds of silence before a worker is declared lost")
+                       help="seconds of silence (or of one step) after which a worker is "
+                            "slow: it keeps its requests and gets new ones only when no "
+                            "other replica can serve")
+    serve.add_argument("--worker-lost-after", type=float, default=60.0,
+                       help="seconds of silence after which an external worker is lost "
+                            "(spawned workers are lost only when their process exits)")
     serve.set_defaults(func=cmd_serve)
 
     admin = sub.add_parser("admin", help="load, unload and inspect models on a running server")

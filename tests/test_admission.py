@@ -10,7 +10,7 @@ from pantheon.frontend.registry import Replica, ReplicaState
 
 
 def model(*slots, pressure=0):
-    worker = SimpleNamespace(pressure=pressure)
+    worker = SimpleNamespace(pressure=pressure, slow=False)
     replicas = [Replica(f"m#{i}", "cpu", ReplicaState.READY, slots=n, worker=worker)
                 for i, n in enumerate(slots)]
     return SimpleNamespace(name="m", replicas=replicas, ready=lambda: replicas, worker=worker)
@@ -26,6 +26,25 @@ def test_fast_path_spreads_over_replicas_by_load():
         got = [await adm.acquire(m) for _ in range(4)]
         assert [r.model_id for r in got] == ["m#0", "m#1", "m#0", "m#1"]
         assert [r.inflight for r in m.replicas] == [2, 2]
+    run(go())
+
+
+def test_a_slow_worker_gets_no_new_requests_while_another_can_serve():
+    async def go():
+        adm, m = Admission(depth=4, timeout_s=5), model(2, 2)
+        m.replicas[0].worker = SimpleNamespace(pressure=0, slow=True)
+        got = [await adm.acquire(m) for _ in range(2)]
+        assert [r.model_id for r in got] == ["m#1", "m#1"]
+        waiter = asyncio.ensure_future(adm.acquire(m))   # the fast one is full: wait for it
+        await asyncio.sleep(0.01)
+        assert not waiter.done()
+        m.replicas[0].worker.slow = False                 # ready again
+        adm.wake_all()
+        assert (await asyncio.wait_for(waiter, 1)).model_id == "m#0"
+        for r in m.replicas:                              # every replica slow: they serve
+            r.worker = SimpleNamespace(pressure=0, slow=True)
+        m.replicas[0].inflight = 0
+        assert (await adm.acquire(m)).model_id == "m#0"
     run(go())
 
 

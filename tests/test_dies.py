@@ -6,13 +6,14 @@ import pytest
 import tiny_models as tm
 from pantheon.common.model_file import read_config
 from pantheon.frontend.dies import DieTable, PlacementError, replica_bytes
+from pantheon.common import protocol as p
 from pantheon.frontend.registry import Registry
+from pantheon.frontend.workers import WorkerInfo, WorkerPool
 
 
 def worker(die, budget, alive=True, kind="cpu"):
-    hello = SimpleNamespace(die=die, kind=kind, device_name=kind, budget=budget,
-                            mem_total=budget, mem_free=budget)
-    return SimpleNamespace(die=die, hello=hello, alive=alive, heartbeat=None)
+    hello = p.Hello(die, kind, kind, budget, budget, 4, budget=budget)
+    return WorkerInfo(die.encode(), hello, 0.0, alive=alive)
 
 
 @pytest.fixture(scope="module")
@@ -22,6 +23,7 @@ def cfg(tmp_path_factory):
 
 def table(*workers):
     pool = SimpleNamespace(workers={w.die: w for w in workers})
+    pool.latest = lambda: WorkerPool.latest(pool)
     return DieTable(Registry(), pool, slots=4)
 
 

@@ -6,9 +6,14 @@ from pantheon.common import protocol as p
 
 SAMPLES = [
     p.Hello("cpu", "cpu", "cpu", 8 << 30, 4 << 30, 8, pid=123, models=["m-1"]),
+    p.Hello("cpu", "cpu", "cpu", 8 << 30, 4 << 30, 8, pid=5, models=["m-1"],
+            replicas=[p.Resident("m-1", "/models/a.gguf", 8, 4096, 538_000_000, 1 << 20)],
+            running=["req-ab-1"]),
     p.Hello("0", "cuda", "Tesla K80", 12 << 30, 11 << 30, 8),
     p.Heartbeat("cpu:1", active=3, waiting=1, mem_total=1, mem_free=0, host_mem_free=5,
                 pressure=2),
+    p.Heartbeat("cpu", 1, 0, 1, 1, 1, 0, pid=42, step_s=7.25),
+    p.Ping(),
     p.Loaded("m-1", "smol", 8, 4096, 49152, 538_000_000, 377_000_000, 2.5),
     p.LoadFailed("m-2", "no such file"),
     p.LoadProgress("m-2", 3, 30),

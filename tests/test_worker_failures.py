@@ -49,6 +49,10 @@ def test_killed_spawned_worker_fails_requests_and_is_restarted():
         assert httpx.get(srv.url + "/health").status_code == 503   # nothing ready meanwhile
         srv.wait_healthy(60)                             # respawned and reloaded
         assert srv.workers()[0].pid != worker.pid
+        (model,) = httpx.get(srv.url + "/admin/models").json()["models"]
+        assert model["replicas"][0]["loads"] == 2
+        (die,) = httpx.get(srv.url + "/admin/dies").json()["dies"]
+        assert die["state"] == "ready" and die["pid"] == srv.workers()[0].pid
         r = srv.client().chat.completions.create(model="m", messages=QUESTION, max_tokens=3)
         assert r.usage.completion_tokens == 3
 

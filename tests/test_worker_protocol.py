@@ -1,4 +1,5 @@
 """A real `pantheon worker` process driven over ZeroMQ by the test itself."""
+import os
 import subprocess
 import sys
 import time
@@ -27,7 +28,8 @@ class FakeFrontend:
             if not self.sock.poll(200):
                 continue
             ident, data = self.sock.recv_multipart()
-            self.ident = ident
+            if not ident.endswith(p.HEARTBEAT_SUFFIX):     # heartbeats have their own socket
+                self.ident = ident
             msg = p.decode(data)
             if kind is None and isinstance(msg, p.Heartbeat):
                 continue
@@ -103,3 +105,70 @@ def test_load_generate_abort_unload_shutdown(worker):
     fe.send(p.Shutdown())
     assert fe.recv(p.Stopping).die == "cpu"
     assert proc.wait(10) == 0
+
+
+def test_heartbeats_go_on_through_a_stalled_step(tmp_path):
+    """A step that takes 4 s (the test hook sleeps inside it) still lets heartbeats out,
+    from their own socket, each saying how long the step has run; the hello after it
+    lists the replica and the request it still runs."""
+    fe = FakeFrontend()
+    env = {**os.environ, "PANTHEON_TEST_STALL": "2:4"}
+    proc = subprocess.Popen([sys.executable, "-m", "pantheon.cli", "worker", "--die", "cpu",
+                             "--frontend", f"tcp://127.0.0.1:{fe.port}", "--slots", "2"],
+                            env=env)
+    try:
+        fe.recv(p.Hello)
+        model = tm.write_gguf("llama", tmp_path / "tiny.gguf")
+        fe.send(p.Load("tiny", str(model), "tiny", slots=2, ctx=64))
+        fe.recv(p.Loaded)
+        fe.send(p.Generate("r1", "tiny", [1, 2, 3], p.Sampling(temperature=0), 6))
+        assert fe.recv(p.Tokens).tokens                      # step 1; step 2 stalls
+        steps, idents = [], set()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if not fe.sock.poll(200):
+                continue
+            ident, data = fe.sock.recv_multipart()
+            msg = p.decode(data)
+            if isinstance(msg, p.Heartbeat):
+                steps.append(msg.step_s)
+                idents.add(ident)
+                assert msg.pid == proc.pid
+            elif isinstance(msg, p.Tokens):
+                break
+        assert max(steps) > 3.0                # beats kept coming while the step slept
+        assert len([s for s in steps if s > 1.0]) >= 4
+        assert all(i.endswith(p.HEARTBEAT_SUFFIX) for i in idents)
+        # asked to introduce itself again (as after the frontend lost it), it lists what
+        # it holds, so the frontend can keep it instead of reloading
+        fe.send(p.Error("unknown worker: send hello", code="unknown_worker"))
+        hello = fe.recv(p.Hello)
+        assert hello.models == ["tiny"] and hello.replicas[0].path == str(model)
+        assert (hello.replicas[0].slots, hello.replicas[0].ctx) == (2, 64)
+        assert hello.replicas[0].weight_bytes > 0 and hello.replicas[0].kv_bytes > 0
+        assert hello.running in (["r1"], [])
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_bad_grammar_fails_its_request_only(worker):
+    """Grammars are prepared off the loop: a broken one is that request's error, and a
+    plain request beside it runs."""
+    fe, proc, model = worker
+    fe.send(p.Load("tiny", str(model), "tiny", slots=2, ctx=64))
+    fe.recv(p.Loaded)
+    greedy = p.Sampling(temperature=0)
+    fe.send(p.Generate("g1", "tiny", [1, 2, 3], greedy, 4, grammar="{not a grammar"))
+    fe.send(p.Generate("r1", "tiny", [1, 2, 3], greedy, 4))
+    errors, finished = [], []
+    deadline = time.monotonic() + 30
+    while len(errors) + len(finished) < 2 and time.monotonic() < deadline:
+        msg = fe.recv()
+        if isinstance(msg, p.Error):
+            errors.append(msg)
+        elif isinstance(msg, p.Tokens) and msg.finish:
+            finished.append(msg.request_id)
+    assert [e.request_id for e in errors] == ["g1"] and errors[0].code == "bad_request"
+    assert finished == ["r1"]
+    assert proc.poll() is None

@@ -1,9 +1,16 @@
 """`pantheon worker`: one process per die, driven by the frontend over ZeroMQ.
 
 The loop: receive messages → admit waiting requests → one scheduler step per
-resident model → send the new tokens → heartbeat. Model loads run in a
-thread, so the loop keeps serving (and heartbeating) during an upload; the
-engine is handed back to the loop only when it is loaded and warm.
+resident model → send the new tokens. Nothing heavy but the step runs on it:
+model loads run in a thread (the engine is handed back to the loop only when
+it is loaded and warm), and so does the preparation of a constrained request
+(the grammar's tokenizer is built right after its model loads, each request's
+matcher in a thread; the request joins the batch when it is ready). Threads
+hand results back through queues and wake the loop through a pipe.
+
+Heartbeats come from a thread of their own, on a socket of their own, so a
+step of any length (a long prefill, a GC pause, a contended host) never
+silences the worker: each says whether the loop is busy and for how long.
 
 A malformed or unknown message is logged and answered with an Error; nothing
 a peer sends can end this loop except Shutdown.
@@ -18,6 +25,7 @@ import signal
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import psutil
@@ -25,6 +33,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ..common import protocol as p
+from ..common import settings
 from .device import Device, open_device
 from .engine import Engine, load_engine
 from .sampler import SamplingParams
@@ -32,8 +41,15 @@ from .scheduler import Request
 
 log = logging.getLogger("pantheon.worker")
 
-HEARTBEAT_S = 0.5
-IDLE_POLL_MS = 50
+IDLE_POLL_MS = 250           # threads wake the loop at once; this is only a backstop
+
+
+def constraint_factory(path: str):
+    """The llguidance tokenizer of a model (~0.35 s for a 49k vocabulary; more on a
+    contended host): built in the preparation thread, never on the loop."""
+    from ..common.tokenizer import open_tokenizer
+    from .constraint import ConstraintFactory
+    return ConstraintFactory(open_tokenizer(path))
 
 
 @dataclass
@@ -45,14 +61,46 @@ class Replica:
     path: str
     engine: Engine
     waiting: deque = field(default_factory=deque)
-    constraints: object = None       # ConstraintFactory, built on the first grammar request
+    constraints: Future | None = None    # ConstraintFactory, built after the load
 
     def constraint(self, grammar: str):
-        if self.constraints is None:  # needs the tokenizer: read it only when asked
-            from ..common.tokenizer import open_tokenizer
-            from .constraint import ConstraintFactory
-            self.constraints = ConstraintFactory(open_tokenizer(self.path))
-        return self.constraints.make(grammar)
+        """A matcher for `grammar` (runs in the preparation thread)."""
+        return self.constraints.result().make(grammar)
+
+
+class Heartbeats(threading.Thread):
+    """Sends the worker's heartbeat every HEARTBEAT_S from its own socket, whatever the
+    loop is doing, and passes on the frontend's "send hello" answer to it."""
+
+    def __init__(self, worker: "Worker", frontend: str, ident: bytes):
+        super().__init__(name="heartbeats", daemon=True)
+        self.worker, self.frontend, self.identity = worker, frontend, ident
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        sock = self.worker.ctx.socket(zmq.DEALER)   # a socket belongs to one thread
+        sock.setsockopt(zmq.IDENTITY, self.identity + p.HEARTBEAT_SUFFIX)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.frontend)
+        try:
+            while not self.stopped.is_set():
+                sock.send(p.encode(self.worker.beat()), copy=False)
+                deadline = time.monotonic() + p.HEARTBEAT_S
+                while (left := deadline - time.monotonic()) > 0 and not self.stopped.is_set():
+                    if sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+                        self.answer(sock.recv())
+                self.worker.check_parent()
+        finally:
+            sock.close()
+
+    def answer(self, data: bytes) -> None:
+        try:
+            msg = p.decode(data)
+        except p.ProtocolError:
+            return
+        if isinstance(msg, p.Error) and msg.code == "unknown_worker":
+            self.worker.rehello = True          # the loop introduces us again
+            self.worker.wake()
 
 
 class Worker:
@@ -64,7 +112,8 @@ class Worker:
         self.prefix_cache_bytes = prefix_cache_bytes
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, f"{die}-{os.getpid()}-{secrets.token_hex(4)}".encode())
+        ident = f"{die}-{os.getpid()}-{secrets.token_hex(4)}".encode()
+        self.sock.setsockopt(zmq.IDENTITY, ident)
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED)
         self.sock.connect(frontend)
@@ -72,8 +121,20 @@ class Worker:
         self.owner: dict[str, Replica] = {}          # request id → replica
         self.loads: queue.Queue = queue.Queue()      # (model_id, name, engine | exception)
         self.loading: set[str] = set()
+        self.prep = ThreadPoolExecutor(1, thread_name_prefix="prepare")
+        self.preparing: dict[str, tuple[Request, Future]] = {}   # request id → its matcher
         self.running = True
-        self.next_heartbeat = 0.0
+        self.rehello = False
+        self.waker_r, self.waker_w = os.pipe()       # any thread → the loop's poll
+        os.set_blocking(self.waker_r, False)
+        os.set_blocking(self.waker_w, False)
+        # what the heartbeat thread reports: replaced whole by the loop, read as is
+        self.busy_since: float | None = None
+        self.load_figures = (0, 0, *device.memory())  # active, waiting, total, free
+        self.next_figures = 0.0
+        self.steps = 0
+        self.stall = settings.test_stall(die)
+        self.heartbeats = Heartbeats(self, frontend, ident)
 
     # -- edges ----------------------------------------------------------------------
     def send(self, msg) -> None:
@@ -81,41 +142,83 @@ class Worker:
 
     def hello(self) -> p.Hello:
         total, free = self.device.memory()
+        resident = [p.Resident(r.model_id, r.path, len(r.engine.scheduler.slots),
+                               r.engine.model.ctx, r.engine.model.w.nbytes(),
+                               r.engine.model.kv.nbytes) for r in self.replicas.values()]
         return p.Hello(self.die, self.device.kind, self.device.name, total, free, self.slots,
-                       os.getpid(), list(self.replicas), self.budget or total)
+                       os.getpid(), list(self.replicas), self.budget or total, resident,
+                       list(self.owner))
 
-    def heartbeat(self) -> None:
-        total, free = self.device.memory()
+    def beat(self) -> p.Heartbeat:
+        """This moment's heartbeat (called by the heartbeat thread)."""
+        active, waiting, total, free = self.load_figures
         host = psutil.virtual_memory()
         level = max(p.pressure_level(free, total),
                     p.pressure_level(host.available, host.total))
+        since = self.busy_since
+        step_s = time.monotonic() - since if since is not None else 0.0
+        return p.Heartbeat(self.die, active, waiting, total, free, host.available, level,
+                           os.getpid(), step_s)
+
+    def refresh_figures(self) -> None:
+        if time.monotonic() < self.next_figures:
+            return
         active = sum(r.engine.scheduler.active() for r in self.replicas.values())
-        waiting = sum(len(r.waiting) for r in self.replicas.values())
-        self.send(p.Heartbeat(self.die, active, waiting, total, free, host.available, level))
-        self.next_heartbeat = time.monotonic() + HEARTBEAT_S
+        waiting = sum(len(r.waiting) for r in self.replicas.values()) + len(self.preparing)
+        self.load_figures = (active, waiting, *self.device.memory())
+        self.next_figures = time.monotonic() + p.HEARTBEAT_S / 2
+
+    def wake(self) -> None:
+        """Make the loop's poll return now (from any thread)."""
+        try:
+            os.write(self.waker_w, b"!")
+        except BlockingIOError:
+            pass                                 # already a wake-up pending
+
+    def check_parent(self) -> None:
+        if self.parent_pid and os.getppid() != self.parent_pid and self.running:
+            log.warning("the frontend that spawned this worker is gone; exiting")
+            self.stop()
+
+    def stop(self) -> None:
+        self.running = False
+        self.wake()
 
     # -- the loop ---------------------------------------------------------------------
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.monitor, zmq.POLLIN)
+        poller.register(self.waker_r, zmq.POLLIN)
+        self.heartbeats.start()
         while self.running:
             busy = any(r.engine.scheduler.active() or r.waiting for r in self.replicas.values())
+            self.busy_since = None
             events = dict(poller.poll(0 if busy else IDLE_POLL_MS))
+            self.busy_since = time.monotonic()
+            if self.waker_r in events:
+                while True:
+                    try:
+                        if not os.read(self.waker_r, 4096):
+                            break
+                    except BlockingIOError:
+                        break
             if self.monitor in events:
                 recv_monitor_message(self.monitor)
-                self.send(self.hello())          # (re)connected: introduce ourselves
+                self.rehello = True              # (re)connected: introduce ourselves
+            if self.rehello:
+                self.rehello = False
+                self.send(self.hello())
             while self.sock.poll(0, zmq.POLLIN):
                 self.receive(self.sock.recv())
             self.finish_loads()
+            self.finish_preparations()
             for replica in list(self.replicas.values()):
                 self.admit(replica)
                 self.step(replica)
-            if time.monotonic() >= self.next_heartbeat:
-                self.heartbeat()
-                if self.parent_pid and os.getppid() != self.parent_pid:
-                    log.warning("the frontend that spawned this worker is gone; exiting")
-                    self.running = False
+            self.refresh_figures()
+        self.heartbeats.stopped.set()
+        self.prep.shutdown(wait=False, cancel_futures=True)
         self.send(p.Stopping(self.die))
         self.sock.close()
 
@@ -162,24 +265,42 @@ class Worker:
         except (TypeError, ValueError) as exc:
             self.send(p.Error(str(exc), code="bad_request", request_id=msg.request_id))
             return
-        try:
-            constraint = replica.constraint(msg.grammar) if msg.grammar else None
-        except (TypeError, ValueError) as exc:
-            self.send(p.Error(f"invalid grammar: {exc}", code="bad_request",
-                              request_id=msg.request_id))
-            return
-        replica.waiting.append(Request(msg.request_id, msg.prompt, params, msg.max_tokens,
-                                       frozenset(msg.stop_ids), msg.session_id, constraint,
-                                       min(msg.logprobs, 20)))
+        request = Request(msg.request_id, msg.prompt, params, msg.max_tokens,
+                          frozenset(msg.stop_ids), msg.session_id, None, min(msg.logprobs, 20))
         self.owner[msg.request_id] = replica
+        if msg.grammar:         # its matcher is made in the preparation thread
+            future = self.prep.submit(replica.constraint, msg.grammar)
+            future.add_done_callback(lambda _: self.wake())
+            self.preparing[msg.request_id] = (request, future)
+        else:
+            replica.waiting.append(request)
+
+    def finish_preparations(self) -> None:
+        """Constrained requests whose matcher is ready join their replica's queue."""
+        for req_id, (request, future) in list(self.preparing.items()):
+            if not future.done():
+                continue
+            del self.preparing[req_id]
+            replica = self.owner.get(req_id)
+            if replica is None or self.replicas.get(replica.model_id) is not replica:
+                continue                          # aborted or unloaded meanwhile
+            try:
+                request.constraint = future.result()
+            except Exception as exc:
+                self.owner.pop(req_id, None)
+                self.send(p.Error(f"invalid grammar: {exc}", code="bad_request",
+                                  request_id=req_id))
+                continue
+            replica.waiting.append(request)
 
     def on_abort(self, msg: p.Abort) -> None:
         replica = self.owner.pop(msg.request_id, None)
         if replica is None:
             return                                  # already finished: nothing to do
         out = replica.engine.scheduler.abort(msg.request_id)
-        if out is None:                             # still waiting for a slot
+        if out is None:                             # still waiting for a slot or its grammar
             replica.waiting = deque(r for r in replica.waiting if r.id != msg.request_id)
+            self.preparing.pop(msg.request_id, None)
         self.send(p.Tokens(msg.request_id, [], "abort",
                            out.prompt_tokens if out else 0, out.completion_tokens if out else 0))
 
@@ -198,11 +319,15 @@ class Worker:
         if replica is not None:
             for req_id in [r for r, rep in self.owner.items() if rep is replica]:
                 self.owner.pop(req_id)
+                self.preparing.pop(req_id, None)
                 self.send(p.Tokens(req_id, [], "abort"))
         self.send(p.Unloaded(msg.model_id))
 
     def on_shutdown(self, msg: p.Shutdown) -> None:
-        self.running = False
+        self.stop()
+
+    def on_ping(self, msg: p.Ping) -> None:
+        pass                                     # a probe of the link: nothing to answer
 
     def on_error(self, msg: p.Error) -> None:
         if msg.code == "unknown_worker":     # the frontend lost track of us: rejoin
@@ -211,7 +336,8 @@ class Worker:
             log.warning("frontend reports: %s (%s)", msg.message, msg.code)
 
     HANDLERS = {p.Generate: on_generate, p.Abort: on_abort, p.Load: on_load,
-                p.Unload: on_unload, p.Shutdown: on_shutdown, p.Error: on_error}
+                p.Unload: on_unload, p.Shutdown: on_shutdown, p.Error: on_error,
+                p.Ping: on_ping}
 
     # -- loads --------------------------------------------------------------------------
     def load_thread(self, msg: p.Load) -> None:
@@ -220,6 +346,7 @@ class Worker:
                 self.device.xp.cuda.Device(self.device.index).use()
             def progress(done, total):
                 self.loads.put((msg, p.LoadProgress(msg.model_id, done, total)))
+                self.wake()
             engine = load_engine(msg.path, self.device, n_slots=msg.slots or self.slots,
                                  ctx=msg.ctx or None, prefill_chunk=msg.prefill_chunk,
                                  prefix_cache_bytes=self.prefix_cache_bytes, progress=progress)
@@ -228,6 +355,7 @@ class Worker:
         except Exception as exc:
             log.exception("loading %s failed", msg.path)
             self.loads.put((msg, exc))
+        self.wake()
 
     def finish_loads(self) -> None:
         while not self.loads.empty():
@@ -240,6 +368,9 @@ class Worker:
                 self.send(p.LoadFailed(msg.model_id, f"{type(result).__name__}: {result}"))
                 continue
             replica = Replica(msg.model_id, msg.name, msg.path, result)
+            # ready for its first constrained request before it comes (failures surface
+            # then, as that request's error)
+            replica.constraints = self.prep.submit(constraint_factory, msg.path)
             self.replicas[msg.model_id] = replica
             self.send(self.loaded_message(replica))
 
@@ -258,6 +389,10 @@ class Worker:
     def step(self, replica: Replica) -> None:
         if not replica.engine.scheduler.active():
             return
+        self.steps += 1
+        if self.stall and self.steps == self.stall[0]:
+            log.warning("test hook: stalling step %d for %.1f s", *self.stall)
+            time.sleep(self.stall[1])
         try:
             outputs = replica.engine.scheduler.step()
         except Exception as exc:  # a failed step fails its requests, not the worker
@@ -288,7 +423,7 @@ def main(args) -> int:
                     prefix_cache_bytes=int(args.prefix_cache_mb * (1 << 20)),
                     parent_pid=args.parent_pid or 0,
                     budget=int((args.budget_mb or 0) * (1 << 20)))
-    signal.signal(signal.SIGTERM, lambda *_: setattr(worker, "running", False))
+    signal.signal(signal.SIGTERM, lambda *_: worker.stop())
     log.info("worker for die %s (%s) connecting to %s", args.die, device.name, args.frontend)
     worker.run()
     return 0

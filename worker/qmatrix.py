@@ -1,0 +1,298 @@
+"""Weight matrices that stay quantized in memory: the format the kernels read.
+
+A `QMatrix` is one weight matrix W [rows = out, cols = in], stored row-major
+in blocks along `in`, the way GGUF stores it, so `y = x @ W.T`. Kinds:
+
+  q4    qs uint8 [rows, cols / 2]: per block of 32 elements, 16 bytes; byte i
+        holds element i in its low nibble and element i + 16 in its high one
+        (ggml's Q4_0 order). scale, minv: fp16 bits (uint16) [rows, cols / 32].
+        w = scale * q + minv, q in 0..15.
+  q8    qs int8 [rows, cols]; scale fp16 bits [rows, cols / bs] with bs 32, or 16
+        (Q6_K's runs); minv the same shape, or None. w = scale * q (+ minv).
+  f16   qs uint16 [rows, cols]: IEEE half bits.      w = half(qs)
+  bf16  qs uint16 [rows, cols]: bfloat16 bits.       w = float32(qs << 16)
+
+GGUF tensors are repacked tensor by tensor into the closest kind, exactly but
+for one rounding: a K-quant's sub-block scale is the product of an fp16 and a
+6-bit (Q4_K, Q5_K) or 8-bit (Q6_K) integer, stored here as one fp16 (a relative
+error below 2^-11 on the scale; the format's own step is 1/16 to 1/64 of the
+block's range). Q8_0 → q8; Q4_0, Q4_1, Q4_K → q4; Q5_0, Q5_1, Q5_K → q8 with a
+min (5-bit values in int8); Q6_K → q8 with bs 16. Float tensors stay as they
+are (F32 as a dense fp32 array, F16 and BF16 as f16 / bf16), or are quantized
+at load to q8 (`q8_0`: absmax / 127 per 32) or q4 (`q4`: min and step per 32).
+
+Sizes per weight: q4 5 bits (Q4_K files: 4.5), q8 9 bits (Q8_0: 8.5), q8 from
+Q6_K 9 bits (6.56), from Q5_x 10 (5.5-6).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+QT = GGMLQuantizationType
+KINDS = ("q4", "q8", "f16", "bf16")
+QUANTIZE_MODES = ("auto", "none", "q8_0", "q4")   # `auto`: as stored (the default)
+
+
+class FormatError(ValueError):
+    """A tensor the loader cannot hold (an IQ quant, a shape not made of blocks)."""
+
+
+@dataclass
+class QMatrix:
+    kind: str
+    rows: int
+    cols: int
+    qs: object                  # xp array, see the module docstring
+    scale: object | None = None
+    minv: object | None = None
+    bs: int = 32
+    source: str = ""            # the file's type, for the record
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows, self.cols
+
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in (self.qs, self.scale, self.minv) if a is not None)
+
+    def to(self, xp) -> "QMatrix":
+        """The same matrix with its arrays on another die (numpy → cupy)."""
+        move = (lambda a: None if a is None else xp.asarray(a))
+        return QMatrix(self.kind, self.rows, self.cols, move(self.qs), move(self.scale),
+                       move(self.minv), self.bs, self.source)
+
+    def take_rows(self, order) -> "QMatrix":
+        """Rows reordered (llama's q/k un-permutation): every array follows."""
+        pick = (lambda a: None if a is None else np.ascontiguousarray(a[order]))
+        return QMatrix(self.kind, self.rows, self.cols, pick(self.qs), pick(self.scale),
+                       pick(self.minv), self.bs, self.source)
+
+
+def stack(parts: list[QMatrix]) -> QMatrix:
+    """Row-stack matrices of one kind and block size (q|k|v, gate|up)."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    cat = (lambda name: None if getattr(first, name) is None else
+           np.concatenate([getattr(p, name) for p in parts]))
+    return QMatrix(first.kind, sum(p.rows for p in parts), first.cols, cat("qs"), cat("scale"),
+                   cat("minv"), first.bs, "+".join(sorted({p.source for p in parts})))
+
+
+def stackable(parts: list[QMatrix]) -> bool:
+    first = parts[0]
+    return all(p.kind == first.kind and p.bs == first.bs and p.cols == first.cols
+               and (p.minv is None) == (first.minv is None) for p in parts)
+
+
+# -- fp16 helpers -------------------------------------------------------------------
+
+def f16_bits(values) -> np.ndarray:
+    return np.asarray(values, dtype=np.float32).astype(np.float16).view(np.uint16)
+
+
+def half(bits) -> np.ndarray:
+    return np.asarray(bits).view(np.float16).astype(np.float32)
+
+
+# -- reading GGUF blocks --------------------------------------------------------------
+
+REPACKED = frozenset({QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K})
+FLOATS = frozenset({QT.F32, QT.F16, QT.BF16})
+CHUNK_BLOCKS = 1 << 15            # blocks repacked at a time: transients stay a few MiB
+
+
+def _h(b, off):
+    """The fp16 field at byte `off` of each block, as float32 (n, 1)."""
+    return np.ascontiguousarray(b[:, off:off + 2]).view(np.float16).astype(np.float32)
+
+
+def _hbits(b, off):
+    return np.ascontiguousarray(b[:, off:off + 2]).view(np.uint16)
+
+
+def _nib(qs):
+    """(..., k) bytes → (..., 2k): low nibbles, then high nibbles."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _pack4(v):
+    """(..., 32) values 0..15 → (..., 16) bytes: element i low, i + 16 high."""
+    return (v[..., :16] | (v[..., 16:] << 4)).astype(np.uint8)
+
+
+def _bits32(qh):
+    return ((qh[:, :, None] >> np.arange(8, dtype=np.uint8)) & 1).reshape(qh.shape[0], 32)
+
+
+def _k_scales(s):
+    a, b, c = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    sc = np.concatenate([a & 0x3F, (c & 0x0F) | ((a >> 6) << 4)], axis=-1)
+    mn = np.concatenate([b & 0x3F, (c >> 4) | ((b >> 6) << 4)], axis=-1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+# Each repacker: blocks (n, type_size) uint8 → (qs, scale, minv) per 32 (or 16) elements,
+# qs already in the kind's layout, rows of the result = n * (elements per block) / bs.
+def _r_q8_0(b):
+    return b[:, 2:34].view(np.int8), _hbits(b, 0), None
+
+
+def _r_q4_0(b):
+    d = _h(b, 0)
+    return b[:, 2:18], _hbits(b, 0), f16_bits(-8.0 * d)
+
+
+def _r_q4_1(b):
+    return b[:, 4:20], _hbits(b, 0), _hbits(b, 2)
+
+
+def _r_q5_0(b):
+    q = (_nib(b[:, 6:22]) | (_bits32(b[:, 2:6]) << 4)).view(np.int8) - np.int8(16)
+    return q, _hbits(b, 0), None
+
+
+def _r_q5_1(b):
+    q = (_nib(b[:, 8:24]) | (_bits32(b[:, 4:8]) << 4)).view(np.int8)
+    return q, _hbits(b, 0), _hbits(b, 2)
+
+
+def _r_q4_k(b):
+    n = b.shape[0]
+    d, dmin = _h(b, 0), _h(b, 2)
+    sc, mn = _k_scales(b[:, 4:16])
+    q = _nib(b[:, 16:144].reshape(n, 4, 32)).reshape(n, 8, 32)
+    return (_pack4(q).reshape(n, 128), f16_bits(d * sc), f16_bits(-(dmin * mn)))
+
+
+def _r_q5_k(b):
+    n = b.shape[0]
+    d, dmin = _h(b, 0), _h(b, 2)
+    sc, mn = _k_scales(b[:, 4:16])
+    qh = (b[:, None, 16:48] >> np.arange(8, dtype=np.uint8)[:, None]) & 1
+    q = _nib(b[:, 48:176].reshape(n, 4, 32)).reshape(n, 8, 32) | (qh << 4)
+    return q.reshape(n, 256).view(np.int8), f16_bits(d * sc), f16_bits(-(dmin * mn))
+
+
+def _r_q6_k(b):
+    n = b.shape[0]
+    d = _h(b, 208)
+    scale = b[:, 192:208].view(np.int8).astype(np.float32)
+    ql = _nib(b[:, 0:128].reshape(n, 2, 64)).reshape(n, 2, 4, 32)
+    qh = (b[:, 128:192].reshape(n, 2, 1, 32) >> np.arange(0, 8, 2, dtype=np.uint8)[:, None]) & 3
+    q = (ql | (qh << 4)).view(np.int8) - np.int8(32)
+    return q.reshape(n, 256), f16_bits(d * scale), None
+
+
+REPACK = {  # type → (kind, bs, repacker)
+    QT.Q8_0: ("q8", 32, _r_q8_0), QT.Q4_0: ("q4", 32, _r_q4_0), QT.Q4_1: ("q4", 32, _r_q4_1),
+    QT.Q5_0: ("q8", 32, _r_q5_0), QT.Q5_1: ("q8", 32, _r_q5_1), QT.Q4_K: ("q4", 32, _r_q4_k),
+    QT.Q5_K: ("q8", 32, _r_q5_k), QT.Q6_K: ("q8", 16, _r_q6_k),
+}
+
+
+def from_gguf(raw, qtype, shape: tuple[int, int], name: str = "tensor") -> QMatrix:
+    """Repack one GGUF matrix (its bytes as stored, `shape` = (rows, cols)) into its
+    kind, chunk by chunk: no fp32 copy of it ever exists."""
+    qtype = QT(qtype)
+    rows, cols = shape
+    raw = np.asarray(raw).reshape(-1).view(np.uint8)
+    if qtype == QT.F16:
+        return QMatrix("f16", rows, cols, raw.view(np.uint16).reshape(rows, cols).copy(),
+                       source="F16")
+    if qtype == QT.BF16:
+        return QMatrix("bf16", rows, cols, raw.view(np.uint16).reshape(rows, cols).copy(),
+                       source="BF16")
+    if qtype not in REPACK:
+        raise FormatError(f"tensor {name}: type {qtype.name} cannot be held in memory; "
+                          f"supported: F32, F16, BF16, "
+                          f"{', '.join(sorted(t.name for t in REPACK))}")
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    if cols % block:
+        raise FormatError(f"tensor {name}: row of {cols} is not a whole number of "
+                          f"{qtype.name} blocks of {block}")
+    kind, bs, repack = REPACK[qtype]
+    blocks = raw.reshape(-1, type_size)
+    n = blocks.shape[0]
+    if n * block != rows * cols:
+        raise FormatError(f"tensor {name}: {raw.size} bytes do not hold {shape} in {qtype.name}")
+    per = block // bs                                  # scale entries per file block
+    qs = np.empty((n, block // 2 if kind == "q4" else block),
+                  dtype=np.uint8 if kind == "q4" else np.int8)
+    scale = np.empty((n, per), dtype=np.uint16)
+    minv = None
+    for i in range(0, n, CHUNK_BLOCKS):
+        q, s, m = repack(blocks[i:i + CHUNK_BLOCKS])
+        k = q.shape[0]
+        qs[i:i + k] = q.reshape(k, -1)
+        scale[i:i + k] = s.reshape(k, per)
+        if m is not None:
+            if minv is None:
+                minv = np.empty((n, per), dtype=np.uint16)
+            minv[i:i + k] = m.reshape(k, per)
+    return QMatrix(kind, rows, cols, qs.reshape(rows, -1), scale.reshape(rows, -1),
+                   None if minv is None else minv.reshape(rows, -1), bs, qtype.name)
+
+
+# -- quantizing float weights at load ---------------------------------------------------
+
+def quantize(w: np.ndarray, mode: str, source: str = "F32") -> QMatrix:
+    """A float matrix [rows, cols] as q8 (`q8_0`) or q4 (`q4`), 32 elements per block,
+    computed in row chunks. The stored fp16 scale is the one the values are rounded
+    with, so dequantizing gives the nearest grid point."""
+    rows, cols = w.shape
+    if cols % 32:
+        raise FormatError(f"cannot quantize a row of {cols} into blocks of 32")
+    nb = cols // 32
+    if mode == "q8_0":
+        qs = np.empty((rows, cols), dtype=np.int8)
+    elif mode == "q4":
+        qs = np.empty((rows, cols // 2), dtype=np.uint8)
+    else:
+        raise ValueError(f"unknown quantization {mode!r}")
+    scale = np.empty((rows, nb), dtype=np.uint16)
+    minv = np.empty((rows, nb), dtype=np.uint16) if mode == "q4" else None
+    step = max(1, (1 << 20) // cols)
+    for r in range(0, rows, step):
+        blk = np.asarray(w[r:r + step], dtype=np.float32).reshape(-1, nb, 32)
+        if mode == "q8_0":
+            s = half(f16_bits(np.abs(blk).max(axis=-1) / 127.0))
+            inv = np.divide(1.0, s, out=np.zeros_like(s), where=s > 0)
+            qs[r:r + step] = np.clip(np.rint(blk * inv[..., None]), -127, 127).astype(
+                np.int8).reshape(-1, cols)
+            scale[r:r + step] = f16_bits(s)
+        else:
+            lo, hi = blk.min(axis=-1), blk.max(axis=-1)
+            m = half(f16_bits(lo))
+            s = half(f16_bits((hi - m) / 15.0))
+            inv = np.divide(1.0, s, out=np.zeros_like(s), where=s > 0)
+            q = np.clip(np.rint((blk - m[..., None]) * inv[..., None]), 0, 15).astype(np.uint8)
+            qs[r:r + step] = _pack4(q).reshape(-1, cols // 2)
+            scale[r:r + step], minv[r:r + step] = f16_bits(s), f16_bits(m)
+    return QMatrix("q8" if mode == "q8_0" else "q4", rows, cols, qs, scale, minv, 32,
+                   f"{source}->{mode}")
+
+
+# -- the reference decoding (tests, the tile path's check) --------------------------------
+
+def dequantize(m: QMatrix, rows: slice | None = None) -> np.ndarray:
+    """float32 [rows, cols] of `m` (or of a slice of its rows), in NumPy."""
+    sel = rows or slice(None)
+    if m.kind == "f16":
+        return np.asarray(m.qs[sel]).view(np.float16).astype(np.float32)
+    if m.kind == "bf16":
+        return (np.asarray(m.qs[sel]).astype(np.uint32) << 16).view(np.float32)
+    qs = np.asarray(m.qs[sel])
+    n = qs.shape[0]
+    if m.kind == "q4":
+        q = _nib(qs.reshape(n, -1, 16)).astype(np.float32)        # (n, nb, 32)
+    else:
+        q = qs.reshape(n, -1, m.bs).astype(np.float32)
+    s = half(np.asarray(m.scale[sel]))[..., None]
+    out = q * s
+    if m.minv is not None:
+        out += half(np.asarray(m.minv[sel]))[..., None]
+    return out.reshape(n, m.cols)

@@ -19,10 +19,15 @@ def model_path(arg: str | None):
 
 
 def cmd_models(args) -> int:
-    from pantheon.common.default_model import FetchError, fetch_default
+    from pantheon.common import model_catalog as catalog
+    from pantheon.common.default_model import DEFAULT
+    if args.models_command == "list":
+        print(catalog.format_listing(catalog.listing()))
+        return 0
+    name = DEFAULT if args.models_command == "fetch-default" else args.name
     try:
-        print(fetch_default(log=lambda m: print(m, file=sys.stderr)))
-    except FetchError as exc:
+        print(catalog.fetch(name, log=lambda m: print(m, file=sys.stderr)))
+    except catalog.FetchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0
@@ -91,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="manage model files")
     models_sub = models.add_subparsers(dest="models_command", required=True)
     models_sub.add_parser("fetch-default", help="fetch the embedded default model into the cache")
+    fetch = models_sub.add_parser("fetch", help="fetch a catalogue model into the cache")
+    fetch.add_argument("name", help="a name that `pantheon models list` shows")
+    models_sub.add_parser("list", help="the catalogue and the cache: name, status, size, path")
     models.set_defaults(func=cmd_models)
 
     run = sub.add_parser("run", help="one chat turn in-process, streamed to stdout")

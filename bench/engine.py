@@ -8,18 +8,26 @@ Prints one JSON object:
                   (this model's own matrices, timed back to back on the spot,
                   median of as many repeats as decode steps)
   peak_rss_bytes  the process's peak resident memory
+  weight_bytes, kv_bytes, file_bytes and their ratios (weights / file, RSS / (file + KV))
+With --compare-llama BIN_DIR, llama.cpp's llama-bench runs on the same file with
+the same thread count right after, and "llama" holds its pp / tg figures and the
+ratios (ours / theirs).
 """
 from __future__ import annotations
 
 import json
+import os
 import resource
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
 from ..worker.engine import load_engine
 from ..worker.model import Span, linear
+from ..worker.qmatrix import QMatrix
 
 
 def median_time(fn, repeats: int) -> float:
@@ -37,7 +45,10 @@ def matmul_floor(engine, repeats: int) -> float:
     w, xp = engine.model.w, engine.device.xp
     mats = [m for layer in w.layers for m in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
     mats.append(w.head)
-    inputs = [xp.ones((1, m.shape[0]), dtype=np.float32) for m in mats]
+    def cols(m):
+        first = m[0] if isinstance(m, list) else m
+        return first.cols if isinstance(first, QMatrix) else first.shape[0]
+    inputs = [xp.ones((1, cols(m)), dtype=np.float32) for m in mats]
 
     def step():
         for x, m in zip(inputs, mats):
@@ -76,12 +87,15 @@ def prefill_rate(engine, n_tokens: int, chunk: int = 128) -> float:
     return n_tokens / median_time(run, 3)
 
 
-def run_bench(model_path, die: str = "cpu", steps: int = 32, batches=(1, 4, 8)) -> dict:
-    engine = load_engine(model_path, die=die, n_slots=max(batches), ctx=1024)
+def run_bench(model_path, die: str = "cpu", steps: int = 32, batches=(1, 4, 8),
+              quantize: str = "auto") -> dict:
+    engine = load_engine(model_path, die=die, n_slots=max(batches), ctx=1024, quantize=quantize)
     engine.warm_up()
     result = {
         "model": str(model_path),
         "die": engine.device.die_id,
+        "quantize": quantize,
+        "threads": len(os.sched_getaffinity(0)),
         "load_s": round(engine.load_seconds, 2),
         "prefill_tok_s": round(prefill_rate(engine, 512), 1),
         "decode_tok_s": {str(b): round(decode_rate(engine, b, steps), 1) for b in batches},
@@ -92,9 +106,49 @@ def run_bench(model_path, die: str = "cpu", steps: int = 32, batches=(1, 4, 8)) 
     result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
     result["weight_bytes"] = engine.model.w.nbytes()
     result["kv_bytes"] = engine.model.kv.nbytes
+    result["formats"] = engine.model.w.formats()
+    if Path(model_path).is_file():
+        size = Path(model_path).stat().st_size
+        result["file_bytes"] = size
+        result["weights_vs_file"] = round(result["weight_bytes"] / size, 3)
+        result["rss_vs_file_plus_kv"] = round(result["peak_rss_bytes"] / (size + result["kv_bytes"]), 3)
+    d = result["decode_tok_s"]
+    if "1" in d and "8" in d:
+        result["batch8_vs_batch1"] = round(d["8"] / d["1"], 2)
     return result
 
 
+def llama_bench(bin_dir: str, model_path, threads: int) -> dict:
+    """llama.cpp's pp512 / tg64 on the same file with the same threads (tokens/s)."""
+    exe = Path(bin_dir) / "llama-bench"
+    out = subprocess.run([str(exe), "-m", str(model_path), "-t", str(threads), "-p", "512",
+                          "-n", "64", "-r", "3", "-o", "json"], capture_output=True, text=True,
+                         check=True)
+    rows = json.loads(out.stdout)
+    figures = {}
+    for row in rows:
+        key = "pp" if row.get("n_prompt") and not row.get("n_gen") else "tg"
+        figures[f"{key}_tok_s"] = round(float(row["avg_ts"]), 1)
+    return figures
+
+
+def compare(ours: dict, theirs: dict) -> dict:
+    ratios = {}
+    if "tg_tok_s" in theirs:
+        ratios["decode1_vs_tg"] = round(ours["decode_tok_s"]["1"] / theirs["tg_tok_s"], 2)
+        if "8" in ours["decode_tok_s"]:
+            ratios["decode8_aggregate_vs_tg"] = round(
+                ours["decode_tok_s"]["8"] / theirs["tg_tok_s"], 2)
+    if "pp_tok_s" in theirs:
+        ratios["prefill_vs_pp"] = round(ours["prefill_tok_s"] / theirs["pp_tok_s"], 2)
+    return ratios
+
+
 def main(args) -> int:
-    print(json.dumps(run_bench(args.model, die=args.die, steps=args.steps), indent=2))
+    result = run_bench(args.model, die=args.die, steps=args.steps,
+                       quantize=getattr(args, "quantize", "auto"))
+    if getattr(args, "compare_llama", None):
+        theirs = llama_bench(args.compare_llama, args.model, result["threads"])
+        result["llama"] = theirs | {"ratios": compare(result, theirs)}
+    print(json.dumps(result, indent=2))
     return 0

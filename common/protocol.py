@@ -168,6 +168,7 @@ class Load:
     slots: int = 0           # 0: the worker's default
     ctx: int = 0             # 0: the model's trained context, capped by the worker
     prefill_chunk: int = 128
+    quantize: str = "auto"   # common/weight_format.QUANTIZE_MODES
 
 
 @dataclass(slots=True)

@@ -71,3 +71,8 @@ def test_stall(die: str) -> tuple[int, float] | None:
     except ValueError:
         raise ValueError(f"PANTHEON_TEST_STALL must be STEP:SECONDS[@DIE], not {raw!r}") from None
     return stall if not only or only == die else None
+
+
+def c_compiler() -> str:
+    """The C compiler that builds the CPU kernels on first use (`CC`, default `cc`)."""
+    return os.environ.get("CC") or "cc"

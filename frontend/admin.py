@@ -25,6 +25,7 @@ import zmq.asyncio
 
 from ..common import protocol as p
 from ..common.model_file import ModelFileError
+from ..common.weight_format import QUANTIZE_MODES
 from .admission import Admission
 from .dies import DieTable, PlacementError
 from .placement import Placer
@@ -110,9 +111,12 @@ class Admin:
         name = field(body, "name", str) or Path(path).stem
         dies = field(body, "dies", list)
         ctx, slots = field(body, "ctx", int, 0), field(body, "slots", int, 0)
-        if field(body, "quantize", bool, False):
-            raise AdminError(400, "quantize=true is not supported: weights are kept in fp32 "
-                                  "on CPU dies and fp16 on GPU dies", "quantize")
+        quantize = body.get("quantize") or ""
+        if quantize is True:                           # the spec's boolean: true = q8_0
+            quantize = "q8_0"
+        if not isinstance(quantize, str) or quantize and quantize not in QUANTIZE_MODES:
+            raise AdminError(400, f"quantize must be one of {', '.join(QUANTIZE_MODES)}, "
+                                  f"not {quantize!r}", "quantize")
         if ctx < 0 or slots < 0:
             raise AdminError(400, "ctx and slots must be >= 0")
         if dies is not None:
@@ -128,11 +132,13 @@ class Admin:
                                   "unload one first")
         self.loading.add(name)
         try:
-            return await self.place_and_upload(path, name, dies, ctx, slots, on_progress)
+            return await self.place_and_upload(path, name, dies, ctx, slots, on_progress,
+                                               quantize)
         finally:
             self.loading.discard(name)
 
-    async def place_and_upload(self, path, name, dies, ctx, slots, on_progress) -> dict:
+    async def place_and_upload(self, path, name, dies, ctx, slots, on_progress,
+                               quantize="") -> dict:
         if not Path(path).exists():
             raise AdminError(404, f"model file not found: {path}", "path")
         try:
@@ -147,13 +153,15 @@ class Admin:
                                   "be the same model file", "name")
         # phase 2: place and admit, before any upload
         try:
-            die, need = self.die_table.choose(model.config, dies, slots or self.placer.slots,
-                                              ctx or self.placer.ctx)
+            die, need = self.die_table.choose(model.path, model.config, dies,
+                                              slots or self.placer.slots, ctx or self.placer.ctx,
+                                              quantize or self.placer.quantize)
         except PlacementError as exc:
             raise AdminError(exc.status, str(exc), "dies") from exc
         worker = next(w for w in self.pool.live() if w.die == die)
         replica = self.registry.add(model, die)
         replica.reserved, replica.want_slots, replica.want_ctx = need, slots, ctx
+        replica.want_quantize = quantize
         replica.state = ReplicaState.LOADING
         # phase 3: upload (the placer holds the fleet-wide upload lock); phase 4: publish
         sent = [None]

@@ -3,13 +3,18 @@
 Fed by worker hellos and heartbeats. Each die has a budget (the memory its
 worker may give to models) and reservations: the bytes admitted for the
 replicas placed on it, counted before any upload starts (weights plus KV
-memory for a context guess, as the spec's VRAM admission does).
+memory for a context guess, as the spec's VRAM admission does). The weights
+are counted from the file's own tensor list, as the worker will hold them
+(common/weight_format.py); once a replica is loaded, its reservation becomes
+the bytes the worker reports.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from ..common.model_file import ModelConfig
+from ..common.weight_format import weight_bytes
 from .registry import Registry
 from .workers import WorkerPool
 
@@ -24,18 +29,19 @@ class PlacementError(Exception):
         self.status = status
 
 
-def weight_params(cfg: ModelConfig) -> int:
-    per_layer = (cfg.d_model * (cfg.q_dim + 2 * cfg.kv_dim) + cfg.q_dim * cfg.d_model
-                 + 3 * cfg.d_model * cfg.d_ff + 2 * cfg.d_model)
-    head = 0 if cfg.tied_embeddings else cfg.vocab_size * cfg.d_model
-    return cfg.vocab_size * cfg.d_model + head + cfg.n_layers * per_layer + cfg.d_model
+@lru_cache(maxsize=64)
+def file_weight_bytes(path: str, quantize: str, dense_itemsize: int) -> int:
+    return weight_bytes(path, quantize, dense_itemsize)
 
 
-def replica_bytes(cfg: ModelConfig, kind: str, slots: int, ctx: int) -> int:
-    """Weights (fp32 on a CPU die, fp16 on a GPU) plus KV for `slots` x the context guess."""
+def replica_bytes(path: str, cfg: ModelConfig, kind: str, slots: int, ctx: int,
+                  quantize: str = "auto") -> int:
+    """Weights as the worker will hold them (dense ones fp32 on a CPU die, fp16 on a GPU)
+    plus KV for `slots` x the context (or the guess)."""
     itemsize = 4 if kind == "cpu" else 2
     guess = ctx or min(cfg.context_length, ADMIT_CTX_GUESS)
-    return weight_params(cfg) * itemsize + slots * guess * cfg.kv_bytes_per_token(itemsize)
+    return (file_weight_bytes(str(path), quantize, itemsize)
+            + slots * guess * cfg.kv_bytes_per_token(4 if kind == "cpu" else 2))
 
 
 @dataclass
@@ -83,8 +89,8 @@ class DieTable:
                 info.models.append(f"{model.name} ({replica.model_id}, {replica.state})")
         return sorted(dies.values(), key=lambda d: d.die)
 
-    def choose(self, cfg: ModelConfig, pinned: list[str] | None, slots: int,
-               ctx: int) -> tuple[str, int]:
+    def choose(self, path: str, cfg: ModelConfig, pinned: list[str] | None, slots: int,
+               ctx: int, quantize: str = "auto") -> tuple[str, int]:
         """(die, bytes to reserve) for a new replica; PlacementError if none fits."""
         if pinned is not None and len(pinned) != 1:
             raise PlacementError(400, "a replica lives on one die: give exactly one die "
@@ -97,7 +103,8 @@ class DieTable:
                 raise PlacementError(507, f"die {pinned[0]!r} has no live worker")
         if not live:
             raise PlacementError(507, "no worker is connected")
-        need = {d.die: replica_bytes(cfg, d.kind, slots or self.slots, ctx) for d in live}
+        need = {d.die: replica_bytes(path, cfg, d.kind, slots or self.slots, ctx, quantize)
+                for d in live}
         fits = [d for d in live if need[d.die] <= d.free_budget]
         if not fits:
             best = max(live, key=lambda d: d.free_budget)

@@ -26,9 +26,10 @@ log = logging.getLogger("pantheon.frontend.placement")
 class Placer:
     def __init__(self, registry: Registry, pool: WorkerPool, dies: DieTable, slots: int = 0,
                  ctx: int = 0, prefill_chunk: int = 128, expected_dies: list[str] | None = None,
-                 grace_s: float = 60.0):
+                 grace_s: float = 60.0, quantize: str = "auto"):
         self.registry, self.pool, self.dies = registry, pool, dies
         self.slots, self.ctx, self.prefill_chunk = slots, ctx, prefill_chunk
+        self.quantize = quantize
         # auto-placement waits (up to grace_s) for every die we spawned, to spread models
         self.expected = set(expected_dies or [])
         asyncio.get_running_loop().call_later(grace_s, self.stop_waiting)
@@ -102,8 +103,8 @@ class Placer:
                 continue
             try:
                 replica.die, replica.reserved = self.dies.choose(
-                    model.config, None, replica.want_slots or self.slots,
-                    replica.want_ctx or self.ctx)
+                    model.path, model.config, None, replica.want_slots or self.slots,
+                    replica.want_ctx or self.ctx, replica.want_quantize or self.quantize)
             except PlacementError as exc:
                 replica.state, replica.error = ReplicaState.FAILED, str(exc)
                 log.error("cannot place %s: %s", model.name, exc)
@@ -122,7 +123,8 @@ class Placer:
                 log.info("loading %s (%s) on die %s", model.name, replica.model_id, worker.die)
                 loaded = await self.pool.load(worker, p.Load(
                     replica.model_id, model.path, model.name, replica.want_slots or self.slots,
-                    replica.want_ctx or self.ctx, self.prefill_chunk))
+                    replica.want_ctx or self.ctx, self.prefill_chunk,
+                    replica.want_quantize or self.quantize))
         except LoadError as exc:
             replica.state, replica.error = ReplicaState.FAILED, str(exc)
             log.error("loading %s on die %s failed: %s", model.name, worker.die, exc)
@@ -135,6 +137,7 @@ class Placer:
             replica.progress = self.pool.progress.pop(replica.model_id, replica.progress)
         replica.state, replica.worker = ReplicaState.READY, worker
         replica.loads += 1
+        replica.reserved = loaded.weight_bytes + loaded.kv_bytes     # the real figure now
         replica.slots, replica.ctx, replica.error = loaded.slots, loaded.ctx, ""
         self.pool.changed()                       # queued requests may start now
         log.info("%s ready on die %s: %d slots x %d ctx, loaded in %.1f s", model.name,

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..common.chat_template import ChatTemplate
-from ..common.model_file import ModelConfig, read_config
+from ..common.model_file import ModelConfig, ModelFileError, read_config
+from ..common.weight_format import READABLE, unreadable
 from ..common.tokenizer import Tokenizer, open_tokenizer
 from .openai_api import APIError
 
@@ -44,6 +45,7 @@ class Replica:
     worker: object = None          # WorkerInfo while loaded
     want_slots: int = 0            # as asked (0: the server's default)
     want_ctx: int = 0
+    want_quantize: str = ""        # "" : the server's --quantize
     reserved: int = 0              # bytes admitted on its die
     progress: tuple[int, int] = (0, 0)
     served: int = 0                # requests routed here, for the record
@@ -83,6 +85,10 @@ class ServedModel:
 def open_model(path: str, name: str | None, created: int) -> ServedModel:
     """Read a model's metadata and tokenizer (no weights); raises on a bad file."""
     config = read_config(path)
+    bad = unreadable(path)
+    if bad is not None:
+        raise ModelFileError(f"tensor {bad[0]} has type {bad[1]}, which Pantheon cannot load; "
+                             f"supported: {', '.join(sorted(READABLE))}")
     tokenizer = open_tokenizer(path)
     template = ChatTemplate(tokenizer.chat_template, tokenizer.bos_text, tokenizer.eos_text)
     return ServedModel(name or Path(path).stem, str(path), config, tokenizer, template, created)

@@ -44,6 +44,7 @@ class ServeConfig:
     max_models: int = 16
     context_cap: bool = True
     worker_lost_after_s: float = 60.0    # silence this long: an external worker is lost
+    quantize: str = "auto"
 
 
 async def serve(cfg: ServeConfig) -> int:
@@ -59,7 +60,7 @@ async def serve(cfg: ServeConfig) -> int:
     dies = die_names(cfg.spawn)
     die_table = DieTable(registry, pool, cfg.slots)
     placer = Placer(registry, pool, die_table, cfg.slots, cfg.ctx, cfg.prefill_chunk,
-                    expected_dies=dies)
+                    expected_dies=dies, quantize=cfg.quantize)
     admission = Admission(cfg.queue_depth, cfg.queue_timeout_s)
     pool.on_change.append(admission.wake_all)
     admin = Admin(registry, pool, placer, die_table, admission, cfg.max_models)
@@ -139,7 +140,7 @@ def main(args) -> int:
                       args.prefill_chunk, args.prefix_cache_mb,
                       args.queue_depth if args.queue_depth is not None else queue_depth(),
                       args.queue_timeout, args.admin_addr, args.admin_key, args.max_models,
-                      not args.no_context_cap, worker_lost_after_s=args.worker_lost_after)
+                      not args.no_context_cap, worker_lost_after_s=args.worker_lost_after, quantize=args.quantize)
     if cfg.worker_lost_after_s < cfg.worker_timeout_s:
         raise ValueError("--worker-lost-after must be at least --worker-timeout")
     return asyncio.run(serve(cfg))

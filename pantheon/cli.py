@@ -11,6 +11,7 @@ import os
 import sys
 
 from pantheon.common import settings
+from pantheon.common.weight_format import QUANTIZE_MODES as QUANTIZE_CHOICES
 
 
 def model_path(arg: str | None):
@@ -39,7 +40,7 @@ def cmd_run(args) -> int:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             seed=args.seed)
     run_chat(model_path(args.model), args.prompt, system=args.system,
-             max_tokens=args.max_tokens, params=params)
+             max_tokens=args.max_tokens, params=params, quantize=args.quantize)
     return 0
 
 
@@ -110,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--top-k", type=int, default=0)
     run.add_argument("--top-p", type=float, default=1.0)
     run.add_argument("--seed", type=int)
+    run.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="auto",
+                     help="weights in memory: auto (as stored), none (fp32), q8_0, q4")
     run.set_defaults(func=cmd_run)
 
     serve = sub.add_parser("serve", help="the OpenAI-compatible server (frontend + workers)")
@@ -149,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-context-cap", action="store_true",
                        help="refuse (400) a conversation longer than the context instead of "
                             "dropping its oldest turns")
+    serve.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="auto",
+                       help="weights in memory: auto (GGUF blocks as stored, float tensors "
+                            "as stored), none (dense fp32, the exact reference), q8_0 or q4 "
+                            "(float tensors quantized at load)")
     serve.add_argument("--worker-timeout", type=float, default=5.0,
                        help="seconds of silence (or of one step) after which a worker is "
                             "slow: it keeps its requests and gets new ones only when no "
@@ -199,6 +206,11 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("-m", "--model")
     engine.add_argument("--die", default="cpu", help="cpu or a CUDA device number")
     engine.add_argument("--steps", type=int, default=32, help="decode steps per batch size")
+    engine.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="auto",
+                        help="weights in memory, as `serve --quantize`")
+    engine.add_argument("--compare-llama", metavar="BIN_DIR",
+                        help="also run llama.cpp's llama-bench from BIN_DIR on the same file "
+                             "and threads, and print the ratios")
     from pantheon.bench.serve import add_arguments
     add_arguments(bench_sub.add_parser("serve", help="OpenAI streaming load generator, as JSON"))
     from pantheon.bench import prefix

@@ -5,6 +5,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
@@ -112,13 +113,35 @@ def test_a_replica_under_the_same_name_shares_the_load(fleet):
     ({"path": "/no/such/model.gguf"}, 404),
     ({"path": SMOL, "name": "big", "ctx": 10_000_000}, 507),       # KV would not fit
     ({"path": SMOL, "name": "two", "dies": ["cpu", "cpu:1"]}, 400),
-    ({"path": SMOL, "name": "q", "quantize": True}, 400),
+    ({"path": SMOL, "name": "q", "quantize": "q3"}, 400),             # lists the choices
+    ({"path": SMOL, "name": "q", "quantize": 7}, 400),
     ({"path": SMOL, "name": NAME, "dies": ["gpu9"]}, 507),         # no such die
 ])
 def test_load_errors(fleet, body, status):
     r = admin(fleet, "load", body)
     assert r.status_code == status, r.text
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_quantize_is_honoured_and_reserved_bytes_are_the_workers(fleet):
+    """quantize "none" holds the same file as fp32 (5.6x the bytes); the reservation of a
+    loaded replica is what its worker reports, not an estimate."""
+    r = admin(fleet, "load", {"path": SMOL, "name": "smol-fp32", "quantize": "none",
+                              "slots": 1, "ctx": 128})
+    assert r.status_code == 200, r.text
+    fp32 = r.json()["loaded"]["reserved_bytes"]
+    (smol,) = [m for m in admin(fleet, "models").json()["models"] if m["name"] == NAME]
+    quantized = smol["replicas"][0]["reserved_bytes"]
+    kv_token = 2 * 30 * 192 * 4                  # SmolLM2: layers x (k, v) x kv dim x fp32
+    weights_fp32, weights_q = fp32 - 128 * kv_token, quantized - 4 * 512 * kv_token
+    assert weights_fp32 == 538_060_160 and 96e6 < weights_q < 98e6     # vs a 98.4 MB file
+    iq = tm.write_gguf("qwen2", Path(fleet.tiny).parent / "iq.gguf", tensor_type="IQ4_NL")
+    r = admin(fleet, "load", {"path": str(iq), "name": "iq"})
+    assert r.status_code == 400 and "type IQ4_NL" in r.json()["error"]["message"]
+    assert "blk.0." in r.json()["error"]["message"] or "token_embd" in r.json()["error"]["message"]
+    bad = admin(fleet, "load", {"path": SMOL, "name": "q", "quantize": "q3"}).json()
+    assert "auto, none, q8_0, q4" in bad["error"]["message"]
+    assert admin(fleet, "unload", {"name": "smol-fp32"}).status_code == 200
 
 
 def test_duplicate_load_in_progress_is_409(fleet):

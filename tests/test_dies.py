@@ -17,8 +17,13 @@ def worker(die, budget, alive=True, kind="cpu"):
 
 
 @pytest.fixture(scope="module")
-def cfg(tmp_path_factory):
-    return read_config(tm.write_gguf("llama", tmp_path_factory.mktemp("d") / "t.gguf"))
+def path(tmp_path_factory):
+    return str(tm.write_gguf("llama", tmp_path_factory.mktemp("d") / "t.gguf", "Q8_0"))
+
+
+@pytest.fixture(scope="module")
+def cfg(path):
+    return read_config(path)
 
 
 def table(*workers):
@@ -27,28 +32,39 @@ def table(*workers):
     return DieTable(Registry(), pool, slots=4)
 
 
-def test_most_free_budget_that_fits_wins(cfg):
-    need = replica_bytes(cfg, "cpu", 4, 64)
+def test_most_free_budget_that_fits_wins(path, cfg):
+    need = replica_bytes(path, cfg, "cpu", 4, 64)
     t = table(worker("cpu", need * 3), worker("cpu:1", need * 5), worker("0", need * 9,
                                                                        alive=False))
-    assert t.choose(cfg, None, 4, 64) == ("cpu:1", need)
-    assert t.choose(cfg, ["cpu"], 4, 64) == ("cpu", need)
+    assert t.choose(path, cfg, None, 4, 64) == ("cpu:1", need)
+    assert t.choose(path, cfg, ["cpu"], 4, 64) == ("cpu", need)
 
 
-def test_gpu_dies_count_fp16_weights(cfg):
-    assert replica_bytes(cfg, "cuda", 1, 64) < replica_bytes(cfg, "cpu", 1, 64)
+def test_weights_are_counted_as_the_worker_holds_them(path, cfg):
+    """The admission figure is the loaded engine's own, before any upload."""
+    from pantheon.worker.engine import load_engine
+    kv = 4 * 64 * cfg.kv_bytes_per_token(4)
+    for mode in ("auto", "none", "q4"):
+        engine = load_engine(path, n_slots=4, ctx=64, quantize=mode)
+        held = engine.model.w.nbytes() - engine.model.w.inv_freq.nbytes
+        assert replica_bytes(path, cfg, "cpu", 4, 64, mode) == held + kv, mode
+        assert engine.model.kv.nbytes == kv
+    # quantize applies to float tensors: Q8_0 ones stay as they are
+    assert replica_bytes(path, cfg, "cpu", 1, 64, "q4") == replica_bytes(path, cfg, "cpu", 1, 64)
+    assert replica_bytes(path, cfg, "cpu", 1, 64) < replica_bytes(path, cfg, "cpu", 1, 64, "none") / 3
+    assert replica_bytes(path, cfg, "cuda", 1, 64, "none") < replica_bytes(path, cfg, "cpu", 1, 64, "none")
 
 
 @pytest.mark.parametrize("pinned, status, words", [
     (None, 507, "no die has room"), (["cpu", "cpu:1"], 400, "one die"),
     (["7"], 507, "no live worker")])
-def test_refusals(cfg, pinned, status, words):
+def test_refusals(path, cfg, pinned, status, words):
     t = table(worker("cpu", 10), worker("cpu:1", 10))
     with pytest.raises(PlacementError, match=words) as err:
-        t.choose(cfg, pinned, 4, 64)
+        t.choose(path, cfg, pinned, 4, 64)
     assert err.value.status == status
 
 
-def test_no_worker_at_all(cfg):
+def test_no_worker_at_all(path, cfg):
     with pytest.raises(PlacementError, match="no worker"):
-        table().choose(cfg, None, 4, 64)
+        table().choose(path, cfg, None, 4, 64)

@@ -25,7 +25,7 @@ def reference():
 
 @pytest.fixture(scope="module")
 def engine():
-    return load_engine(MODEL, n_slots=4, ctx=256)
+    return load_engine(MODEL, n_slots=4, ctx=256, quantize="none")   # the exact fp32 mode
 
 
 def test_template_gives_reference_prompt_ids(reference):

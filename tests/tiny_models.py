@@ -287,12 +287,17 @@ def gguf_tensors(name: str) -> dict[str, np.ndarray]:
     return out
 
 
+TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL")
+UNREADABLE = ("IQ4_NL",)      # random blocks of a type Pantheon refuses (a load-error test)
+
+
 def write_gguf(name: str, path: str | Path, tensor_type: str = "F32",
                with_tokenizer: bool = True, chat_template: str | None = None) -> Path:
     """Write `name` as a GGUF the way convert_hf_to_gguf.py would.
 
-    tensor_type "F32", or "F16" for 2-D weights (1-D norms, biases and
-    rope_freqs stay F32, as llama.cpp's converter keeps them). Llama q/k rows
+    tensor_type "F32", or "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"
+    for 2-D weights (1-D norms, biases and rope_freqs stay F32, as llama.cpp's
+    converter keeps them; the quantized types come from gguf-py's quantizers). Llama q/k rows
     are permuted to llama.cpp's interleaved rope layout; qwen2/qwen3 are not.
     For llama3 rope scaling the result goes in `rope_freqs.weight` and, as in
     convert_hf_to_gguf.py, no `rope.scaling.*` key is written: llama.cpp would
@@ -302,8 +307,8 @@ def write_gguf(name: str, path: str | Path, tensor_type: str = "F32",
     """
     import gguf
 
-    if tensor_type not in ("F32", "F16"):
-        raise ValueError(f"tensor_type must be F32 or F16, not {tensor_type!r}")
+    if tensor_type not in TENSOR_TYPES:
+        raise ValueError(f"tensor_type must be one of {TENSOR_TYPES}, not {tensor_type!r}")
     cfg = CONFIGS[name]
     arch = GGUF_ARCH[name]
     path = Path(path)
@@ -333,6 +338,16 @@ def write_gguf(name: str, path: str | Path, tensor_type: str = "F32",
     for tname, data in gguf_tensors(name).items():
         if tensor_type == "F16" and data.ndim == 2:
             wr.add_tensor(tname, data.astype(np.float16), raw_dtype=gguf.GGMLQuantizationType.F16)
+        elif tensor_type in UNREADABLE and data.ndim == 2:
+            qtype = gguf.GGMLQuantizationType[tensor_type]
+            block, size = gguf.GGML_QUANT_SIZES[qtype]
+            raw = np.random.default_rng(0).integers(
+                0, 256, (data.shape[0], data.shape[1] // block * size), dtype=np.uint8)
+            wr.add_tensor(tname, raw, raw_shape=raw.shape, raw_dtype=qtype)
+        elif tensor_type != "F32" and data.ndim == 2:
+            qtype = gguf.GGMLQuantizationType[tensor_type]
+            raw = gguf.quants.quantize(data.astype(np.float32), qtype)
+            wr.add_tensor(tname, raw, raw_shape=raw.shape, raw_dtype=qtype)
         else:
             wr.add_tensor(tname, data.astype(np.float32), raw_dtype=gguf.GGMLQuantizationType.F32)
 

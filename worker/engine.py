@@ -39,7 +39,7 @@ class Engine:
 
 def load_engine(path: str | Path, die: str | Device = "cpu", n_slots: int = 8,
                 ctx: int | None = None, prefill_chunk: int = 128, progress=None,
-                prefix_cache_bytes: int = 0) -> Engine:
+                prefix_cache_bytes: int = 0, quantize: str = "auto") -> Engine:
     """Load the model at `path` onto a die with `n_slots` KV slots of `ctx` positions."""
     started = time.perf_counter()
     device = die if isinstance(die, Device) else open_device(die)
@@ -47,13 +47,15 @@ def load_engine(path: str | Path, die: str | Device = "cpu", n_slots: int = 8,
     ctx = min(cfg.context_length, DEFAULT_CTX) if ctx is None else ctx
     if ctx < 2:
         raise ValueError(f"context must be at least 2 positions, got {ctx}")
-    weights = load_weights(path, cfg, device, progress=progress)
+    weights = load_weights(path, cfg, device, progress=progress, quantize=quantize)
     model = Model(cfg, weights, device.xp, n_slots, ctx, kv_dtype=device.weight_dtype)
     engine = Engine(cfg, device, model, None, 0.0)
     cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
     engine.scheduler = Scheduler(engine.forward, n_slots, ctx, prefill_chunk, model.kv, cache)
     engine.load_seconds = time.perf_counter() - started
-    log.info("loaded %s (%s, %d layers) on die %s in %.1f s: %.0f MB weights, %.0f MB KV",
-             Path(path).name, cfg.arch, cfg.n_layers, device.die_id, engine.load_seconds,
-             weights.nbytes() / 1e6, model.kv.nbytes / 1e6)
+    log.info("loaded %s (%s, %d layers) on die %s in %.1f s: %.0f MB weights (%s), "
+             "%.0f MB KV", Path(path).name, cfg.arch, cfg.n_layers, device.die_id,
+             engine.load_seconds, weights.nbytes() / 1e6,
+             ", ".join(f"{n} {k}" for k, n in sorted(weights.formats().items())),
+             model.kv.nbytes / 1e6)
     return engine

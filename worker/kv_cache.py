@@ -21,8 +21,12 @@ class KVCache:
         shape = (cfg.n_layers, n_slots, cfg.n_kv_heads, ctx, cfg.head_dim)
         self.xp = xp
         self.n_slots, self.ctx = n_slots, ctx
-        self.k = xp.zeros(shape, dtype=dtype)
-        self.v = xp.zeros(shape, dtype=dtype)
+        # committed now: zeros() maps pages lazily, so write every page at load; the RSS
+        # after a load is then the steady state and no request needs new memory
+        self.k = xp.empty(shape, dtype=dtype)
+        self.v = xp.empty(shape, dtype=dtype)
+        self.k.fill(0)
+        self.v.fill(0)
 
     @property
     def nbytes(self) -> int:

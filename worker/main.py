@@ -349,7 +349,8 @@ class Worker:
                 self.wake()
             engine = load_engine(msg.path, self.device, n_slots=msg.slots or self.slots,
                                  ctx=msg.ctx or None, prefill_chunk=msg.prefill_chunk,
-                                 prefix_cache_bytes=self.prefix_cache_bytes, progress=progress)
+                                 prefix_cache_bytes=self.prefix_cache_bytes, progress=progress,
+                                 quantize=msg.quantize)
             engine.warm_up()              # ready means warm: the first request pays nothing
             self.loads.put((msg, engine))
         except Exception as exc:

@@ -7,8 +7,10 @@ that every weight matrix is read once per layer for all of them; only
 attention, which depends on each sequence's own history, runs per sequence.
 Logits are computed only for the positions that will be sampled.
 
-Activations stay float32 everywhere. Weights may be float16 on a GPU; they
-are multiplied in their own dtype and the result is brought back to float32.
+Activations stay float32 everywhere. Every projection goes through
+worker/linear.py: dense weights (fp32, or fp16 on a GPU) are multiplied in
+their own dtype, quantized ones (QMatrix) by the die's kernels; the result is
+float32 either way.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import numpy as np
 
 from ..common.model_file import ModelConfig
 from .kv_cache import KVCache
+from .linear import is_quantized, matmul
 from .weights import Weights
 
 F32 = np.float32
@@ -41,8 +44,8 @@ def rms_norm(x, w, eps: float):
 
 
 def linear(x, w, b=None):
-    """x [T, in] @ w [in, out] (+ b) → [T, out] float32."""
-    y = (x.astype(w.dtype, copy=False) @ w).astype(F32, copy=False)
+    """x [T, in] @ W (+ b) → [T, out] float32, W held any way (worker/linear.py)."""
+    y = matmul(x, w)
     if b is not None:
         y += b
     return y
@@ -157,9 +160,11 @@ class Model:
         self.cos, self.sin = xp.cos(angles), xp.sin(angles)        # [ctx, hd/2]
         self.scale = float(cfg.head_dim) ** -0.5                    # a Python float: stays f32
         # OpenBLAS runs skinny products fastest at row counts that are multiples
-        # of 8 (measured: 8 rows cost less than 2..7), so on the CPU a batch is
-        # padded with zero rows that no span owns.
-        self.row_multiple = 8 if xp is np else 1
+        # of 8 (measured: 8 rows cost less than 2..7), so on the CPU a batch of
+        # dense weights is padded with zero rows that no span owns; the quantized
+        # kernels cost in proportion to the rows and get none.
+        dense = not is_quantized(weights.layers[0].wqkv) if weights.layers else True
+        self.row_multiple = 8 if xp is np and dense else 1
 
     def forward(self, tokens, spans: list[Span]):
         """Run one mixed batch; returns logits [n_sampled, V] float32 (on the die).

@@ -31,9 +31,10 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from ..common.weight_format import IN_MEMORY, QUANTIZE_MODES  # noqa: F401 (re-exported)
+
 QT = GGMLQuantizationType
 KINDS = ("q4", "q8", "f16", "bf16")
-QUANTIZE_MODES = ("auto", "none", "q8_0", "q4")   # `auto`: as stored (the default)
 
 
 class FormatError(ValueError):
@@ -100,7 +101,6 @@ def half(bits) -> np.ndarray:
 
 # -- reading GGUF blocks --------------------------------------------------------------
 
-REPACKED = frozenset({QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K})
 FLOATS = frozenset({QT.F32, QT.F16, QT.BF16})
 CHUNK_BLOCKS = 1 << 15            # blocks repacked at a time: transients stay a few MiB
 
@@ -161,11 +161,16 @@ def _r_q5_1(b):
 
 
 def _r_q4_k(b):
+    # group g of 32 bytes holds sub-block 2g in its low nibbles, 2g + 1 in its high ones;
+    # a q4 block wants element i low and i + 16 high: move nibbles, never unpack them
     n = b.shape[0]
     d, dmin = _h(b, 0), _h(b, 2)
     sc, mn = _k_scales(b[:, 4:16])
-    q = _nib(b[:, 16:144].reshape(n, 4, 32)).reshape(n, 8, 32)
-    return (_pack4(q).reshape(n, 128), f16_bits(d * sc), f16_bits(-(dmin * mn)))
+    g = b[:, 16:144].reshape(n, 4, 32)
+    out = np.empty((n, 4, 2, 16), dtype=np.uint8)
+    out[:, :, 0] = (g[:, :, :16] & 0x0F) | (g[:, :, 16:] << 4)
+    out[:, :, 1] = (g[:, :, :16] >> 4) | (g[:, :, 16:] & 0xF0)
+    return out.reshape(n, 128), f16_bits(d * sc), f16_bits(-(dmin * mn))
 
 
 def _r_q5_k(b):
@@ -178,20 +183,24 @@ def _r_q5_k(b):
 
 
 def _r_q6_k(b):
+    # per half of 128: y[l] = lo4(ql[l]) | qh[l] bits 0-1 << 4, y[l+32] = lo4(ql[l+32]) |
+    # bits 2-3, y[l+64] = hi4(ql[l]) | bits 4-5, y[l+96] = hi4(ql[l+32]) | bits 6-7
     n = b.shape[0]
     d = _h(b, 208)
     scale = b[:, 192:208].view(np.int8).astype(np.float32)
-    ql = _nib(b[:, 0:128].reshape(n, 2, 64)).reshape(n, 2, 4, 32)
-    qh = (b[:, 128:192].reshape(n, 2, 1, 32) >> np.arange(0, 8, 2, dtype=np.uint8)[:, None]) & 3
-    q = (ql | (qh << 4)).view(np.int8) - np.int8(32)
-    return q.reshape(n, 256), f16_bits(d * scale), None
+    ql, qh = b[:, 0:128].reshape(n, 2, 64), b[:, 128:192].reshape(n, 2, 32)
+    out = np.empty((n, 2, 4, 32), dtype=np.uint8)
+    out[:, :, 0] = (ql[:, :, :32] & 0x0F) | ((qh & 0x03) << 4)
+    out[:, :, 1] = (ql[:, :, 32:] & 0x0F) | ((qh & 0x0C) << 2)
+    out[:, :, 2] = (ql[:, :, :32] >> 4) | (qh & 0x30)
+    out[:, :, 3] = (ql[:, :, 32:] >> 4) | ((qh & 0xC0) >> 2)
+    return out.view(np.int8).reshape(n, 256) - np.int8(32), f16_bits(d * scale), None
 
 
-REPACK = {  # type → (kind, bs, repacker)
-    QT.Q8_0: ("q8", 32, _r_q8_0), QT.Q4_0: ("q4", 32, _r_q4_0), QT.Q4_1: ("q4", 32, _r_q4_1),
-    QT.Q5_0: ("q8", 32, _r_q5_0), QT.Q5_1: ("q8", 32, _r_q5_1), QT.Q4_K: ("q4", 32, _r_q4_k),
-    QT.Q5_K: ("q8", 32, _r_q5_k), QT.Q6_K: ("q8", 16, _r_q6_k),
-}
+REPACKERS = {QT.Q8_0: _r_q8_0, QT.Q4_0: _r_q4_0, QT.Q4_1: _r_q4_1, QT.Q5_0: _r_q5_0,
+             QT.Q5_1: _r_q5_1, QT.Q4_K: _r_q4_k, QT.Q5_K: _r_q5_k, QT.Q6_K: _r_q6_k}
+# type → (kind, bs, repacker); kinds and block sizes as common/weight_format.py counts them
+REPACK = {t: (*IN_MEMORY[t.name][:2], fn) for t, fn in REPACKERS.items()}
 
 
 def from_gguf(raw, qtype, shape: tuple[int, int], name: str = "tensor") -> QMatrix:

@@ -1,21 +1,28 @@
 """Weights of one model on one die, read tensor by tensor.
 
-A GGUF file is memory-mapped and each tensor is dequantized on its own (on a
-GPU die the quantized bytes are uploaded and dequantized there), so no
-transient copy of the whole model ever exists. Hugging Face folders are read
-from their `.safetensors` files the same way.
+A GGUF file is memory-mapped and read one tensor at a time, so no transient
+copy of the whole model ever exists. Hugging Face folders are read from their
+`.safetensors` files the same way. Two ways to hold a matrix:
 
-Layout: every matrix is stored transposed, [in, out], so a projection is the
-plain product x @ W (measured: OpenBLAS runs skinny products faster this way
-than with a transposed operand), and the projections that read the same input
-are fused into one matrix (q|k|v and gate|up) so that a layer costs four
-matmuls instead of seven. A tied output head is stored once, as [D, V], and
-the embedding lookup reads its columns.
+- quantized (the default, `quantize` "auto", "q8_0" or "q4"): a QMatrix
+  (worker/qmatrix.py) in the file's own block format, repacked; float tensors
+  stay 16-bit (or fp32), or are quantized at load when asked. Row-major
+  [out, in]; the projections that read the same input are row-stacked into
+  one matrix (q|k|v and gate|up) when their formats agree, else kept as a
+  list whose outputs are concatenated.
+- dense fp32 (`quantize` "none", the exact reference; fp16 on a GPU that
+  computes fp16 at speed): every matrix transposed, [in, out], so a projection
+  is the plain product x @ W (measured: OpenBLAS runs skinny products faster
+  this way than with a transposed operand), fused as above.
+
+A tied output head is stored once and the embedding lookup reads its rows
+(quantized) or columns (dense).
 """
 from __future__ import annotations
 
 import json
 import math
+import mmap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +30,9 @@ import numpy as np
 
 from ..common.gguf_file import open_gguf
 from ..common.model_file import ModelConfig, ModelFileError
+from . import qmatrix as qm
 from .device import Device
+from .qmatrix import QMatrix
 from .quants import dequantize
 
 # Hugging Face parameter names → GGUF names (our canonical names).
@@ -43,6 +52,7 @@ HF_LAYER_NAMES = {
 
 @dataclass
 class Layer:
+    # a projection is a dense [in, out] array, a QMatrix [out, in], or a list of them
     attn_norm: object       # [D]
     wqkv: object            # [D, q_dim + 2 kv_dim]
     bqkv: object | None     # [q_dim + 2 kv_dim]            (qwen2)
@@ -56,22 +66,45 @@ class Layer:
 
 @dataclass
 class Weights:
-    embed: object | None    # [V, D]; None when tied to the head
+    embed: object | None    # [V, D] (dense or QMatrix); None when tied to the head
     layers: list[Layer]
     out_norm: object        # [D]
-    head: object            # [D, V]
+    head: object            # dense [D, V], or QMatrix [V, D]
     inv_freq: object        # [head_dim / 2] float32 rotary frequencies
 
     def embed_rows(self, tokens):
         """Embeddings of `tokens` [T] → [T, D] float32."""
-        rows = self.head[:, tokens].T if self.embed is None else self.embed[tokens]
+        table = self.head if self.embed is None else self.embed
+        if isinstance(table, QMatrix):
+            from .linear import gather_rows
+            return gather_rows(table, tokens)
+        rows = table[:, tokens].T if self.embed is None else table[tokens]
         return rows.astype(np.float32)
 
     def nbytes(self) -> int:
-        arrays = [self.head, self.out_norm] + ([] if self.embed is None else [self.embed])
+        """Bytes the weights really take on the die."""
+        items = [self.head, self.out_norm, self.inv_freq] + ([] if self.embed is None
+                                                              else [self.embed])
         for layer in self.layers:
-            arrays += [a for a in vars(layer).values() if a is not None]
-        return sum(int(a.nbytes) for a in arrays)
+            items += [a for a in vars(layer).values() if a is not None]
+        return sum(nbytes(a) for a in items)
+
+    def formats(self) -> dict[str, int]:
+        """Matrices by in-memory kind (and file type), for the record."""
+        out: dict[str, int] = {}
+        for item in [self.head] + ([self.embed] if self.embed is not None else []) + [
+                a for layer in self.layers for a in (layer.wqkv, layer.wo, layer.w_gate_up,
+                                                     layer.w_down)]:
+            for m in item if isinstance(item, list) else [item]:
+                key = f"{m.kind}<{m.source}" if isinstance(m, QMatrix) else str(m.dtype)
+                out[key] = out.get(key, 0) + 1
+        return out
+
+
+def nbytes(item) -> int:
+    if isinstance(item, list):
+        return sum(nbytes(i) for i in item)
+    return item.nbytes() if isinstance(item, QMatrix) else int(item.nbytes)
 
 
 class GGUFSource:
@@ -101,6 +134,46 @@ class GGUFSource:
             heads = self.cfg.n_heads if "attn_q" in name else self.cfg.n_kv_heads
             out = unpermute_rows(out, heads, device.xp)
         return out
+
+    def qmatrix(self, name: str, mode: str):
+        """Matrix `name` held as the mode asks: a QMatrix (host arrays), or None where
+        it stays a dense float matrix (F32 as stored, a row not made of blocks)."""
+        t = self.tensors.get(name)
+        if t is None:
+            raise ModelFileError(f"GGUF file lacks tensor {name}")
+        shape = tuple(int(n) for n in reversed(t.shape))
+        if len(shape) != 2:
+            raise ModelFileError(f"tensor {name} has shape {shape}, not a matrix")
+        qtype = qm.QT(t.tensor_type)
+        raw = np.asarray(t.data).reshape(-1).view(np.uint8)
+        if qtype in qm.FLOATS:
+            if mode in ("q8_0", "q4") and shape[1] % 32 == 0:
+                m = qm.quantize(dequantize(raw, qtype, shape), mode, qtype.name)
+            elif qtype == qm.QT.F32 or shape[1] % 32:
+                return None
+            else:
+                m = qm.from_gguf(raw, qtype, shape, name)
+        else:
+            m = qm.from_gguf(raw, qtype, shape, name)
+        if self.cfg.arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = self.cfg.n_heads if "attn_q" in name else self.cfg.n_kv_heads
+            m = m.take_rows(unpermute_rows(np.arange(shape[0])[:, None], heads, np)[:, 0])
+        self.release(t)
+        return m
+
+    def release(self, t) -> None:
+        """Drop the file pages of a tensor already repacked from this process's memory
+        (they stay in the page cache): the load's peak RSS is the weights, not the file
+        plus the weights."""
+        mm = getattr(self.reader.data, "_mmap", None)
+        if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = int(t.data_offset) // mmap.PAGESIZE * mmap.PAGESIZE
+        end = int(t.data_offset) + int(t.n_bytes)
+        try:
+            mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+        except (OSError, ValueError):
+            pass
 
 
 def unpermute_rows(w, n_heads: int, xp):
@@ -155,6 +228,25 @@ class SafetensorsSource:
         if info["dtype"] == "BF16":   # bfloat16 is the top half of a float32
             arr = (arr.astype(np.uint32) << 16).view(np.float32)
         return device.xp.asarray(arr).astype(dtype, copy=False)
+
+    def qmatrix(self, name: str, mode: str):
+        """As GGUFSource.qmatrix: BF16 and F16 stay 16-bit, F32 stays dense, unless the
+        mode quantizes them."""
+        if name not in self.index:
+            raise ModelFileError(f"checkpoint lacks tensor {name}")
+        data, info = self.index[name]
+        shape = tuple(info["shape"])
+        if len(shape) != 2 or shape[1] % 32:
+            return None
+        if mode in ("q8_0", "q4"):
+            host = Device("cpu", -1, np, "cpu", np.float32)
+            return qm.quantize(self.get(name, host), mode, info["dtype"])
+        if info["dtype"] == "F32":
+            return None
+        start, end = info["data_offsets"]
+        bits = np.array(data[start:end].view(np.uint16).reshape(shape))
+        return QMatrix("bf16" if info["dtype"] == "BF16" else "f16", *shape, bits,
+                       source=info["dtype"])
 
 
 def hf_layer_name(name: str) -> str:
@@ -213,13 +305,30 @@ def open_source(path: Path, cfg: ModelConfig):
     return SafetensorsSource(path) if path.is_dir() else GGUFSource(path, cfg)
 
 
-def load_weights(path: str | Path, cfg: ModelConfig, device: Device, progress=None) -> Weights:
-    """Read, dequantize and place every tensor; `progress(done, total)` per layer."""
+def load_weights(path: str | Path, cfg: ModelConfig, device: Device, progress=None,
+                 quantize: str = "auto") -> Weights:
+    """Read and place every tensor; `progress(done, total)` per layer.
+
+    quantize: "auto" (GGUF blocks as stored, floats as stored), "q8_0" / "q4" (floats
+    quantized at load), "none" (everything dequantized to dense fp32: the reference)."""
+    if quantize not in qm.QUANTIZE_MODES:
+        raise ValueError(f"quantize must be one of {', '.join(qm.QUANTIZE_MODES)}, "
+                         f"not {quantize!r}")
     xp, wdt = device.xp, device.weight_dtype
     src = open_source(Path(path), cfg)
 
     def norm(name):  # norms and biases stay fp32: they are tiny and precision-sensitive
         return src.get(name, device, np.float32)
+
+    def proj(names: list[str]):
+        """One projection from the tensors `names` (row-stacked outputs)."""
+        if quantize != "none":
+            parts = [src.qmatrix(n, quantize) for n in names]
+            if all(p is not None for p in parts):
+                parts = [qm.stack(parts)] if qm.stackable(parts) else parts
+                parts = [p.to(xp) if xp is not np else p for p in parts]
+                return parts[0] if len(parts) == 1 else parts
+        return transposed(xp, src, names, device, wdt)       # dense: [in, sum(out)]
 
     layers = []
     for i in range(cfg.n_layers):
@@ -227,22 +336,30 @@ def load_weights(path: str | Path, cfg: ModelConfig, device: Device, progress=No
         qkv = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
         layers.append(Layer(
             attn_norm=norm(p + "attn_norm.weight"),
-            wqkv=transposed(xp, src, qkv, device, wdt),
+            wqkv=proj(qkv),
             bqkv=(transposed(xp, src, [n.replace("weight", "bias") for n in qkv], device,
                              np.float32) if cfg.qkv_bias else None),
             q_norm=norm(p + "attn_q_norm.weight") if cfg.qk_norm else None,
             k_norm=norm(p + "attn_k_norm.weight") if cfg.qk_norm else None,
-            wo=transposed(xp, src, [p + "attn_output.weight"], device, wdt),
+            wo=proj([p + "attn_output.weight"]),
             ffn_norm=norm(p + "ffn_norm.weight"),
-            w_gate_up=transposed(xp, src, [p + "ffn_gate.weight", p + "ffn_up.weight"],
-                                 device, wdt),
-            w_down=transposed(xp, src, [p + "ffn_down.weight"], device, wdt),
+            w_gate_up=proj([p + "ffn_gate.weight", p + "ffn_up.weight"]),
+            w_down=proj([p + "ffn_down.weight"]),
         ))
         if progress:
             progress(i + 1, cfg.n_layers)
     tied = cfg.tied_embeddings or "output.weight" not in src
-    head = transposed(xp, src, ["token_embd.weight" if tied else "output.weight"], device, wdt)
-    embed = None if tied else src.get("token_embd.weight", device, wdt)
+    head = proj(["token_embd.weight" if tied else "output.weight"])
+    if isinstance(head, list):                                 # (one tensor: never a list)
+        head = head[0]
+    if tied:
+        embed = None
+    elif quantize != "none":
+        embed = proj(["token_embd.weight"])
+        if not isinstance(embed, QMatrix):                     # dense: rows are tokens
+            embed = xp.ascontiguousarray(embed.T)
+    else:
+        embed = src.get("token_embd.weight", device, wdt)
     factors = None
     if "rope_freqs.weight" in src:
         factors = device.to_host(src.get("rope_freqs.weight", device, np.float32))

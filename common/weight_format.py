@@ -1,0 +1,77 @@
+"""How each stored tensor type is held in memory, and what that costs: shared by the
+worker (which repacks, worker/qmatrix.py) and the frontend (which admits a replica
+on a die before any upload, from the file's tensor list alone).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+QUANTIZE_MODES = ("auto", "none", "q8_0", "q4")   # `auto`: as stored (the default)
+
+# GGUF / safetensors type → (in-memory kind, block size, has a per-block min)
+IN_MEMORY = {
+    "Q8_0": ("q8", 32, False), "Q4_0": ("q4", 32, True), "Q4_1": ("q4", 32, True),
+    "Q5_0": ("q8", 32, False), "Q5_1": ("q8", 32, True), "Q4_K": ("q4", 32, True),
+    "Q5_K": ("q8", 32, True), "Q6_K": ("q8", 16, False),
+    "F16": ("f16", 32, False), "BF16": ("bf16", 32, False),
+}
+QUANTIZED_AT_LOAD = {"q8_0": ("q8", 32, False), "q4": ("q4", 32, True)}
+
+
+def kind_bytes(kind: str, bs: int, has_min: bool, elements: int) -> int:
+    """Bytes of a matrix of `elements` weights held as `kind` (fp16 scales, mins)."""
+    per = {"q4": 0.5, "q8": 1.0, "f16": 2.0, "bf16": 2.0, "f32": 4.0}[kind]
+    scales = 0 if kind in ("f16", "bf16", "f32") else (2 + 2 * has_min) * elements // bs
+    return int(elements * per) + scales
+
+
+def held_as(type_name: str, shape: tuple[int, ...], quantize: str,
+            dense_itemsize: int = 4) -> int:
+    """Bytes a tensor of `type_name` and `shape` takes on the die under `quantize`."""
+    elements = 1
+    for n in shape:
+        elements *= int(n)
+    if len(shape) != 2 or quantize == "none" or shape[-1] % 32:
+        return elements * (4 if len(shape) != 2 else dense_itemsize)
+    if type_name in ("F32", "F16", "BF16") and quantize in QUANTIZED_AT_LOAD:
+        return kind_bytes(*QUANTIZED_AT_LOAD[quantize], elements)
+    if type_name == "F32":
+        return elements * 4
+    if type_name not in IN_MEMORY:
+        return elements * 4           # the load will refuse it; never under-count
+    return kind_bytes(*IN_MEMORY[type_name], elements)
+
+
+def tensor_list(path: str | Path) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, type, shape as rows-major) of every tensor of a GGUF file or HF folder."""
+    path = Path(path)
+    if path.is_dir():
+        out = []
+        for file in sorted(path.glob("*.safetensors")):
+            with open(file, "rb") as fh:
+                header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+            out += [(name, info["dtype"], tuple(info["shape"]))
+                    for name, info in header.items() if name != "__metadata__"]
+        return out
+    from .gguf_file import open_gguf
+    reader = open_gguf(path)
+    return [(t.name, t.tensor_type.name, tuple(int(n) for n in reversed(t.shape)))
+            for t in reader.tensors]
+
+
+def weight_bytes(path: str | Path, quantize: str = "auto", dense_itemsize: int = 4) -> int:
+    """What the weights of the model at `path` will take on a die, before loading it."""
+    return sum(held_as(kind, shape, quantize, dense_itemsize)
+               for _, kind, shape in tensor_list(path))
+
+
+READABLE = frozenset(IN_MEMORY) | {"F32"}
+
+
+def unreadable(path: str | Path) -> tuple[str, str] | None:
+    """(tensor, type) of the first tensor no loader here can hold, or None."""
+    for name, kind, _ in tensor_list(path):
+        if kind not in READABLE:
+            return name, kind
+    return None

@@ -1,0 +1,69 @@
+"""The CPU kernels against NumPy on every in-memory kind, batch size and path."""
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from pantheon.worker import kernels_cpu as kc
+from pantheon.worker import qmatrix as qm
+from test_qmatrix import random_tensor
+
+
+def matrices():
+    rng = np.random.default_rng(3)
+    out = {}
+    for qtype, blocks in ((QT.Q4_1, 6), (QT.Q4_K, 1), (QT.Q8_0, 6), (QT.Q5_1, 6),
+                          (QT.Q6_K, 1)):
+        raw, shape = random_tensor(qtype, 40, blocks)
+        out[qtype.name] = qm.from_gguf(raw, qtype, shape)
+    w = rng.standard_normal((40, 192)).astype(np.float32)
+    out["F16"] = qm.from_gguf(w.astype(np.float16).view(np.uint8), QT.F16, w.shape)
+    out["BF16"] = qm.from_gguf((w.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8),
+                               QT.BF16, w.shape)
+    return out
+
+
+MATS = matrices()
+
+
+@pytest.mark.parametrize("name", list(MATS))
+@pytest.mark.parametrize("batch", [1, 3, 8, 16, 17, 40])
+@pytest.mark.parametrize("path", ["auto", "gemv", "tile"])
+def test_matmul_equals_numpy(name, batch, path):
+    m = MATS[name]
+    x = np.random.default_rng(batch).standard_normal((batch, m.cols)).astype(np.float32)
+    ref = x @ qm.dequantize(m).T
+    got = kc.matmul(x, m, path)
+    assert got.shape == (batch, m.rows) and got.dtype == np.float32
+    # the decode path quantizes x to int16 per block of 32 (q4 and q8 kinds)
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("name", list(MATS))
+def test_gather_and_dequantize_rows(name):
+    m = MATS[name]
+    full = qm.dequantize(m)
+    ids = [5, 0, 39, 5]
+    np.testing.assert_allclose(kc.gather_rows(m, ids), full[ids], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(kc.dequantize_rows(m, 3, 11), full[3:11], rtol=1e-6, atol=1e-7)
+
+
+def test_bad_inputs_are_refused_before_the_c_code_sees_them():
+    m = MATS["Q4_1"]
+    with pytest.raises(AssertionError, match="float32"):
+        kc.matmul(np.ones((1, m.cols), np.float64), m)
+    with pytest.raises(AssertionError, match="columns"):
+        kc.matmul(np.ones((1, m.cols + 32), np.float32), m)
+    with pytest.raises(AssertionError, match="C-contiguous"):
+        kc.matmul(np.ones((m.cols, 2), np.float32).T, m)
+    with pytest.raises(IndexError):
+        kc.gather_rows(m, [40])
+    broken = qm.QMatrix("q4", m.rows, m.cols, m.qs[:, :-1].copy(), m.scale, m.minv)
+    with pytest.raises(AssertionError, match="qs must be"):
+        kc.matmul(np.ones((1, m.cols), np.float32), broken)
+
+
+def test_a_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", "no-such-cc")
+    monkeypatch.setenv("PANTHEON_CACHE_DIR", str(tmp_path))
+    with pytest.raises(kc.KernelBuildError, match="no C compiler 'no-such-cc'"):
+        kc.build()

@@ -1,0 +1,111 @@
+"""Quantized weights in memory against the fp32 forward of the same weights dequantized.
+
+Teacher-forced: the prompt as one prefill chunk (the tile + BLAS path), then each
+reply token one at a time (the decode kernels), logits compared at every position:
+top-1 agreement >= 99 % and mean KL <= 0.01 nats (the engine issue's bounds), for
+tiny models of every architecture in every in-memory format and for SmolLM2 over the
+reference prompts and replies.
+"""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tiny_models as tm
+from pantheon.common.default_model import cached_path
+from pantheon.worker.engine import load_engine
+from pantheon.worker.model import Span
+from pantheon.worker.qmatrix import QMatrix
+
+REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference"
+
+
+def log_softmax(a):
+    a = a - a.max(axis=-1, keepdims=True)
+    return a - np.log(np.exp(a).sum(axis=-1, keepdims=True))
+
+
+def teacher_forced(engine, prompt, reply):
+    model, ids = engine.model, list(prompt) + list(reply)
+    rows = [model.forward(np.array(prompt), [Span(0, 0, len(prompt))])[0]]
+    for i in range(len(prompt), len(ids) - 1):
+        rows.append(model.forward(np.array([ids[i]]), [Span(0, i, 1)])[0])
+    return np.array(rows)
+
+
+TIE = 1e-3    # nats: a pick this close to the reference's top-1 is a tie, not a miss
+
+
+def compare(ref_engine, engine, seqs):
+    """(top-1 agreement, mean KL(ref || quantized), positions) over `seqs`."""
+    agree, kls = [], []
+    for prompt, reply in seqs:
+        a = log_softmax(teacher_forced(ref_engine, prompt, reply))
+        b = log_softmax(teacher_forced(engine, prompt, reply))
+        pick = b.argmax(1)
+        agree += list(a[np.arange(len(a)), pick] >= a.max(1) - TIE)
+        kls += list((np.exp(a) * (a - b)).sum(1))
+    return float(np.mean(agree)), float(np.mean(kls)), len(agree)
+
+
+def kinds(engine) -> set[str]:
+    w = engine.model.w
+    mats = [w.head] + [m for layer in w.layers for m in (layer.wqkv, layer.wo,
+                                                          layer.w_gate_up, layer.w_down)]
+    return {f"{m.kind}/{m.bs}{'+min' if m.minv is not None else ''}" if isinstance(m, QMatrix)
+            else "dense" for m in mats}
+
+
+_rng = np.random.default_rng(7)     # prompts of 24 (one prefill chunk), replies of 20
+TINY_SEQS = [(list(_rng.integers(3, 320, 24)), list(_rng.integers(3, 320, 20)))
+             for _ in range(3)]
+FORMATS = {"Q8_0": {"q8/32"}, "Q4_0": {"q4/32+min"}, "Q4_1": {"q4/32+min"},
+           "Q5_0": {"q8/32"}, "Q5_1": {"q8/32+min"}, "F16": {"f16/32"}, "BF16": {"bf16/32"}}
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_tiny_models_in_every_format_match_their_fp32_forward(tmp_path, arch, fmt):
+    path = tm.write_gguf(arch, tmp_path / f"{arch}-{fmt}.gguf", tensor_type=fmt)
+    quantized = load_engine(path, n_slots=1, ctx=64)
+    reference = load_engine(path, n_slots=1, ctx=64, quantize="none")
+    assert kinds(quantized) == FORMATS[fmt] and kinds(reference) == {"dense"}
+    assert quantized.model.w.nbytes() < reference.model.w.nbytes() * 0.6
+    agree, kl, n = compare(reference, quantized, TINY_SEQS)
+    assert n > 20 and agree >= 0.99 and kl <= 0.01, (agree, kl)
+    assert kl < 1e-4                        # only the kernels' rounding is left
+
+
+# random weights are the worst case for 4 bits (no outliers to spare, near-flat logits):
+# the bounds are what the quantization itself costs here, measured
+@pytest.mark.parametrize("mode, kind, kl_bound", [("q8_0", "q8/32", 1e-3), ("q4", "q4/32+min", 0.25)])
+def test_float_models_quantized_at_load(tmp_path, mode, kind, kl_bound):
+    path = tm.write_gguf("qwen3", tmp_path / "qwen3.gguf")
+    quantized = load_engine(path, n_slots=1, ctx=64, quantize=mode)
+    reference = load_engine(path, n_slots=1, ctx=64, quantize="none")
+    assert kinds(quantized) == {kind}
+    agree, kl, _ = compare(reference, quantized, TINY_SEQS)
+    assert kl <= kl_bound, (agree, kl)      # the quantization itself: measured bounds
+
+
+def test_an_unknown_quantize_mode_is_refused(tmp_path):
+    path = tm.write_gguf("llama", tmp_path / "l.gguf")
+    with pytest.raises(ValueError, match="quantize must be one of auto, none, q8_0, q4"):
+        load_engine(path, n_slots=1, ctx=64, quantize="q3")
+
+
+@pytest.mark.skipif(not cached_path().exists() or not REFERENCE.exists(),
+                    reason="default model or reference data missing")
+def test_smollm2_quantized_matches_its_fp32_forward():
+    chat = json.loads((REFERENCE / "smollm2-reference.json").read_text())["chat_greedy"]
+    llama = json.loads((REFERENCE / "llamacpp-greedy.json").read_text())[
+        "SmolLM2-135M-Instruct.Q4_1.gguf"]["cases"]
+    seqs = [(c["prompt_ids_fp32ref"], c["greedy_ids_fp32ref"]) for c in chat]
+    seqs += [(c["model_input_ids"], c["greedy_ids"][:16]) for c in llama]
+    quantized = load_engine(cached_path(), n_slots=1, ctx=1024)
+    reference = load_engine(cached_path(), n_slots=1, ctx=1024, quantize="none")
+    assert kinds(quantized) == {"q4/32+min", "q8/32"}
+    assert quantized.model.w.nbytes() <= cached_path().stat().st_size * 1.02
+    agree, kl, n = compare(reference, quantized, seqs)
+    assert n > 140 and agree >= 0.99 and kl <= 0.01, (agree, kl)

@@ -1,0 +1,324 @@
+/* CPU kernels for QMatrix weights (worker/qmatrix.py): y[B, N] = x[B, K] @ W.T.
+ *
+ * Built at first use by worker/kernels_cpu.py with the host's C compiler
+ * (-O3 -march=native -fopenmp) and cached by source and CPU. Plain C that the
+ * compiler vectorizes: each block of 32 weights is dequantized into a small
+ * float buffer (w = scale * q + min) and multiplied into per-row vector
+ * accumulators, so nothing is reduced horizontally until a row ends, and one
+ * read of the quantized weights serves all B rows of x.
+ *
+ * Formats (row-major, blocks along K; scales and mins are fp16 bit patterns):
+ *   q4:   qs[N][K/2]; block b of a row holds elements 32b+i (low nibble of byte
+ *         16b+i) and 32b+16+i (high nibble), i < 16; scale, min [N][K/32]
+ *   q8:   qs[N][K] int8; scale (and min, or none) [N][K/bs], bs 32 or 16
+ *   f16:  qs[N][K] half bits;  bf16: qs[N][K] bfloat16 bits
+ */
+#include <stdint.h>
+#include <string.h>
+
+#define MAXB 16     /* rows of x per pass; the caller splits larger batches */
+
+#if defined(__F16C__)
+#include <immintrin.h>
+static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+#else
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1F, m = h & 0x3FF, bits;
+    if (e == 0) {                       /* zero or subnormal: m * 2^-24 */
+        float v = (float)m * (1.0f / 16777216.0f);
+        return sign ? -v : v;
+    }
+    if (e == 31) bits = sign | 0x7F800000u | (m << 13);
+    else bits = sign | ((e + 112) << 23) | (m << 13);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+#endif
+
+enum { Q4 = 0, Q8 = 1, Q8M = 2, F16 = 3, BF16 = 4 };
+
+/* The `bs` weights of block `blk` of row `n`, as floats. */
+static inline void dequant_block(int code, const uint8_t *restrict qs,
+                                 const uint16_t *restrict sc, const uint16_t *restrict mn,
+                                 int64_t K, int64_t bs, int64_t n, int64_t blk,
+                                 float *restrict w) {
+    int64_t nb = K / bs;
+    if (code == Q4) {
+        const uint8_t *q = qs + n * (K / 2) + blk * 16;
+        float s = half_to_float(sc[n * nb + blk]), m = half_to_float(mn[n * nb + blk]);
+        for (int i = 0; i < 16; i++) {
+            w[i] = (float)(q[i] & 15) * s + m;
+            w[i + 16] = (float)(q[i] >> 4) * s + m;
+        }
+    } else if (code == Q8 || code == Q8M) {
+        const int8_t *q = (const int8_t *)qs + n * K + blk * bs;
+        float s = half_to_float(sc[n * nb + blk]);
+        float m = code == Q8M ? half_to_float(mn[n * nb + blk]) : 0.0f;
+        for (int i = 0; i < bs; i++) w[i] = (float)q[i] * s + m;
+    } else if (code == F16) {
+        const uint16_t *q = (const uint16_t *)qs + n * K + blk * bs;
+        for (int i = 0; i < bs; i++) w[i] = half_to_float(q[i]);
+    } else {
+        const uint16_t *q = (const uint16_t *)qs + n * K + blk * bs;
+        for (int i = 0; i < bs; i++) {
+            uint32_t bits = (uint32_t)q[i] << 16;
+            memcpy(&w[i], &bits, 4);
+        }
+    }
+}
+
+/* Float kinds have no blocks of their own: they are walked in runs of 32. */
+static inline int64_t block_of(int code, int64_t bs) {
+    return (code == F16 || code == BF16) ? 32 : bs;
+}
+
+/* One batch of up to MAXB rows of x against rows [n0, n1) of W. */
+static void gemv_rows(int code, const uint8_t *restrict qs, const uint16_t *restrict sc,
+                      const uint16_t *restrict mn, int64_t K, int64_t bs, int64_t N,
+                      const float *restrict x, int64_t B, float *restrict out,
+                      int64_t n0, int64_t n1) {
+    int64_t run = block_of(code, bs), nb = K / run;
+    float w[32];
+    float acc[MAXB][32];
+    for (int64_t n = n0; n < n1; n++) {
+        memset(acc, 0, sizeof(float) * 32 * B);
+        for (int64_t blk = 0; blk < nb; blk++) {
+            dequant_block(code, qs, sc, mn, K, run, n, blk, w);
+            if (run == 32) {
+                for (int64_t b = 0; b < B; b++) {
+                    const float *xb = x + b * K + blk * 32;
+                    for (int i = 0; i < 32; i++) acc[b][i] += w[i] * xb[i];
+                }
+            } else {
+                for (int64_t b = 0; b < B; b++) {
+                    const float *xb = x + b * K + blk * 16;
+                    for (int i = 0; i < 16; i++) acc[b][i] += w[i] * xb[i];
+                }
+            }
+        }
+        for (int64_t b = 0; b < B; b++) {
+            float t = 0.0f;
+            for (int i = 0; i < 32; i++) t += acc[b][i];
+            out[b * N + n] = t;
+        }
+    }
+}
+
+/* A specialised B = 1 pass: the accumulators stay in registers. */
+static void gemv1_rows(int code, const uint8_t *restrict qs, const uint16_t *restrict sc,
+                       const uint16_t *restrict mn, int64_t K, int64_t bs, int64_t N,
+                       const float *restrict x, float *restrict out, int64_t n0, int64_t n1) {
+    int64_t run = block_of(code, bs), nb = K / run;
+    float w[32];
+    for (int64_t n = n0; n < n1; n++) {
+        float acc[32] = {0};
+        for (int64_t blk = 0; blk < nb; blk++) {
+            dequant_block(code, qs, sc, mn, K, run, n, blk, w);
+            const float *xb = x + blk * run;
+            if (run == 32) {
+                for (int i = 0; i < 32; i++) acc[i] += w[i] * xb[i];
+            } else {
+                for (int i = 0; i < 16; i++) acc[i] += w[i] * xb[i];
+            }
+        }
+        float t = 0.0f;
+        for (int i = 0; i < 32; i++) t += acc[i];
+        out[n] = t;
+    }
+}
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+/* Integer path (decode): x is quantized per block of 32 to int16 with a float scale
+ * (xq, xd; a relative error of 2^-16, where int8 activations as llama.cpp uses them
+ * measured a mean KL of 0.015 nats against fp32 on SmolLM2) and its exact block sums
+ * kept (xs, for the mins). A block of weights, widened to int16, meets each row of x
+ * in two madd (s16 x s16 pairs → s32) products, scaled into eight float lanes. */
+
+/* 32 weights as int16 (w0: elements 0..15, w1: 16..31) against 32 int16 of x. */
+static inline __m256i dot16(__m256i w0, __m256i w1, const int16_t *x) {
+    __m256i a = _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)x));
+    __m256i b = _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(x + 16)));
+    return _mm256_add_epi32(a, b);
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+#define GROUP 8     /* rows of x that share one pass over a row of W (registers) */
+
+/* The 32 weights of block `blk` as int16 (w0, w1), the scale of each half of the
+ * block's eight int32 lanes (s: lanes 0-3 hold elements 0..7 and 16..23, lanes 4-7
+ * elements 8..15 and 24..31) and the block's min (m). */
+static inline void load_block(int code, const uint8_t *restrict row, const uint16_t *srow,
+                              const uint16_t *mrow, int64_t bs, int64_t blk, __m256i *w0,
+                              __m256i *w1, __m256 *s, float *m) {
+    if (code == Q4) {
+        __m128i raw = _mm_loadu_si128((const __m128i *)(row + blk * 16));
+        __m128i low4 = _mm_set1_epi8(15);
+        *w0 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low4));
+        *w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low4));
+        *s = _mm256_set1_ps(half_to_float(srow[blk]));
+        *m = half_to_float(mrow[blk]);
+        return;
+    }
+    const int8_t *q = (const int8_t *)row + blk * 32;
+    *w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)q));
+    *w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 16)));
+    if (bs == 32) {
+        *s = _mm256_set1_ps(half_to_float(srow[blk]));
+        *m = code == Q8M ? half_to_float(mrow[blk]) : 0.0f;
+    } else {                 /* two runs of 16: w0 is run 2 blk, w1 run 2 blk + 1 */
+        *s = _mm256_setzero_ps();
+        *m = 0.0f;
+    }
+}
+
+/* One block of one row of x: acc += scale * (w . x) in eight float lanes. */
+static inline __m256 block_dot(int64_t bs, __m256i w0, __m256i w1, const int16_t *x,
+                               __m256 s, float xd, const uint16_t *srow, int64_t blk,
+                               __m256 acc) {
+    if (bs == 32) {
+        __m256 p = _mm256_cvtepi32_ps(dot16(w0, w1, x));
+        return _mm256_fmadd_ps(p, _mm256_mul_ps(s, _mm256_set1_ps(xd)), acc);
+    }
+    __m256 p0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)x)));
+    __m256 p1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(x + 16))));
+    acc = _mm256_fmadd_ps(p0, _mm256_set1_ps(half_to_float(srow[2 * blk]) * xd), acc);
+    return _mm256_fmadd_ps(p1, _mm256_set1_ps(half_to_float(srow[2 * blk + 1]) * xd), acc);
+}
+
+/* Rows [n0, n1) of a q4 or q8 matrix against B quantized rows of x. */
+static void gemv_i8_rows(int code, const uint8_t *restrict qs, const uint16_t *restrict sc,
+                         const uint16_t *restrict mn, int64_t K, int64_t bs, int64_t N,
+                         const int16_t *restrict xq, const float *restrict xd,
+                         const float *restrict xs, int64_t B, float *restrict out,
+                         int64_t n0, int64_t n1) {
+    const int64_t nx = K / 32, ns = K / bs, row_bytes = code == Q4 ? K / 2 : K;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = qs + n * row_bytes;
+        const uint16_t *srow = sc + n * ns, *mrow = mn + n * ns;
+        if (B == 1) {                 /* four chains of blocks: the FMAs overlap */
+            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                             _mm256_setzero_ps()};
+            float accm = 0.0f;
+            for (int64_t blk = 0; blk < nx; blk++) {
+                __m256i w0, w1;
+                __m256 s;
+                float m;
+                load_block(code, row, srow, mrow, bs, blk, &w0, &w1, &s, &m);
+                acc[blk & 3] = block_dot(bs, w0, w1, xq + blk * 32, s, xd[blk], srow, blk,
+                                         acc[blk & 3]);
+                accm += m * xs[blk];
+            }
+            out[n] = hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]),
+                                        _mm256_add_ps(acc[2], acc[3]))) + accm;
+            continue;
+        }
+        for (int64_t b0 = 0; b0 < B; b0 += GROUP) {
+            int64_t g = B - b0 < GROUP ? B - b0 : GROUP;
+            __m256 acc[GROUP];
+            float accm[GROUP];
+            for (int64_t b = 0; b < g; b++) { acc[b] = _mm256_setzero_ps(); accm[b] = 0.0f; }
+            for (int64_t blk = 0; blk < nx; blk++) {
+                __m256i w0, w1;
+                __m256 s;
+                float m;
+                load_block(code, row, srow, mrow, bs, blk, &w0, &w1, &s, &m);
+                for (int64_t b = 0; b < g; b++) {
+                    const int64_t xb = (b0 + b) * nx + blk;
+                    acc[b] = block_dot(bs, w0, w1, xq + xb * 32, s, xd[xb], srow, blk, acc[b]);
+                    accm[b] += m * xs[xb];
+                }
+            }
+            for (int64_t b = 0; b < g; b++) out[(b0 + b) * N + n] = hsum(acc[b]) + accm[b];
+        }
+    }
+}
+
+/* Q8M (5-bit values with a min, bs 32) has a min per block too: handled above. Mins of
+ * the bs 16 kind do not occur (Q6_K has none). */
+
+/* x [B, K] → int16 per block of 32 (xq), its scale (xd) and exact block sums (xs). */
+void pn_quantize_x(const float *x, int64_t B, int64_t K, int16_t *xq, float *xd, float *xs) {
+    int64_t nx = K / 32;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t blk = 0; blk < nx; blk++) {
+            const float *v = x + b * K + blk * 32;
+            float amax = 0.0f, sum = 0.0f;
+            for (int i = 0; i < 32; i++) {
+                float a = v[i] < 0 ? -v[i] : v[i];
+                amax = a > amax ? a : amax;
+                sum += v[i];
+            }
+            /* 16383, not 32767: a madd pair of two full-range products would overflow */
+            float d = amax / 16383.0f, inv = d > 0 ? 1.0f / d : 0.0f;
+            for (int i = 0; i < 32; i++) {
+                float r = v[i] * inv;
+                xq[b * K + blk * 32 + i] = (int16_t)(r < 0 ? r - 0.5f : r + 0.5f);
+            }
+            xd[b * nx + blk] = d;
+            xs[b * nx + blk] = sum;
+        }
+}
+
+/* out[B, N] = W @ x with x given quantized (pn_quantize_x): q4 and q8 kinds only. */
+void pn_gemv_i8(int code, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn,
+                int64_t N, int64_t K, int64_t bs, const int16_t *xq, const float *xd,
+                const float *xs, int64_t B, float *out) {
+    const int64_t chunk = 16;
+    int64_t chunks = (N + chunk - 1) / chunk;
+    #pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < chunks; c++) {
+        int64_t n0 = c * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
+        gemv_i8_rows(code, qs, sc, mn, K, bs, N, xq, xd, xs, B, out, n0, n1);
+    }
+}
+
+int pn_has_i8(void) { return 1; }
+#else
+int pn_has_i8(void) { return 0; }
+void pn_quantize_x(const float *x, int64_t B, int64_t K, int16_t *xq, float *xd, float *xs) {}
+void pn_gemv_i8(int code, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn,
+                int64_t N, int64_t K, int64_t bs, const int16_t *xq, const float *xd,
+                const float *xs, int64_t B, float *out) {}
+#endif
+
+/* out[B, N] = x[B, K] @ W.T, B <= MAXB. Rows of W are split over the threads. */
+void pn_gemv(int code, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn,
+             int64_t N, int64_t K, int64_t bs, const float *x, int64_t B, float *out) {
+    const int64_t chunk = 16;
+    int64_t chunks = (N + chunk - 1) / chunk;
+    #pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < chunks; c++) {
+        int64_t n0 = c * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
+        if (B == 1) gemv1_rows(code, qs, sc, mn, K, bs, N, x, out, n0, n1);
+        else gemv_rows(code, qs, sc, mn, K, bs, N, x, B, out, n0, n1);
+    }
+}
+
+/* out[r1 - r0, K] = rows [r0, r1) of W as floats (the tile of the prefill path). */
+void pn_dequant_rows(int code, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn,
+                     int64_t K, int64_t bs, int64_t r0, int64_t r1, float *out) {
+    int64_t run = block_of(code, bs), nb = K / run;
+    #pragma omp parallel for schedule(static)
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t blk = 0; blk < nb; blk++)
+            dequant_block(code, qs, sc, mn, K, run, r, blk, out + (r - r0) * K + blk * run);
+}
+
+/* out[T, K] = rows ids[0..T) of W (the embedding lookup). */
+void pn_gather(int code, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn,
+               int64_t K, int64_t bs, const int64_t *ids, int64_t T, float *out) {
+    int64_t run = block_of(code, bs), nb = K / run;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t blk = 0; blk < nb; blk++)
+            dequant_block(code, qs, sc, mn, K, run, ids[t], blk, out + t * K + blk * run);
+}
+
+int pn_max_rows(void) { return MAXB; }

@@ -1,5 +1,6 @@
 """The `pantheon` command, run as a real subprocess."""
 import json
+import os
 import subprocess
 import sys
 
@@ -9,9 +10,9 @@ import tiny_models as tm
 from pantheon.common.default_model import cached_path
 
 
-def pantheon(*args, timeout=120):
+def pantheon(*args, timeout=120, env=None):
     return subprocess.run([sys.executable, "-m", "pantheon.cli", *args], capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, env=env)
 
 
 @pytest.mark.skipif(not cached_path().exists(), reason="default model not fetched")
@@ -36,3 +37,14 @@ def test_run_with_a_missing_model_fails_cleanly(tmp_path):
     proc = pantheon("run", "-m", str(tmp_path / "nope.gguf"), "hi")
     assert proc.returncode == 1
     assert "model not found" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("value", ["1", "yes"])
+def test_serve_refuses_to_ship_full_logits_to_the_host(value):
+    """The spec's QWEN35_GPU_FULL_LOGITS: refused before anything starts or binds."""
+    proc = pantheon("serve", "--port", "0", env=dict(os.environ, QWEN35_GPU_FULL_LOGITS=value),
+                    timeout=60)
+    assert proc.returncode == 1
+    assert "QWEN35_GPU_FULL_LOGITS" in proc.stderr and "samples on the die" in proc.stderr
+    assert "full-vocabulary logits" in proc.stderr and "K80" in proc.stderr
+    assert "Traceback" not in proc.stderr and "ready" not in proc.stdout

@@ -57,6 +57,12 @@ def openai_api_key() -> str | None:
     return os.environ.get("OPENAI_API_KEY") or None
 
 
+def gpu_full_logits() -> bool:
+    """The spec's `QWEN35_GPU_FULL_LOGITS` (any non-empty value): copy full-vocabulary
+    logits to the host every step. `pantheon serve` refuses to start with it set."""
+    return bool(os.environ.get("QWEN35_GPU_FULL_LOGITS"))
+
+
 def test_stall(die: str) -> tuple[int, float] | None:
     """A test hook (`PANTHEON_TEST_STALL=STEP:SECONDS[@DIE]`): a worker (only DIE's, when
     given) sleeps SECONDS inside its STEP-th scheduler step, once, as a long step on a

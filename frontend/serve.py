@@ -124,8 +124,17 @@ async def announce_when_ready(cfg: ServeConfig, placer: Placer, registry: Regist
         print(f"failed to load: {'; '.join(failed)}", file=sys.stderr, flush=True)
 
 
+FULL_LOGITS_REFUSED = (
+    "QWEN35_GPU_FULL_LOGITS is set, but Pantheon samples on the die: copying full-vocabulary "
+    "logits to the host every step (8 rows x 151,936 x 4 B) caps a K80's ~0.4 GB/s host "
+    "link, so only sampled ids and logprobs cross it; unset the variable")
+
+
 def main(args) -> int:
     from ..common.default_model import DEFAULT_NAME, default_model_path
+    from ..common.settings import gpu_full_logits
+    if gpu_full_logits():
+        raise RuntimeError(FULL_LOGITS_REFUSED)
     paths, names = args.model, list(args.name or [])
     if not paths:
         paths = [str(default_model_path(log=lambda m: print(m, file=sys.stderr)))]

@@ -84,3 +84,14 @@ def test_models_fetch_of_a_cached_model_is_offline_and_prints_its_path(tmp_path)
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout == f"{models / cached_path().name}\n"
         assert "already cached" in proc.stderr
+
+
+@pytest.mark.parametrize("value", ["1", "yes"])
+def test_serve_refuses_to_ship_full_logits_to_the_host(value):
+    """The spec's QWEN35_GPU_FULL_LOGITS: refused before anything starts or binds."""
+    proc = pantheon("serve", "--port", "0", env=dict(os.environ, QWEN35_GPU_FULL_LOGITS=value),
+                    timeout=60)
+    assert proc.returncode == 1
+    assert "QWEN35_GPU_FULL_LOGITS" in proc.stderr and "samples on the die" in proc.stderr
+    assert "full-vocabulary logits" in proc.stderr and "K80" in proc.stderr
+    assert "Traceback" not in proc.stderr and "ready" not in proc.stdout

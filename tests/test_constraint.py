@@ -103,6 +103,22 @@ def test_mask_follows_the_schema(tokenizer, factory):
 
 
 @needs_model
+def test_packed_bitmask_expands_on_the_die_to_the_mask(tokenizer, factory):
+    """What crosses to the die (llguidance's packed words) expands there to exactly mask(),
+    for the model's vocabulary, a padded one and a cut one, state after state."""
+    from pantheon.worker.sampler import Sampler, SamplingParams, SequenceSampler
+    c = factory.make(grammar_for_response_format(schema_format(PERSON)))
+    n = factory.vocab_size
+    assert c.bitmask().shape == ((n + 31) // 32,) and c.bitmask().dtype == np.int32
+    for token in tokenizer.encode('{"name": "Ann"', add_bos=False):
+        for vocab in (n, n + 64, n + 3, n - 100):
+            logits = np.zeros((1, vocab), np.float32)
+            Sampler(np).mask(logits, [SequenceSampler(SamplingParams(), [], c)])
+            np.testing.assert_array_equal(logits[0] == 0, c.mask(vocab))
+        c.accept(token)
+
+
+@needs_model
 def test_rejected_token_and_bad_grammar_raise(tokenizer, factory):
     c = factory.make(grammar_for_response_format({"type": "json_object"}))
     with pytest.raises(ValueError, match="rejected"):

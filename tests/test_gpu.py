@@ -48,3 +48,69 @@ def test_smollm2_greedy_on_gpu_fp32():
             out.append(int(logits[0].argmax()))
             pos += 1
         assert out == want
+
+
+class OpenEvery:
+    """A grammar stand-in allowing the token ids whose bit is set in `words`."""
+
+    def __init__(self, words):
+        self.words = words
+
+    def bitmask(self):
+        return self.words
+
+    def accept(self, token):
+        pass
+
+
+def test_sampling_on_the_gpu_equals_the_numpy_path():
+    """Every option, a grammar mask over a padded vocabulary and logprobs: the CuPy sampler
+    picks what the NumPy one picks from the same logits and seeds."""
+    import cupy
+    from pantheon.worker.sampler import Sampler, SamplingParams, SequenceSampler
+    V, n_tokens = 151_936, 151_665
+    kinds = [dict(temperature=0), dict(temperature=0.8), dict(top_k=40), dict(top_p=0.9),
+             dict(min_p=0.05), dict(temperature=0, frequency_penalty=0.5, logit_bias={7: 2.0}),
+             dict(top_k=20, top_p=0.95, repetition_penalty=1.2, presence_penalty=0.3),
+             dict(top_k=5, temperature=0.7)]
+    rng = np.random.default_rng(0)
+
+    def rows():
+        return [SequenceSampler(SamplingParams(**kw, seed=i), list(range(0, 900, 9)),
+                                logprobs=[-1, 3][i % 2]) for i, kw in enumerate(kinds)]
+    on_host, on_die = rows(), rows()
+    for step in range(20):
+        allowed = np.zeros(-(-n_tokens // 32) * 32, bool)
+        allowed[:n_tokens] = rng.random(n_tokens) < 0.01
+        words = np.packbits(allowed, bitorder="little").view("<i4")
+        for seqs in (on_host, on_die):
+            seqs[6].constraint = OpenEvery(words)
+        logits = rng.normal(0, 3, (len(kinds), V)).astype(np.float32)
+        want = Sampler(np).sample(logits.copy(), on_host)
+        got = Sampler(cupy).sample(cupy.asarray(logits), on_die)
+        assert [t for t, _ in got] == [t for t, _ in want], step
+        for (_, a), (_, b) in zip(got, want):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert [i for i, _ in a[1]] == [i for i, _ in b[1]]
+                np.testing.assert_allclose([a[0]] + [v for _, v in a[1]],
+                                           [b[0]] + [v for _, v in b[1]], atol=1e-4)
+
+
+@pytest.mark.skipif(not cached_path().exists(), reason="default model not fetched")
+def test_smollm2_greedy_through_the_scheduler_on_gpu_fp32():
+    """The scheduler's path on a GPU die: logits stay there, ids come back."""
+    from pantheon.worker.sampler import SamplingParams
+    from pantheon.worker.scheduler import Request
+    engine = load_engine(cached_path(), cuda_device(0, fp16=False), n_slots=4, ctx=256)
+    engine.warm_up()
+    cases = json.loads(REFERENCE.read_text())["chat_greedy"]
+    sched = engine.scheduler
+    for i, case in enumerate(cases):
+        sched.add(Request(str(i), case["prompt_ids_fp32ref"], SamplingParams(temperature=0),
+                          len(case["greedy_ids_fp32ref"]), frozenset({2}), logprobs=2))
+    got = {}
+    while sched.active():
+        for out in sched.step():
+            got.setdefault(int(out.request_id), []).extend(out.tokens)
+    assert [got[i] for i in range(len(cases))] == [c["greedy_ids_fp32ref"] for c in cases]

@@ -291,11 +291,12 @@ def test_a_prompt_that_fits_one_chunk_goes_whole_beside_decodes():
 
 
 def test_logprobs_are_the_models_own_distribution():
-    from pantheon.worker.scheduler import token_logprobs
+    from pantheon.worker.sampler import Sampler, SequenceSampler
     logits = np.array([1.0, 3.0, 2.0, -1.0], np.float32)
-    lp, top = token_logprobs(logits, 2, 2)
+    seq = SequenceSampler(SamplingParams(temperature=0, logit_bias={2: 5.0}), [], logprobs=2)
+    [(token, (lp, top))] = Sampler(np).sample(logits[None].copy(), [seq])
     ref = logits - np.log(np.exp(logits).sum())
-    assert abs(lp - ref[2]) < 1e-6
+    assert token == 2 and abs(lp - ref[2]) < 1e-6            # the bias chose it, not the model
     assert [t[0] for t in top] == [1, 2] and abs(top[0][1] - ref[1]) < 1e-6
     sched = Scheduler(FakeModel(), 1, ctx=64)
     sched.add(Request("a", [3], GREEDY, max_tokens=2, logprobs=1))

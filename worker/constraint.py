@@ -1,12 +1,12 @@
 """Constrained decoding: an llguidance matcher per request turns its grammar into a mask
 of the tokens that may come next, so the sampled text always fits the grammar.
 
-Per step the scheduler asks `mask()` before sampling (disallowed logits -> -inf), feeds
-the sampled id to `accept()`, and ends the request when `finished()`. The mask for a
-state is computed once (llguidance walks its token trie against the grammar's lexer:
-~0.09 ms mean, 0.2 ms worst for JSON over SmolLM2's 49k vocabulary, against ~30 ms for
-its forward) and cached until the next `accept()`, so `finished()` and `mask()` on the
-same step share it.
+Per step the sampler sends `bitmask()` (llguidance's packed int32 words) to the die, which
+expands it there and sets disallowed logits to -inf, then feeds the sampled id to
+`accept()`; the scheduler ends the request when `finished()`. The mask for a state is
+computed once (llguidance walks its token trie against the grammar's lexer: ~0.09 ms mean,
+0.2 ms worst for JSON over SmolLM2's 49k vocabulary, against ~30 ms for its forward) and
+cached until the next `accept()`, so `finished()` and the next step's `bitmask()` share it.
 """
 from __future__ import annotations
 
@@ -21,14 +21,25 @@ class Constraint:
         self._n = n_tokens                    # ids the llguidance tokenizer knows
         self._not_eos = not_eos               # bool [n_tokens]: False at the EOS ids
         self._bits = np.full((1, (n_tokens + 31) // 32), -1, dtype=np.int32)
+        self._filled = False                  # _bits holds the current state's mask
         self._allowed: np.ndarray | None = None  # bool [n_tokens] for the current state
+
+    def bitmask(self) -> np.ndarray:
+        """int32 [ceil(n_tokens / 32)]: the tokens allowed next, packed (bit k of word w is
+        token 32*w + k; bits past the tokenizer's ids are 0). This is what goes to the die;
+        it stays valid until the next `accept()`."""
+        if not self._filled:
+            from llguidance.numpy import fill_next_token_bitmask
+            fill_next_token_bitmask(self._matcher, self._bits)
+            if self._n % 32:
+                self._bits[0, -1] &= (1 << (self._n % 32)) - 1
+            self._filled = True
+        return self._bits[0]
 
     def _current(self) -> np.ndarray:
         if self._allowed is None:
-            from llguidance.numpy import fill_next_token_bitmask
-            fill_next_token_bitmask(self._matcher, self._bits)
             # bit k of int32 word w is token 32*w + k: little-endian bytes, low bit first
-            raw = self._bits.astype("<i4", copy=False).view(np.uint8)
+            raw = self.bitmask().astype("<i4", copy=False).view(np.uint8)
             self._allowed = np.unpackbits(raw, bitorder="little")[:self._n].view(bool)
         return self._allowed
 
@@ -48,7 +59,7 @@ class Constraint:
         token = int(token)
         if not 0 <= token < self._n:
             raise ValueError(f"token {token} is outside the grammar's vocabulary")
-        self._allowed = None
+        self._allowed, self._filled = None, False
         if not self._matcher.consume_token(token):
             raise ValueError(f"token {token} rejected by the grammar: "
                              f"{self._matcher.get_error() or 'not allowed here'}")

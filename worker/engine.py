@@ -1,4 +1,4 @@
-"""One model replica on one die: weights, KV memory and its scheduler."""
+"""One model replica on one die: weights, KV memory, its sampler and its scheduler."""
 from __future__ import annotations
 
 import logging
@@ -12,6 +12,7 @@ from ..common.model_file import ModelConfig, read_config
 from .device import Device, open_device
 from .model import Model, Span
 from .prefix_cache import PrefixCache
+from .sampler import Sampler, SamplingParams, SequenceSampler
 from .scheduler import Scheduler
 from .weights import load_weights
 
@@ -27,14 +28,47 @@ class Engine:
     model: Model
     scheduler: Scheduler
     load_seconds: float
+    sampler: Sampler | None = None
 
     def forward(self, tokens, spans: list[Span]) -> np.ndarray:
-        """The scheduler's forward: host logits [n_sampled, V] float32."""
-        return self.device.to_host(self.model.forward(tokens, spans))
+        """Host logits [n_sampled, V] float32, for tests and benchmarks: the scheduler's
+        forward is `logits`, whose rows never leave the die."""
+        return self.device.to_host(self.logits(tokens, spans))
+
+    def logits(self, tokens, spans: list[Span]):
+        """The scheduler's forward: logits [n_sampled, V] float32, left on the die."""
+        return self.model.forward(tokens, spans)
+
+    def sample(self, logits, seqs: list[SequenceSampler]) -> list[tuple[int, list | None]]:
+        """The scheduler's sampler: each row's token (and logprobs when its request asks),
+        chosen on the die from `logits` (consumed); only those cross to the host."""
+        return self.sampler.sample(logits, seqs)
 
     def warm_up(self) -> None:
-        """One tiny forward so the first request does not pay for lazy set-up."""
-        self.forward(np.zeros(1, dtype=np.int64), [Span(0, 0, 1)])
+        """One tiny forward and a sample down every path, so the first request does not pay
+        for lazy set-up (CuPy compiles each kernel on its first use)."""
+        logits = self.logits(np.zeros(1, dtype=np.int64), [Span(0, 0, 1)])
+        rows = [SequenceSampler(SamplingParams(temperature=0, logit_bias={0: 1.0},
+                                               repetition_penalty=1.1, presence_penalty=0.1),
+                                [0], OpenGrammar(self.cfg.vocab_size), logprobs=2),
+                SequenceSampler(SamplingParams(min_p=0.1, seed=0), [0]),
+                SequenceSampler(SamplingParams(top_k=4, top_p=0.9, seed=0), [0])]
+        for seq in rows:                                   # penalties have a history
+            seq.accept(0)
+        self.sample(self.device.xp.repeat(logits, len(rows), axis=0), rows)
+
+
+class OpenGrammar:
+    """A grammar that allows every token (warm-up only)."""
+
+    def __init__(self, n_tokens: int):
+        self.words = np.full((n_tokens + 31) // 32, -1, dtype=np.int32)
+
+    def bitmask(self) -> np.ndarray:
+        return self.words
+
+    def accept(self, token: int) -> None:
+        pass
 
 
 def load_engine(path: str | Path, die: str | Device = "cpu", n_slots: int = 8,
@@ -49,9 +83,10 @@ def load_engine(path: str | Path, die: str | Device = "cpu", n_slots: int = 8,
         raise ValueError(f"context must be at least 2 positions, got {ctx}")
     weights = load_weights(path, cfg, device, progress=progress, quantize=quantize)
     model = Model(cfg, weights, device.xp, n_slots, ctx, kv_dtype=device.weight_dtype)
-    engine = Engine(cfg, device, model, None, 0.0)
+    engine = Engine(cfg, device, model, None, 0.0, Sampler(device.xp))
     cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
-    engine.scheduler = Scheduler(engine.forward, n_slots, ctx, prefill_chunk, model.kv, cache)
+    engine.scheduler = Scheduler(engine.logits, n_slots, ctx, prefill_chunk, model.kv, cache,
+                                 sample=engine.sample)
     engine.load_seconds = time.perf_counter() - started
     log.info("loaded %s (%s, %d layers) on die %s in %.1f s: %.0f MB weights (%s), "
              "%.0f MB KV", Path(path).name, cfg.arch, cfg.n_layers, device.die_id,

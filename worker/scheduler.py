@@ -21,9 +21,13 @@ else the least recently used. The shared prefix is not computed again. A
 warm state about to be overwritten is saved to the host-memory prefix cache
 first, and a stored state that beats every slot is copied back in.
 
-Plain Python, no sockets and no device arrays: `forward` is any callable
-taking (tokens, spans) and returning host logits [n_sampled, V]; `kv` (with
-`save`/`restore`) and `cache` (a PrefixCache) are optional.
+Plain Python, no sockets and no device arrays of its own: `forward` is any
+callable taking (tokens, spans) and returning logits [n_sampled, V], which the
+scheduler never looks into, only hands to `sample` (logits, the rows'
+SequenceSamplers) → [(token, logprobs)] on the host; an engine keeps them on
+its die that way. The default `sample` is NumPy's, for host logits (a fake
+model's). `kv` (with `save`/`restore`) and `cache` (a PrefixCache) are
+optional.
 """
 from __future__ import annotations
 
@@ -37,7 +41,7 @@ import numpy as np
 
 from .model import Span
 from .prefix_cache import PrefixCache, common_prefix
-from .sampler import SamplingParams, SequenceSampler
+from .sampler import Sampler, SamplingParams, SequenceSampler
 
 
 class SlotState(enum.Enum):
@@ -137,10 +141,11 @@ class PrefillPacer:
 class Scheduler:
     def __init__(self, forward: Callable, n_slots: int, ctx: int, prefill_chunk: int = 128,
                  kv=None, cache: PrefixCache | None = None, pacer: PrefillPacer | None = None,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, sample: Callable | None = None):
         if prefill_chunk < 1:
             raise ValueError("prefill_chunk must be >= 1")
         self.forward, self.ctx, self.prefill_chunk = forward, ctx, prefill_chunk
+        self.sample = sample or Sampler(np).sample
         self.pacer = pacer or PrefillPacer(prefill_chunk)
         self.clock = clock
         self.kv, self.cache = kv, cache
@@ -174,7 +179,7 @@ class Scheduler:
                                         matches[s.index], -s.last_used))
         reuse = self.warm_start(slot, matches[slot.index], req)
         slot.state, slot.request, slot.last_used = SlotState.PREFILL, req, next(self.uses)
-        slot.sampler = SequenceSampler(req.params, req.prompt, req.constraint)
+        slot.sampler = SequenceSampler(req.params, req.prompt, req.constraint, req.logprobs)
         slot.history = list(req.prompt[:reuse])
         slot.feed, slot.generated, slot.reused = list(req.prompt[reuse:]), 0, reuse
         self.by_id[req.id] = slot
@@ -262,20 +267,17 @@ class Scheduler:
             spans.append(Span(slot.index, slot.cached, n, logits=(n == len(slot.feed))))
         started = self.clock()
         logits = self.forward(np.asarray(tokens, dtype=np.int64), spans)
+        sampled = [slot for (slot, _), span in zip(plan, spans) if span.logits]
+        picks = self.sample(logits, [slot.sampler for slot in sampled]) if sampled else []
         n_decode = sum(slot.state is SlotState.DECODE for slot, _ in plan)
         self.pacer.record(self.clock() - started, n_decode, len(tokens) - n_decode)
-        outputs, row = [], 0
-        for (slot, n), span in zip(plan, spans):
+        for slot, n in plan:
             slot.history += slot.feed[:n]
             del slot.feed[:n]
-            if span.logits:
-                outputs.append(self._advance(slot, logits[row]))
-                row += 1
-        return [o for o in outputs if o is not None]
+        return [self._advance(slot, token, entry) for slot, (token, entry) in zip(sampled, picks)]
 
-    def _advance(self, slot: Slot, logits: np.ndarray) -> Output:
+    def _advance(self, slot: Slot, token: int, logprobs: list | None) -> Output:
         req = slot.request
-        token = slot.sampler.sample(logits)
         slot.generated += 1
         slot.state = SlotState.DECODE
         finish = None
@@ -283,7 +285,7 @@ class Scheduler:
             finish = "stop"
         elif slot.generated >= req.max_tokens or slot.cached + 1 >= self.ctx:
             finish = "length"
-        logprobs = [token_logprobs(logits, token, req.logprobs)] if req.logprobs >= 0 else []
+        logprobs = [logprobs] if logprobs is not None else []
         if finish is None:
             slot.feed = [token]
             return self._output(slot, [token], None, logprobs)
@@ -297,15 +299,3 @@ class Scheduler:
         return Output(slot.request.id, tokens, finish, len(slot.request.prompt), slot.generated,
                       slot.reused, list(logprobs))
 
-
-def token_logprobs(logits: np.ndarray, token: int, top: int) -> list:
-    """[logprob of `token`, [[id, logprob] of the `top` likeliest]] under the model's own
-    distribution (before penalties, biases and grammar), as vLLM reports by default."""
-    shifted = logits - logits.max()
-    logz = float(np.log(np.exp(shifted).sum()))
-    out = [float(shifted[token]) - logz, []]
-    if top > 0:
-        ids = np.argpartition(-logits, top - 1)[:top]
-        ids = ids[np.argsort(-logits[ids], kind="stable")]
-        out[1] = [[int(i), float(shifted[i]) - logz] for i in ids]
-    return out

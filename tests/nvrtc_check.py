@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from pantheon.worker.kernels_cuda import keep_thread_locale
+
 
 @dataclass(frozen=True)
 class Compiled:
@@ -43,7 +45,9 @@ def compile_source(source: str, arch: str, options: tuple[str, ...] = ()) -> Com
                                None), "nvrtcCreateProgram")
     try:
         opts = [f"--gpu-architecture={arch}".encode(), *(o.encode() for o in options)]
-        status = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+        with keep_thread_locale():
+            status = lib.nvrtcCompileProgram(prog, len(opts),
+                                             (ctypes.c_char_p * len(opts))(*opts))
         log = _read(lib.nvrtcGetProgramLogSize, lib.nvrtcGetProgramLog, prog).decode(
             errors="replace").rstrip("\x00")
         if status != 0:

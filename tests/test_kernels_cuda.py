@@ -56,6 +56,13 @@ def test_a_broken_kernel_fails_with_its_error(nvrtc):
     assert "undeclared_thing" in out.log and "error" in out.log
 
 
+def test_compiling_leaves_the_text_encoding_alone(nvrtc):
+    import locale
+    before = locale.getpreferredencoding(False)
+    assert nvrtc_check.compile_source('extern "C" __global__ void k() {}', "compute_37").ok
+    assert locale.getpreferredencoding(False) == before
+
+
 def test_fp16_arithmetic_is_refused_on_kepler(nvrtc):
     """Machine code for sm_37 sees what the K80 lacks (PTX for compute_37 alone would
     not: ptxas is where an fp16 add, sm_53 and up, is refused)."""

@@ -32,6 +32,8 @@ the host under a small shim (tests/simt_host.py), which checks its logic there.
 """
 from __future__ import annotations
 
+import ctypes
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -396,10 +398,31 @@ def _cupy():
     return cupy
 
 
+@contextmanager
+def keep_thread_locale():
+    """NVRTC's compile (seen with 11.8) leaves the calling thread on a C locale of its
+    own (uselocale), which turns Python's default text encoding into ASCII for the
+    rest of the thread's life: put the thread's locale back afterwards."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.uselocale.restype, libc.uselocale.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+    except (OSError, AttributeError):
+        yield
+        return
+    before = libc.uselocale(None)
+    try:
+        yield
+    finally:
+        libc.uselocale(before)
+
+
 @lru_cache(maxsize=None)
 def _module():
     """The compiled module: once per process (CuPy also caches the binary on disk)."""
-    return _cupy().RawModule(code=SOURCE, options=("--std=c++17",))
+    module = _cupy().RawModule(code=SOURCE, options=("--std=c++17",))
+    with keep_thread_locale():
+        module.get_function(next(iter(KERNELS)))      # CuPy compiles on first use
+    return module
 
 
 @lru_cache(maxsize=None)

@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test install model bench clean
+.PHONY: serve test install model bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ test: model
 
 bench: model
 	$(BIN)/pantheon bench engine
+
+# On a machine with an NVIDIA GPU: CuPy, the gpu tests, both benchmarks, one JSON line
+gpu-check: model
+	$(BIN)/python -m pantheon.bench.gpu_check
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -13,13 +13,16 @@
  *   q8:   qs[N][K] int8; scale (and min, or none) [N][K/bs], bs 32 or 16
  *   f16:  qs[N][K] half bits;  bf16: qs[N][K] bfloat16 bits
  */
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
 #define MAXB 16     /* rows of x per pass; the caller splits larger batches */
 
-#if defined(__F16C__)
+#if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
+#endif
+#if defined(__F16C__)
 static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 #else
 static inline float half_to_float(uint16_t h) {
@@ -44,6 +47,32 @@ static inline void dequant_block(int code, const uint8_t *restrict qs,
                                  int64_t K, int64_t bs, int64_t n, int64_t blk,
                                  float *restrict w) {
     int64_t nb = K / bs;
+#if defined(__AVX2__)
+    if (code == Q4) {                   /* 8 weights per step: widen, convert, scale */
+        const uint8_t *q = qs + n * (K / 2) + blk * 16;
+        __m256 s = _mm256_set1_ps(half_to_float(sc[n * nb + blk]));
+        __m256 m = _mm256_set1_ps(half_to_float(mn[n * nb + blk]));
+        __m128i raw = _mm_loadu_si128((const __m128i *)q), low4 = _mm_set1_epi8(15);
+        __m128i lo = _mm_and_si128(raw, low4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
+        __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+        for (int j = 0; j < 4; j++) {
+            __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[j]));
+            _mm256_storeu_ps(w + 8 * j, _mm256_fmadd_ps(v, s, m));
+        }
+        return;
+    }
+    if (code == Q8 || code == Q8M) {
+        const int8_t *q = (const int8_t *)qs + n * K + blk * bs;
+        __m256 s = _mm256_set1_ps(half_to_float(sc[n * nb + blk]));
+        __m256 m = _mm256_set1_ps(code == Q8M ? half_to_float(mn[n * nb + blk]) : 0.0f);
+        for (int j = 0; j < bs; j += 8) {
+            __m128i b8 = _mm_loadl_epi64((const __m128i *)(q + j));
+            __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b8));
+            _mm256_storeu_ps(w + j, _mm256_fmadd_ps(v, s, m));
+        }
+        return;
+    }
+#endif
     if (code == Q4) {
         const uint8_t *q = qs + n * (K / 2) + blk * 16;
         float s = half_to_float(sc[n * nb + blk]), m = half_to_float(mn[n * nb + blk]);
@@ -304,9 +333,10 @@ void pn_gemv(int code, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn
 
 /* out[r1 - r0, K] = rows [r0, r1) of W as floats (the tile of the prefill path). */
 void pn_dequant_rows(int code, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn,
-                     int64_t K, int64_t bs, int64_t r0, int64_t r1, float *out) {
+                     int64_t K, int64_t bs, int64_t r0, int64_t r1, float *out, int threads) {
     int64_t run = block_of(code, bs), nb = K / run;
-    #pragma omp parallel for schedule(static)
+    if (threads <= 0) threads = omp_get_max_threads();
+    #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t r = r0; r < r1; r++)
         for (int64_t blk = 0; blk < nb; blk++)
             dequant_block(code, qs, sc, mn, K, run, r, blk, out + (r - r0) * K + blk * run);

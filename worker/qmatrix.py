@@ -160,17 +160,21 @@ def _r_q5_1(b):
     return q, _hbits(b, 0), _hbits(b, 2)
 
 
-def _r_q4_k(b):
+def _r_q4_k(b, out=None):
     # group g of 32 bytes holds sub-block 2g in its low nibbles, 2g + 1 in its high ones;
     # a q4 block wants element i low and i + 16 high: move nibbles, never unpack them
     n = b.shape[0]
     d, dmin = _h(b, 0), _h(b, 2)
     sc, mn = _k_scales(b[:, 4:16])
     g = b[:, 16:144].reshape(n, 4, 32)
-    out = np.empty((n, 4, 2, 16), dtype=np.uint8)
-    out[:, :, 0] = (g[:, :, :16] & 0x0F) | (g[:, :, 16:] << 4)
-    out[:, :, 1] = (g[:, :, :16] >> 4) | (g[:, :, 16:] & 0xF0)
-    return out.reshape(n, 128), f16_bits(d * sc), f16_bits(-(dmin * mn))
+    out = np.empty((n, 128), dtype=np.uint8) if out is None else out
+    q = out.reshape(n, 4, 2, 16)
+    lo, hi = g[:, :, :16], g[:, :, 16:]
+    np.left_shift(hi, 4, out=q[:, :, 0])
+    q[:, :, 0] |= lo & 0x0F
+    np.bitwise_and(hi, 0xF0, out=q[:, :, 1])
+    q[:, :, 1] |= lo >> 4
+    return out, f16_bits(d * sc), f16_bits(-(dmin * mn))
 
 
 def _r_q5_k(b):
@@ -182,19 +186,21 @@ def _r_q5_k(b):
     return q.reshape(n, 256).view(np.int8), f16_bits(d * sc), f16_bits(-(dmin * mn))
 
 
-def _r_q6_k(b):
+def _r_q6_k(b, out=None):
     # per half of 128: y[l] = lo4(ql[l]) | qh[l] bits 0-1 << 4, y[l+32] = lo4(ql[l+32]) |
     # bits 2-3, y[l+64] = hi4(ql[l]) | bits 4-5, y[l+96] = hi4(ql[l+32]) | bits 6-7
     n = b.shape[0]
     d = _h(b, 208)
     scale = b[:, 192:208].view(np.int8).astype(np.float32)
     ql, qh = b[:, 0:128].reshape(n, 2, 64), b[:, 128:192].reshape(n, 2, 32)
-    out = np.empty((n, 2, 4, 32), dtype=np.uint8)
-    out[:, :, 0] = (ql[:, :, :32] & 0x0F) | ((qh & 0x03) << 4)
-    out[:, :, 1] = (ql[:, :, 32:] & 0x0F) | ((qh & 0x0C) << 2)
-    out[:, :, 2] = (ql[:, :, :32] >> 4) | (qh & 0x30)
-    out[:, :, 3] = (ql[:, :, 32:] >> 4) | ((qh & 0xC0) >> 2)
-    return out.view(np.int8).reshape(n, 256) - np.int8(32), f16_bits(d * scale), None
+    res = np.empty((n, 256), dtype=np.int8) if out is None else out
+    q = res.view(np.uint8).reshape(n, 2, 4, 32)
+    q[:, :, 0] = (ql[:, :, :32] & 0x0F) | ((qh & 0x03) << 4)
+    q[:, :, 1] = (ql[:, :, 32:] & 0x0F) | ((qh & 0x0C) << 2)
+    q[:, :, 2] = (ql[:, :, :32] >> 4) | (qh & 0x30)
+    q[:, :, 3] = (ql[:, :, 32:] >> 4) | ((qh & 0xC0) >> 2)
+    res -= np.int8(32)
+    return res, f16_bits(d * scale), None
 
 
 REPACKERS = {QT.Q8_0: _r_q8_0, QT.Q4_0: _r_q4_0, QT.Q4_1: _r_q4_1, QT.Q5_0: _r_q5_0,
@@ -233,10 +239,15 @@ def from_gguf(raw, qtype, shape: tuple[int, int], name: str = "tensor") -> QMatr
                   dtype=np.uint8 if kind == "q4" else np.int8)
     scale = np.empty((n, per), dtype=np.uint16)
     minv = None
+    in_place = qtype in (QT.Q4_K, QT.Q6_K)          # these write their values straight in
     for i in range(0, n, CHUNK_BLOCKS):
-        q, s, m = repack(blocks[i:i + CHUNK_BLOCKS])
-        k = q.shape[0]
-        qs[i:i + k] = q.reshape(k, -1)
+        part = blocks[i:i + CHUNK_BLOCKS]
+        k = part.shape[0]
+        if in_place:
+            q, s, m = repack(part, qs[i:i + k])
+        else:
+            q, s, m = repack(part)
+            qs[i:i + k] = q.reshape(k, -1)
         scale[i:i + k] = s.reshape(k, per)
         if m is not None:
             if minv is None:

@@ -25,6 +25,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +46,7 @@ CODES = {"q4": 0, "q8": 1, "f16": 3, "bf16": 4}
 SOURCE = Path(__file__).with_name("kernels.c")
 
 _lib = None
+HAS_INT_PATH = [False]      # the build has the AVX2 integer decode path (set at load)
 _NO_SCALE = np.zeros((1, 1), dtype=np.uint16)
 
 
@@ -105,6 +107,7 @@ def library():
                    lib.pn_gemv_i8):
             fn.restype = None
         assert lib.pn_max_rows() == GEMV_MAX_ROWS
+        HAS_INT_PATH[0] = bool(lib.pn_has_i8())
         _lib = lib
     return _lib
 
@@ -114,6 +117,35 @@ def _ptr(a: np.ndarray) -> int:
 
 
 def _weights(m: QMatrix) -> tuple:
+    """(code, qs, scale, min pointers, bs), checked once per matrix and kept on it."""
+    cached = m.__dict__.get("_c_args")
+    if cached is not None and cached[0] is m.qs:
+        return cached[1]
+    args = _check_weights(m)
+    m.__dict__["_c_args"] = (m.qs, args)
+    return args
+
+
+_local = threading.local()
+
+
+def _scratch(batch: int, cols: int) -> tuple:
+    """This thread's buffers for x quantized (int16 values, scales, sums) and pointers."""
+    key = (batch, cols)
+    bufs = getattr(_local, "bufs", None)
+    if bufs is None:
+        bufs = _local.bufs = {}
+    if key not in bufs:
+        if len(bufs) > 64:
+            bufs.clear()
+        xq = np.empty((batch, cols), dtype=np.int16)
+        xd = np.empty((batch, cols // 32), dtype=F32)
+        xs = np.empty_like(xd)
+        bufs[key] = (xq, xd, xs, _ptr(xq), _ptr(xd), _ptr(xs))
+    return bufs[key][3:]
+
+
+def _check_weights(m: QMatrix) -> tuple:
     """(code, qs, scale, min pointers, bs) after checking what C will read."""
     if m.kind not in CODES:
         raise TypeError(f"no CPU kernel for kind {m.kind!r}")
@@ -145,13 +177,10 @@ def matmul(x: np.ndarray, m: QMatrix, path: str = "auto") -> np.ndarray:
     batch = x.shape[0]
     out = np.empty((batch, m.rows), dtype=F32)
     if path in ("auto", "i8") and batch <= GEMV_MAX_ROWS and m.kind in ("q4", "q8") \
-            and lib.pn_has_i8():
-        xq = np.empty(x.shape, dtype=np.int16)
-        xd = np.empty((batch, m.cols // 32), dtype=F32)
-        xs = np.empty_like(xd)
-        lib.pn_quantize_x(_ptr(x), batch, m.cols, _ptr(xq), _ptr(xd), _ptr(xs))
-        lib.pn_gemv_i8(code, qs, sc, mn, m.rows, m.cols, bs, _ptr(xq), _ptr(xd), _ptr(xs),
-                       batch, _ptr(out))
+            and HAS_INT_PATH[0]:
+        xq, xd, xs = _scratch(batch, m.cols)
+        lib.pn_quantize_x(_ptr(x), batch, m.cols, xq, xd, xs)
+        lib.pn_gemv_i8(code, qs, sc, mn, m.rows, m.cols, bs, xq, xd, xs, batch, _ptr(out))
         return out
     if path == "gemv" or (path == "auto" and batch <= GEMV_MAX_ROWS):
         for b0 in range(0, batch, GEMV_MAX_ROWS):

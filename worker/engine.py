@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..common.model_file import ModelConfig, read_config
+from ..common.model_file import ModelConfig, open_model_file
 from .device import Device, open_device
 from .model import Model, Span
 from .prefix_cache import PrefixCache
@@ -77,11 +77,13 @@ def load_engine(path: str | Path, die: str | Device = "cpu", n_slots: int = 8,
     """Load the model at `path` onto a die with `n_slots` KV slots of `ctx` positions."""
     started = time.perf_counter()
     device = die if isinstance(die, Device) else open_device(die)
-    cfg = read_config(path)
+    cfg, reader = open_model_file(path)
     ctx = min(cfg.context_length, DEFAULT_CTX) if ctx is None else ctx
     if ctx < 2:
         raise ValueError(f"context must be at least 2 positions, got {ctx}")
-    weights = load_weights(path, cfg, device, progress=progress, quantize=quantize)
+    weights = load_weights(path, cfg, device, progress=progress, quantize=quantize,
+                           reader=reader)
+    del reader                       # the parsed metadata is not kept for the replica's life
     model = Model(cfg, weights, device.xp, n_slots, ctx, kv_dtype=device.weight_dtype)
     engine = Engine(cfg, device, model, None, 0.0, Sampler(device.xp))
     cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None

@@ -110,8 +110,8 @@ def nbytes(item) -> int:
 class GGUFSource:
     """Tensors of a GGUF file, dequantized one at a time on the device."""
 
-    def __init__(self, path: Path, cfg: ModelConfig):
-        self.reader = open_gguf(path)
+    def __init__(self, path: Path, cfg: ModelConfig, reader=None):
+        self.reader = reader if reader is not None else open_gguf(path)
         self.tensors = {t.name: t for t in self.reader.tensors}
         self.cfg = cfg
 
@@ -301,12 +301,12 @@ def rope_inv_freq(cfg: ModelConfig, factors: np.ndarray | None = None) -> np.nda
     return inv.astype(np.float32)
 
 
-def open_source(path: Path, cfg: ModelConfig):
-    return SafetensorsSource(path) if path.is_dir() else GGUFSource(path, cfg)
+def open_source(path: Path, cfg: ModelConfig, reader=None):
+    return SafetensorsSource(path) if path.is_dir() else GGUFSource(path, cfg, reader)
 
 
 def load_weights(path: str | Path, cfg: ModelConfig, device: Device, progress=None,
-                 quantize: str = "auto") -> Weights:
+                 quantize: str = "auto", reader=None) -> Weights:
     """Read and place every tensor; `progress(done, total)` per layer.
 
     quantize: "auto" (GGUF blocks as stored, floats as stored), "q8_0" / "q4" (floats
@@ -315,7 +315,7 @@ def load_weights(path: str | Path, cfg: ModelConfig, device: Device, progress=No
         raise ValueError(f"quantize must be one of {', '.join(qm.QUANTIZE_MODES)}, "
                          f"not {quantize!r}")
     xp, wdt = device.xp, device.weight_dtype
-    src = open_source(Path(path), cfg)
+    src = open_source(Path(path), cfg, reader)
 
     def norm(name):  # norms and biases stay fp32: they are tiny and precision-sensitive
         return src.get(name, device, np.float32)

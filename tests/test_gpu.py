@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import tiny_models as tm
+from test_sampler import FixedGrammar
 from pantheon.common.default_model import cached_path
 from pantheon.worker.device import cuda_device
 from pantheon.worker.engine import load_engine
@@ -50,19 +51,6 @@ def test_smollm2_greedy_on_gpu_fp32():
         assert out == want
 
 
-class OpenEvery:
-    """A grammar stand-in allowing the token ids whose bit is set in `words`."""
-
-    def __init__(self, words):
-        self.words = words
-
-    def bitmask(self):
-        return self.words
-
-    def accept(self, token):
-        pass
-
-
 def test_sampling_on_the_gpu_equals_the_numpy_path():
     """Every option, a grammar mask over a padded vocabulary and logprobs: the CuPy sampler
     picks what the NumPy one picks from the same logits and seeds."""
@@ -84,7 +72,7 @@ def test_sampling_on_the_gpu_equals_the_numpy_path():
         allowed[:n_tokens] = rng.random(n_tokens) < 0.01
         words = np.packbits(allowed, bitorder="little").view("<i4")
         for seqs in (on_host, on_die):
-            seqs[6].constraint = OpenEvery(words)
+            seqs[6].constraint = FixedGrammar(words)
         logits = rng.normal(0, 3, (len(kinds), V)).astype(np.float32)
         want = Sampler(np).sample(logits.copy(), on_host)
         got = Sampler(cupy).sample(cupy.asarray(logits), on_die)

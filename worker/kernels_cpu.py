@@ -37,7 +37,9 @@ log = logging.getLogger(__name__)
 
 F32 = np.float32
 GEMV_MAX_ROWS = 16          # above this many rows of x, tile + BLAS wins (measured)
-TILE_BYTES = 1 << 23        # fp32 tile of W per BLAS call (SmolLM2 prefill, alternated runs: 8 MiB 336 tok/s median, 2 MiB 303)
+# fp32 tile of W per BLAS call (SmolLM2 prefill, alternated runs: 8 MiB 336 tok/s median,
+# 2 MiB 303)
+TILE_BYTES = 1 << 23
 # the tile is dequantized on one thread: BLAS then has the cores to itself (measured on
 # SmolLM2, 2 cores: prefill 389 tok/s with one dequantizing thread, 184 with two, whose
 # OpenMP workers and OpenBLAS's spin against each other at every tile)

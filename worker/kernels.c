@@ -181,91 +181,101 @@ static inline float hsum(__m256 v) {
 
 #define GROUP 8     /* rows of x that share one pass over a row of W (registers) */
 
-/* The 32 weights of block `blk` as int16 (w0, w1), the scale of each half of the
- * block's eight int32 lanes (s: lanes 0-3 hold elements 0..7 and 16..23, lanes 4-7
- * elements 8..15 and 24..31) and the block's min (m). */
-static inline void load_block(int code, const uint8_t *restrict row, const uint16_t *srow,
-                              const uint16_t *mrow, int64_t bs, int64_t blk, __m256i *w0,
-                              __m256i *w1, __m256 *s, float *m) {
+/* The 32 weights of block `blk` as int16: w0 elements 0..15, w1 elements 16..31. */
+static inline void load_block(int code, const uint8_t *restrict row, int64_t blk,
+                              __m256i *w0, __m256i *w1) {
     if (code == Q4) {
         __m128i raw = _mm_loadu_si128((const __m128i *)(row + blk * 16));
         __m128i low4 = _mm_set1_epi8(15);
         *w0 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low4));
         *w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low4));
-        *s = _mm256_set1_ps(half_to_float(srow[blk]));
-        *m = half_to_float(mrow[blk]);
         return;
     }
     const int8_t *q = (const int8_t *)row + blk * 32;
     *w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)q));
     *w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 16)));
-    if (bs == 32) {
-        *s = _mm256_set1_ps(half_to_float(srow[blk]));
-        *m = code == Q8M ? half_to_float(mrow[blk]) : 0.0f;
-    } else {                 /* two runs of 16: w0 is run 2 blk, w1 run 2 blk + 1 */
-        *s = _mm256_setzero_ps();
-        *m = 0.0f;
-    }
 }
 
-/* One block of one row of x: acc += scale * (w . x) in eight float lanes. */
+/* n fp16 values → floats, eight at a time. */
+static inline void halves(const uint16_t *restrict h, int64_t n, float *restrict out) {
+    int64_t i = 0;
+#if defined(__F16C__)
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+#endif
+    for (; i < n; i++) out[i] = half_to_float(h[i]);
+}
+
+static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float s = hsum(acc);
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* One block of one row of x: acc += scale * (w . x) in eight float lanes; `sf` holds the
+ * row's scales as floats (one per block, or two per block for runs of 16). */
 static inline __m256 block_dot(int64_t bs, __m256i w0, __m256i w1, const int16_t *x,
-                               __m256 s, float xd, const uint16_t *srow, int64_t blk,
-                               __m256 acc) {
+                               const float *sf, float xd, int64_t blk, __m256 acc) {
     if (bs == 32) {
         __m256 p = _mm256_cvtepi32_ps(dot16(w0, w1, x));
-        return _mm256_fmadd_ps(p, _mm256_mul_ps(s, _mm256_set1_ps(xd)), acc);
+        return _mm256_fmadd_ps(p, _mm256_set1_ps(sf[blk] * xd), acc);
     }
     __m256 p0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)x)));
     __m256 p1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(x + 16))));
-    acc = _mm256_fmadd_ps(p0, _mm256_set1_ps(half_to_float(srow[2 * blk]) * xd), acc);
-    return _mm256_fmadd_ps(p1, _mm256_set1_ps(half_to_float(srow[2 * blk + 1]) * xd), acc);
+    acc = _mm256_fmadd_ps(p0, _mm256_set1_ps(sf[2 * blk] * xd), acc);
+    return _mm256_fmadd_ps(p1, _mm256_set1_ps(sf[2 * blk + 1] * xd), acc);
 }
 
-/* Rows [n0, n1) of a q4 or q8 matrix against B quantized rows of x. */
+#define MAX_RUNS 4096   /* scale entries per row held on the stack (K up to 65536) */
+
+/* Rows [n0, n1) of a q4 or q8 matrix against B quantized rows of x. A row's scales and
+ * mins are converted to floats once, and its mins meet x's exact block sums in one dot
+ * product after the blocks (the min term of a block is min * sum of its x). */
 static void gemv_i8_rows(int code, const uint8_t *restrict qs, const uint16_t *restrict sc,
                          const uint16_t *restrict mn, int64_t K, int64_t bs, int64_t N,
                          const int16_t *restrict xq, const float *restrict xd,
                          const float *restrict xs, int64_t B, float *restrict out,
                          int64_t n0, int64_t n1) {
     const int64_t nx = K / 32, ns = K / bs, row_bytes = code == Q4 ? K / 2 : K;
+    const int with_min = code == Q4 || code == Q8M;
+    float sf[MAX_RUNS], mf[MAX_RUNS / 2];
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = qs + n * row_bytes;
-        const uint16_t *srow = sc + n * ns, *mrow = mn + n * ns;
+        halves(sc + n * ns, ns, sf);
+        if (with_min) halves(mn + n * ns, ns, mf);   /* mins only with bs 32: ns == nx */
         if (B == 1) {                 /* four chains of blocks: the FMAs overlap */
             __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
                              _mm256_setzero_ps()};
-            float accm = 0.0f;
             for (int64_t blk = 0; blk < nx; blk++) {
                 __m256i w0, w1;
-                __m256 s;
-                float m;
-                load_block(code, row, srow, mrow, bs, blk, &w0, &w1, &s, &m);
-                acc[blk & 3] = block_dot(bs, w0, w1, xq + blk * 32, s, xd[blk], srow, blk,
+                load_block(code, row, blk, &w0, &w1);
+                acc[blk & 3] = block_dot(bs, w0, w1, xq + blk * 32, sf, xd[blk], blk,
                                          acc[blk & 3]);
-                accm += m * xs[blk];
             }
             out[n] = hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]),
-                                        _mm256_add_ps(acc[2], acc[3]))) + accm;
+                                        _mm256_add_ps(acc[2], acc[3])))
+                     + (with_min ? dot(mf, xs, nx) : 0.0f);
             continue;
         }
         for (int64_t b0 = 0; b0 < B; b0 += GROUP) {
             int64_t g = B - b0 < GROUP ? B - b0 : GROUP;
             __m256 acc[GROUP];
-            float accm[GROUP];
-            for (int64_t b = 0; b < g; b++) { acc[b] = _mm256_setzero_ps(); accm[b] = 0.0f; }
+            for (int64_t b = 0; b < g; b++) acc[b] = _mm256_setzero_ps();
             for (int64_t blk = 0; blk < nx; blk++) {
                 __m256i w0, w1;
-                __m256 s;
-                float m;
-                load_block(code, row, srow, mrow, bs, blk, &w0, &w1, &s, &m);
+                load_block(code, row, blk, &w0, &w1);
                 for (int64_t b = 0; b < g; b++) {
                     const int64_t xb = (b0 + b) * nx + blk;
-                    acc[b] = block_dot(bs, w0, w1, xq + xb * 32, s, xd[xb], srow, blk, acc[b]);
-                    accm[b] += m * xs[xb];
+                    acc[b] = block_dot(bs, w0, w1, xq + xb * 32, sf, xd[xb], blk, acc[b]);
                 }
             }
-            for (int64_t b = 0; b < g; b++) out[(b0 + b) * N + n] = hsum(acc[b]) + accm[b];
+            for (int64_t b = 0; b < g; b++)
+                out[(b0 + b) * N + n] = hsum(acc[b])
+                    + (with_min ? dot(mf, xs + (b0 + b) * nx, nx) : 0.0f);
         }
     }
 }

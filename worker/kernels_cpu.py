@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 F32 = np.float32
 GEMV_MAX_ROWS = 16          # above this many rows of x, tile + BLAS wins (measured)
+MAX_RUNS = 4096             # scale entries per row the integer path holds (kernels.c)
 # fp32 tile of W per BLAS call (SmolLM2 prefill, alternated runs: 8 MiB 336 tok/s median,
 # 2 MiB 303)
 TILE_BYTES = 1 << 23
@@ -179,7 +180,7 @@ def matmul(x: np.ndarray, m: QMatrix, path: str = "auto") -> np.ndarray:
     batch = x.shape[0]
     out = np.empty((batch, m.rows), dtype=F32)
     if path in ("auto", "i8") and batch <= GEMV_MAX_ROWS and m.kind in ("q4", "q8") \
-            and HAS_INT_PATH[0]:
+            and HAS_INT_PATH[0] and m.cols // m.bs <= MAX_RUNS:
         xq, xd, xs = _scratch(batch, m.cols)
         lib.pn_quantize_x(_ptr(x), batch, m.cols, xq, xd, xs)
         lib.pn_gemv_i8(code, qs, sc, mn, m.rows, m.cols, bs, xq, xd, xs, batch, _ptr(out))

@@ -40,6 +40,17 @@ def test_repacked_tensors_decode_as_the_file(qtype):
     assert m.nbytes() == sum(a.nbytes for a in (m.qs, m.scale, m.minv) if a is not None)
 
 
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
+def test_the_c_repack_gives_numpy_s_bits(qtype):
+    raw, shape = random_tensor(qtype, 12, 3, seed=5)
+    fast, slow = qm.from_gguf(raw, qtype, shape), qm.from_gguf(raw, qtype, shape, fast=False)
+    for name in ("qs", "scale", "minv"):
+        a, b = getattr(fast, name), getattr(slow, name)
+        assert (a is None) == (b is None)
+        if a is not None:
+            np.testing.assert_array_equal(a, b)
+
+
 def test_row_slices_and_reordering_follow_every_array():
     raw, shape = random_tensor(QT.Q4_1, 8, 2)
     m = qm.from_gguf(raw, QT.Q4_1, shape)

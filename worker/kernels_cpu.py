@@ -106,8 +106,10 @@ def library():
         lib.pn_gather.argtypes = [ctypes.c_int, p, p, p, i64, i64, p, i64, p]
         lib.pn_quantize_x.argtypes = [p, i64, i64, p, p, p]
         lib.pn_gemv_i8.argtypes = [ctypes.c_int, p, p, p, i64, i64, i64, p, p, p, i64, p]
+        lib.pn_repack_q4_k.argtypes = [p, i64, p, p, p]
+        lib.pn_repack_q6_k.argtypes = [p, i64, p, p]
         for fn in (lib.pn_gemv, lib.pn_dequant_rows, lib.pn_gather, lib.pn_quantize_x,
-                   lib.pn_gemv_i8):
+                   lib.pn_gemv_i8, lib.pn_repack_q4_k, lib.pn_repack_q6_k):
             fn.restype = None
         assert lib.pn_max_rows() == GEMV_MAX_ROWS
         HAS_INT_PATH[0] = bool(lib.pn_has_i8())
@@ -221,3 +223,23 @@ def gather_rows(m: QMatrix, ids) -> np.ndarray:
     out = np.empty((ids.shape[0], m.cols), dtype=F32)
     library().pn_gather(code, qs, sc, mn, m.cols, bs, _ptr(ids), ids.shape[0], _ptr(out))
     return out
+
+
+def repack_k(qtype_name: str, blocks: np.ndarray, qs: np.ndarray, scale: np.ndarray,
+             minv: np.ndarray | None) -> bool:
+    """Q4_K / Q6_K super-blocks repacked in C (one pass, threaded) into QMatrix arrays;
+    False where this build cannot (no F16C), so the caller repacks in NumPy."""
+    try:
+        lib = library()
+    except KernelBuildError:
+        return False
+    if not lib.pn_has_repack():
+        return False
+    blocks = np.ascontiguousarray(blocks)
+    for a in (qs, scale) + (() if minv is None else (minv,)):
+        assert a.flags.c_contiguous
+    if qtype_name == "Q4_K":
+        lib.pn_repack_q4_k(_ptr(blocks), blocks.shape[0], _ptr(qs), _ptr(scale), _ptr(minv))
+    else:
+        lib.pn_repack_q6_k(_ptr(blocks), blocks.shape[0], _ptr(qs), _ptr(scale))
+    return True

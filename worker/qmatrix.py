@@ -209,9 +209,11 @@ REPACKERS = {QT.Q8_0: _r_q8_0, QT.Q4_0: _r_q4_0, QT.Q4_1: _r_q4_1, QT.Q5_0: _r_q
 REPACK = {t: (*IN_MEMORY[t.name][:2], fn) for t, fn in REPACKERS.items()}
 
 
-def from_gguf(raw, qtype, shape: tuple[int, int], name: str = "tensor") -> QMatrix:
+def from_gguf(raw, qtype, shape: tuple[int, int], name: str = "tensor",
+              fast: bool = True) -> QMatrix:
     """Repack one GGUF matrix (its bytes as stored, `shape` = (rows, cols)) into its
-    kind, chunk by chunk: no fp32 copy of it ever exists."""
+    kind, chunk by chunk: no fp32 copy of it ever exists. Q4_K and Q6_K go through C
+    (worker/kernels.c) when `fast` and the build allows, else NumPy (the same bits)."""
     qtype = QT(qtype)
     rows, cols = shape
     raw = np.asarray(raw).reshape(-1).view(np.uint8)
@@ -239,6 +241,13 @@ def from_gguf(raw, qtype, shape: tuple[int, int], name: str = "tensor") -> QMatr
                   dtype=np.uint8 if kind == "q4" else np.int8)
     scale = np.empty((n, per), dtype=np.uint16)
     minv = None
+    if qtype in (QT.Q4_K, QT.Q6_K) and fast:
+        from .kernels_cpu import repack_k
+        minv = np.empty((n, per), dtype=np.uint16) if qtype == QT.Q4_K else None
+        if repack_k(qtype.name, blocks, qs, scale, minv):
+            return QMatrix(kind, rows, cols, qs.reshape(rows, -1), scale.reshape(rows, -1),
+                           None if minv is None else minv.reshape(rows, -1), bs, qtype.name)
+        minv = None
     in_place = qtype in (QT.Q4_K, QT.Q6_K)          # these write their values straight in
     for i in range(0, n, CHUNK_BLOCKS):
         part = blocks[i:i + CHUNK_BLOCKS]

@@ -79,7 +79,7 @@ def test_a_contended_host_loses_no_request_and_reloads_nothing():
             with cf.ThreadPoolExecutor(6) as pool:
                 tool = pool.submit(lambda: srv.client(timeout=180).chat.completions.create(
                     model="m", messages=[{"role": "user", "content": "Weather in Paris?"}],
-                    max_tokens=40, tools=WEATHER, tool_choice={
+                    max_tokens=60, temperature=0, tools=WEATHER, tool_choice={
                         "type": "function", "function": {"name": "get_weather"}}))
                 long = pool.submit(stream_text, srv, "Summarize: " + "the cat sat. " * 150, 8)
                 streams = [pool.submit(stream_text, srv, f"Count to {i + 5}.", 24)

@@ -188,14 +188,10 @@ def matmul(x: np.ndarray, m: QMatrix, path: str = "auto") -> np.ndarray:
         lib.pn_gemv_i8(code, qs, sc, mn, m.rows, m.cols, bs, xq, xd, xs, batch, _ptr(out))
         return out
     if path == "gemv" or (path == "auto" and batch <= GEMV_MAX_ROWS):
-        for b0 in range(0, batch, GEMV_MAX_ROWS):
-            part = out[b0:b0 + GEMV_MAX_ROWS]
-            rows = np.ascontiguousarray(x[b0:b0 + GEMV_MAX_ROWS])
-            tmp = part if part.flags.c_contiguous else np.empty_like(part)
+        for b0 in range(0, batch, GEMV_MAX_ROWS):   # row slices of x and out are contiguous
+            rows = x[b0:b0 + GEMV_MAX_ROWS]
             lib.pn_gemv(code, qs, sc, mn, m.rows, m.cols, bs, _ptr(rows), rows.shape[0],
-                        _ptr(tmp))
-            if tmp is not part:
-                part[...] = tmp
+                        _ptr(out[b0:b0 + GEMV_MAX_ROWS]))
         return out
     step = max(16, TILE_BYTES // (4 * m.cols))
     tile = np.empty((min(step, m.rows), m.cols), dtype=F32)

@@ -34,7 +34,6 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from ..common.weight_format import IN_MEMORY, QUANTIZE_MODES  # noqa: F401 (re-exported)
 
 QT = GGMLQuantizationType
-KINDS = ("q4", "q8", "f16", "bf16")
 
 
 class FormatError(ValueError):

@@ -349,9 +349,7 @@ def load_weights(path: str | Path, cfg: ModelConfig, device: Device, progress=No
         if progress:
             progress(i + 1, cfg.n_layers)
     tied = cfg.tied_embeddings or "output.weight" not in src
-    head = proj(["token_embd.weight" if tied else "output.weight"])
-    if isinstance(head, list):                                 # (one tensor: never a list)
-        head = head[0]
+    head = proj(["token_embd.weight" if tied else "output.weight"])   # one tensor: no list
     if tied:
         embed = None
     elif quantize != "none":

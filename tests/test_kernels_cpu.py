@@ -67,3 +67,52 @@ def test_a_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("PANTHEON_CACHE_DIR", str(tmp_path))
     with pytest.raises(kc.KernelBuildError, match="no C compiler 'no-such-cc'"):
         kc.build()
+
+
+def _close(got, ref) -> bool:       # as above: x is quantized to int16 per block
+    return np.allclose(got, ref, rtol=1e-4, atol=3e-4 * np.abs(ref).max())
+
+
+def _q4_case(seed=3, rows=200, cols=256):
+    rng = np.random.default_rng(seed)
+    m = qm.quantize(rng.standard_normal((rows, cols)).astype(np.float32), "q4")
+    return m, qm.dequantize(m)
+
+
+def test_the_pool_serves_concurrent_callers_with_right_answers():
+    """Callers from several threads at once: one uses the pool, the others run their
+    chunks themselves; every product is right and none waits for another's job."""
+    import threading
+    kc.library()
+    m, w = _q4_case()
+    rng = np.random.default_rng(4)
+    xs = [rng.standard_normal((b, 256)).astype(np.float32) for b in (1, 2, 5, 8) * 4]
+    alone = [kc.matmul(x, m) for x in xs]
+    assert all(_close(a, x @ w.T) for a, x in zip(alone, xs))
+    errors = []
+
+    def run(x, want):
+        for _ in range(30):
+            got = kc.matmul(x, m)
+            if not np.array_equal(got, want):       # the same arithmetic, whoever runs it
+                errors.append(np.abs(got - want).max())
+
+    threads = [threading.Thread(target=run, args=(x, a)) for x, a in zip(xs, alone)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and kc.library().pn_pool_init(0, 0) == kc.threads()
+
+
+def test_a_forked_child_without_the_pool_threads_still_computes():
+    import os
+    kc.library()
+    m, w = _q4_case()
+    x = np.random.default_rng(5).standard_normal((3, 256)).astype(np.float32)
+    pid = os.fork()
+    if pid == 0:    # the child has the pool's state but none of its threads
+        ok = _close(kc.matmul(x, m), x @ w.T)
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0

@@ -3,7 +3,8 @@
 Two paths, one interface (`matmul`):
 - decode (B <= GEMV_MAX_ROWS): worker/kernels.c dequantizes each block of 32
   weights into registers and multiplies it into every row of x; rows of W are
-  split over OpenMP threads. One read of the quantized weights serves the
+  split over the kernels' own thread pool (threads claim chunks of rows, so a
+  thread preempted on a shared host never holds the others up). One read of the quantized weights serves the
   whole batch, which is what a memory-bound decode step needs.
 - prefill (larger B): a tile of W's rows is dequantized (in C, threaded) into a
   cache-sized fp32 buffer and multiplied with BLAS, tile by tile.
@@ -45,6 +46,9 @@ TILE_BYTES = 1 << 23
 # SmolLM2, 2 cores: prefill 389 tok/s with one dequantizing thread, 184 with two, whose
 # OpenMP workers and OpenBLAS's spin against each other at every tile)
 TILE_THREADS = 1
+# idle pool threads spin this long for the next projection before they sleep (a layer's
+# projections follow each other within tens of microseconds)
+POOL_SPIN_US = 200
 CODES = {"q4": 0, "q8": 1, "f16": 3, "bf16": 4}
 SOURCE = Path(__file__).with_name("kernels.c")
 
@@ -91,6 +95,15 @@ def build(force: bool = False) -> Path:
     return out
 
 
+def threads() -> int:
+    """Threads of the decode kernels: OMP_NUM_THREADS (a worker sets it from --cores),
+    else the cores this process may run on."""
+    try:
+        return max(1, int(os.environ.get("OMP_NUM_THREADS", "")))
+    except ValueError:
+        return len(os.sched_getaffinity(0))
+
+
 def library():
     global _lib
     if _lib is None:
@@ -108,11 +121,14 @@ def library():
         lib.pn_gemv_i8.argtypes = [ctypes.c_int, p, p, p, i64, i64, i64, p, p, p, i64, p]
         lib.pn_repack_q4_k.argtypes = [p, i64, p, p, p]
         lib.pn_repack_q6_k.argtypes = [p, i64, p, p]
+        lib.pn_pool_init.argtypes = [ctypes.c_int, i64]
+        lib.pn_pool_init.restype = ctypes.c_int
         for fn in (lib.pn_gemv, lib.pn_dequant_rows, lib.pn_gather, lib.pn_quantize_x,
                    lib.pn_gemv_i8, lib.pn_repack_q4_k, lib.pn_repack_q6_k):
             fn.restype = None
         assert lib.pn_max_rows() == GEMV_MAX_ROWS
         HAS_INT_PATH[0] = bool(lib.pn_has_i8())
+        lib.pn_pool_init(threads(), POOL_SPIN_US)
         _lib = lib
     return _lib
 

@@ -12,15 +12,19 @@ QUANTIZE_MODES = ("auto", "none", "q8_0", "q4")   # `auto`: as stored (the defau
 # GGUF / safetensors type → (in-memory kind, block size, has a per-block min)
 IN_MEMORY = {
     "Q8_0": ("q8", 32, False), "Q4_0": ("q4", 32, True), "Q4_1": ("q4", 32, True),
-    "Q5_0": ("q8", 32, False), "Q5_1": ("q8", 32, True), "Q4_K": ("q4", 32, True),
-    "Q5_K": ("q8", 32, True), "Q6_K": ("q8", 16, False),
+    "Q5_0": ("q8", 32, False), "Q5_1": ("q8", 32, True), "Q4_K": ("q4k", 256, False),
+    "Q5_K": ("q8", 32, True), "Q6_K": ("q6k", 256, False),
     "F16": ("f16", 32, False), "BF16": ("bf16", 32, False),
 }
 QUANTIZED_AT_LOAD = {"q8_0": ("q8", 32, False), "q4": ("q4", 32, True)}
+# what a GPU holds instead of the CPU's file-layout kinds (worker/qmatrix.py QMatrix.to)
+ON_GPU = {"Q4_K": ("q4", 32, True), "Q6_K": ("q8", 16, False)}
 
 
 def kind_bytes(kind: str, bs: int, has_min: bool, elements: int) -> int:
     """Bytes of a matrix of `elements` weights held as `kind` (fp16 scales, mins)."""
+    if kind in ("q4k", "q6k"):                       # super-blocks of 256, as the file has
+        return elements // 256 * (144 if kind == "q4k" else 210)
     per = {"q4": 0.5, "q8": 1.0, "f16": 2.0, "bf16": 2.0, "f32": 4.0}[kind]
     scales = 0 if kind in ("f16", "bf16", "f32") else (2 + 2 * has_min) * elements // bs
     return int(elements * per) + scales
@@ -40,6 +44,8 @@ def held_as(type_name: str, shape: tuple[int, ...], quantize: str,
         return elements * 4
     if type_name not in IN_MEMORY:
         return elements * 4           # the load will refuse it; never under-count
+    if dense_itemsize != 4 and type_name in ON_GPU:  # a GPU die (dense weights in fp16)
+        return kind_bytes(*ON_GPU[type_name], elements)
     return kind_bytes(*IN_MEMORY[type_name], elements)
 
 

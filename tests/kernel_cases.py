@@ -1,7 +1,8 @@
 """QMatrix cases for the kernel tests: every kind, block size and min/no-min variant.
 
 Each GGUF quant type is made of random blocks with sane fp16 scales and repacked
-by qmatrix.from_gguf, so the cases hold exactly what a model file would give.
+by qmatrix.from_gguf, so the cases hold exactly what a model file would give a GPU
+(the K-quants in their repacked kinds, as QMatrix.to gives them to a device).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def from_blocks(qtype, rows: int, cols: int, seed: int) -> qm.QMatrix:
     b = rng.integers(0, 256, (n, size), dtype=np.uint8)
     for off in SCALE_FIELDS[qtype]:
         b[:, off:off + 2] = rng.uniform(1e-3, 0.1, n).astype(np.float16).view(np.uint8).reshape(n, 2)
-    return qm.from_gguf(b.reshape(-1), qtype, (rows, cols))
+    return qm.from_gguf(b.reshape(-1), qtype, (rows, cols), native=False)
 
 
 def from_floats(kind: str, rows: int, cols: int, seed: int) -> qm.QMatrix:

@@ -24,10 +24,29 @@ def random_tensor(qtype, rows, blocks_per_row, seed=0):
     return b.reshape(-1), (rows, blocks_per_row * block)
 
 
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
+def test_k_quants_stay_as_the_file_stores_them_and_move_to_a_gpu_repacked(qtype):
+    raw, shape = random_tensor(qtype, 6, 3)
+    m = qm.from_gguf(raw, qtype, shape)
+    assert (m.kind, m.bs, m.scale, m.minv) == ({QT.Q4_K: "q4k", QT.Q6_K: "q6k"}[qtype], 256,
+                                               None, None)
+    assert m.nbytes() == raw.size and m.qs.tobytes() == raw.tobytes()
+    np.testing.assert_array_equal(qm.dequantize(m), dequantize(raw, qtype, shape))
+    moved = m.to(np)                    # what a GPU gets: the repacked kind, same values
+    assert (moved.kind, moved.bs) == KIND[qtype]
+    np.testing.assert_allclose(qm.dequantize(moved), qm.dequantize(m), rtol=0,
+                               atol=np.abs(qm.dequantize(m)).max() * 2.0 ** -11)
+    order = np.array([3, 1, 0, 2, 5, 4])
+    np.testing.assert_array_equal(qm.dequantize(qm.stack([m, m.take_rows(order)])),
+                                  np.concatenate([qm.dequantize(m), qm.dequantize(m)[order]]))
+    with pytest.raises(qm.FormatError, match="do not hold"):
+        qm.from_gguf(raw[:-10], qtype, shape)
+
+
 @pytest.mark.parametrize("qtype", list(SCALE_FIELDS), ids=lambda t: t.name)
 def test_repacked_tensors_decode_as_the_file(qtype):
     raw, shape = random_tensor(qtype, 6, 3)
-    m = qm.from_gguf(raw, qtype, shape)
+    m = qm.from_gguf(raw, qtype, shape, native=False)
     assert (m.kind, m.bs) == KIND[qtype] and m.shape == shape
     ref, got = dequantize(raw, qtype, shape), qm.dequantize(m)
     if qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K):
@@ -43,7 +62,8 @@ def test_repacked_tensors_decode_as_the_file(qtype):
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
 def test_the_c_repack_gives_numpy_s_bits(qtype):
     raw, shape = random_tensor(qtype, 12, 3, seed=5)
-    fast, slow = qm.from_gguf(raw, qtype, shape), qm.from_gguf(raw, qtype, shape, fast=False)
+    fast = qm.from_gguf(raw, qtype, shape, native=False)
+    slow = qm.from_gguf(raw, qtype, shape, fast=False, native=False)
     for name in ("qs", "scale", "minv"):
         a, b = getattr(fast, name), getattr(slow, name)
         assert (a is None) == (b is None)

@@ -39,7 +39,7 @@ static inline float half_to_float(uint16_t h) {
 }
 #endif
 
-enum { Q4 = 0, Q8 = 1, Q8M = 2, F16 = 3, BF16 = 4 };
+enum { Q4 = 0, Q8 = 1, Q8M = 2, F16 = 3, BF16 = 4, Q4K = 5, Q6K = 6 };
 
 /* -- the kernels' thread pool ----------------------------------------------------------
  * Work is split into chunks (rows of W) that threads claim one at a time from a shared
@@ -226,6 +226,74 @@ static inline void dequant_block(int code, const uint8_t *restrict qs,
             memcpy(&w[i], &bits, 4);
         }
     }
+}
+
+/* -- K-quant super-blocks kept as the file stores them (kinds q4k, q6k) --------------
+ * A row is K / 256 blocks of 144 (Q4_K) or 210 (Q6_K) bytes, ggml's layout:
+ *   Q4_K: d, dmin (fp16), 12 bytes of 6-bit sub-scales and mins (8 each), 128 bytes of
+ *         nibbles: byte 32g + i holds element 64g + i (low) and 64g + 32 + i (high).
+ *         w = d * sc[j] * q - dmin * m[j], j = element / 32.
+ *   Q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d (fp16):
+ *         per half h of 128, l < 32: element 128h + l is lo4(ql[64h + l]) | bits 0-1 of
+ *         qh[32h + l] << 4, + 32: lo4(ql[64h + 32 + l]) | bits 2-3, + 64: hi4(ql[64h + l])
+ *         | bits 4-5, + 96: hi4(ql[64h + 32 + l]) | bits 6-7. w = d * sc[e / 16] * (q - 32). */
+#define Q4K_BYTES 144
+#define Q6K_BYTES 210
+
+static inline void k_scales(const uint8_t *s, uint8_t *sc, uint8_t *mn) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[j + 4] & 63;
+        sc[j + 4] = (s[j + 8] & 15) | ((s[j] >> 6) << 4);
+        mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+    }
+}
+
+static inline uint16_t load_u16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+/* 256 weights of one super-block as floats. */
+static void dequant_superblock(int code, const uint8_t *restrict b, float *restrict w) {
+    if (code == Q4K) {
+        float d = half_to_float(load_u16(b)), dmin = half_to_float(load_u16(b + 2));
+        uint8_t sc[8], mn[8];
+        k_scales(b + 4, sc, mn);
+        const uint8_t *q = b + 16;
+        for (int g = 0; g < 4; g++) {
+            float s0 = d * sc[2 * g], m0 = dmin * mn[2 * g];
+            float s1 = d * sc[2 * g + 1], m1 = dmin * mn[2 * g + 1];
+            for (int i = 0; i < 32; i++) {
+                w[64 * g + i] = s0 * (float)(q[32 * g + i] & 15) - m0;
+                w[64 * g + 32 + i] = s1 * (float)(q[32 * g + i] >> 4) - m1;
+            }
+        }
+        return;
+    }
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    float d = half_to_float(load_u16(b + 208));
+    for (int h = 0; h < 2; h++)
+        for (int l = 0; l < 32; l++) {
+            const uint8_t lo = ql[64 * h + l], hi = ql[64 * h + 32 + l], bits = qh[32 * h + l];
+            const int e = 128 * h + l;
+            w[e] = d * sc[e / 16] * (float)(((lo & 15) | ((bits & 3) << 4)) - 32);
+            w[e + 32] = d * sc[(e + 32) / 16] * (float)(((hi & 15) | (((bits >> 2) & 3) << 4)) - 32);
+            w[e + 64] = d * sc[(e + 64) / 16] * (float)(((lo >> 4) | (((bits >> 4) & 3) << 4)) - 32);
+            w[e + 96] = d * sc[(e + 96) / 16] * (float)(((hi >> 4) | (((bits >> 6) & 3) << 4)) - 32);
+        }
+}
+
+static inline int is_k(int code) { return code == Q4K || code == Q6K; }
+static inline int64_t k_bytes(int code) { return code == Q4K ? Q4K_BYTES : Q6K_BYTES; }
+
+/* Row r of a K-quant matrix as K floats. */
+static void dequant_k_row(int code, const uint8_t *qs, int64_t K, int64_t r, float *out) {
+    const int64_t nb = K / 256, bytes = k_bytes(code);
+    for (int64_t blk = 0; blk < nb; blk++)
+        dequant_superblock(code, qs + (r * nb + blk) * bytes, out + blk * 256);
 }
 
 /* Float kinds have no blocks of their own: they are walked in runs of 32. */
@@ -457,9 +525,184 @@ void pn_gemv_i8(int code, const uint8_t *qs, const uint16_t *sc, const uint16_t 
     pool_run(i8_chunk, &a, (N + a.rows - 1) / a.rows);
 }
 
+/* -- K-quant products: x as int8 per super-block of 256 (one scale, as llama.cpp's
+ * q8_K) with exact integer sums per 16 (xb). Inside a super-block everything is integer:
+ * u8 weights x s8 activations in pairs (maddubs), times the sub-block's integer scale
+ * (madd), summed in int32; one float multiply per super-block and row. */
+
+/* x [B, K] → int8 (xq), a scale per 256 (xd) and the sums of its int8 values per 16. */
+void pn_quantize_xk(const float *x, int64_t B, int64_t K, int8_t *xq, float *xd,
+                    int16_t *xb) {
+    const int64_t nb = K / 256;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t blk = 0; blk < nb; blk++) {
+            const float *v = x + b * K + blk * 256;
+            int8_t *q = xq + b * K + blk * 256;
+            float amax = 0.0f;
+            for (int i = 0; i < 256; i++) {
+                float a = v[i] < 0 ? -v[i] : v[i];
+                amax = a > amax ? a : amax;
+            }
+            float d = amax / 127.0f, inv = d > 0 ? 1.0f / d : 0.0f;
+            for (int j = 0; j < 16; j++) {
+                int sum = 0;
+                for (int i = 0; i < 16; i++) {
+                    float r = v[16 * j + i] * inv;
+                    int qv = (int)(r < 0 ? r - 0.5f : r + 0.5f);
+                    q[16 * j + i] = (int8_t)qv;
+                    sum += qv;
+                }
+                xb[(b * nb + blk) * 16 + j] = (int16_t)sum;
+            }
+            xd[b * nb + blk] = d;
+        }
+}
+
+/* One super-block's weights as 8 runs of 32 values (u8) and the integer scale of each
+ * run per int16 lane (a pair of elements each: Q6_K's two scales per run split the
+ * lanes 8 / 8), the offset term's integer factors per 16 elements (Q4_K: the run's
+ * min, twice; Q6_K: 32 x its scale), and the float factors of both terms. */
+typedef struct {
+    __m256i w[8], s[8], off;
+    float d, off_d;           /* off_d: -dmin (Q4_K) or -d (Q6_K) */
+} Super;
+
+/* Q4_K's 12 bytes of 6-bit sub-scales and mins → sc[0..7], m[0..7] (bytes), in 32-bit
+ * lanes: sc[j], m[j] for j < 4 are the low 6 bits of bytes j, j + 4; for j >= 4 the
+ * low (sc) or high (m) nibble of byte j + 4 carries the low bits and the top 2 bits of
+ * bytes j - 4 (sc) or j (m) the high ones. */
+static inline void k_scales_fast(const uint8_t *s, uint8_t out[16]) {
+    uint32_t u0, u1, u2;
+    memcpy(&u0, s, 4);
+    memcpy(&u1, s + 4, 4);
+    memcpy(&u2, s + 8, 4);
+    const uint32_t six = 0x3F3F3F3Fu, four = 0x0F0F0F0Fu, two = 0x03030303u;
+    uint32_t sc_lo = u0 & six, m_lo = u1 & six;
+    uint32_t sc_hi = (u2 & four) | (((u0 >> 6) & two) << 4);
+    uint32_t m_hi = ((u2 >> 4) & four) | (((u1 >> 6) & two) << 4);
+    memcpy(out, &sc_lo, 4);
+    memcpy(out + 4, &sc_hi, 4);
+    memcpy(out + 8, &m_lo, 4);
+    memcpy(out + 12, &m_hi, 4);
+}
+
+/* int16 value j (< 8) of each 128-bit half of v16, to every lane of that half. */
+static inline __m256i broadcast16(__m256i v16, int j) {
+    const __m256i idx = _mm256_set1_epi16((short)((2 * (j & 7) + 1) << 8 | (2 * (j & 7))));
+    return _mm256_shuffle_epi8(v16, idx);
+}
+
+static inline void load_super(int code, const uint8_t *restrict b, Super *S) {
+    const __m256i low4 = _mm256_set1_epi8(15);
+    if (code == Q4K) {
+        uint8_t sm[16];
+        S->d = half_to_float(load_u16(b));
+        S->off_d = -half_to_float(load_u16(b + 2));
+        k_scales_fast(b + 4, sm);
+        for (int g = 0; g < 4; g++) {
+            __m256i raw = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * g));
+            S->w[2 * g] = _mm256_and_si256(raw, low4);
+            S->w[2 * g + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+        }
+        __m128i all = _mm_loadu_si128((const __m128i *)sm);        /* sc[8], m[8] */
+        __m128i sc16 = _mm_cvtepu8_epi16(all), m16 = _mm_cvtepu8_epi16(_mm_srli_si128(all, 8));
+        __m256i scv = _mm256_set_m128i(sc16, sc16);
+        for (int j = 0; j < 8; j++) S->s[j] = broadcast16(scv, j);
+        /* each min twice: against x's two sums per 16 of its run */
+        S->off = _mm256_set_m128i(_mm_unpackhi_epi16(m16, m16), _mm_unpacklo_epi16(m16, m16));
+        return;
+    }
+    const uint8_t *ql = b, *qh = b + 128;
+    S->d = half_to_float(load_u16(b + 208));
+    S->off_d = -S->d;
+    const __m256i two = _mm256_set1_epi8(3);
+    for (int h = 0; h < 2; h++) {
+        __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
+        __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
+        __m256i bits = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+        __m256i h0 = _mm256_and_si256(bits, two);
+        __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(bits, 2), two);
+        __m256i h2 = _mm256_and_si256(_mm256_srli_epi16(bits, 4), two);
+        __m256i h3 = _mm256_and_si256(_mm256_srli_epi16(bits, 6), two);
+        S->w[4 * h] = _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_slli_epi16(h0, 4));
+        S->w[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_slli_epi16(h1, 4));
+        S->w[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
+                                          _mm256_slli_epi16(h2, 4));
+        S->w[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                                          _mm256_slli_epi16(h3, 4));
+    }
+    __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
+    __m256i lo = _mm256_permute2x128_si256(sc16, sc16, 0x00);   /* scales 0..7, twice */
+    __m256i hi = _mm256_permute2x128_si256(sc16, sc16, 0x11);   /* scales 8..15, twice */
+    /* run j: lanes 0-7 take scale 2j, lanes 8-15 scale 2j + 1 */
+    for (int j = 0; j < 8; j++) {
+        __m256i src = j < 4 ? lo : hi;
+        int k = 2 * (j & 3);
+        __m256i a = broadcast16(src, k), c = broadcast16(src, k + 1);
+        S->s[j] = _mm256_permute2x128_si256(a, c, 0x20);
+    }
+    S->off = _mm256_slli_epi16(sc16, 5);                          /* 32 x scale, per 16 */
+}
+
+/* acc (8 float lanes) += d * dx * (W . x) - offset term, for one super-block and row. */
+static inline __m256 super_dot(const Super *S, const int8_t *restrict x,
+                               const int16_t *restrict xb, float dx, __m256 acc) {
+    __m256i isum = _mm256_setzero_si256();
+    for (int j = 0; j < 8; j++) {
+        __m256i p = _mm256_maddubs_epi16(S->w[j], _mm256_loadu_si256((const __m256i *)(x + 32 * j)));
+        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, S->s[j]));
+    }
+    __m256i off = _mm256_madd_epi16(S->off, _mm256_loadu_si256((const __m256i *)xb));
+    /* Q4_K: d sc q - dmin m; Q6_K: d sc (q - 32), the 32 folded into `off` */
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(S->d * dx), acc);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(off), _mm256_set1_ps(S->off_d * dx), acc);
+}
+
+static void gemv_k_rows(int code, const uint8_t *restrict qs, int64_t K, int64_t N,
+                        const int8_t *restrict xq, const float *restrict xd,
+                        const int16_t *restrict xb, int64_t B, float *restrict out,
+                        int64_t n0, int64_t n1) {
+    const int64_t nb = K / 256, bytes = k_bytes(code);
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = qs + n * nb * bytes;
+        __m256 acc[MAXB];
+        for (int64_t b = 0; b < B; b++) acc[b] = _mm256_setzero_ps();
+        for (int64_t blk = 0; blk < nb; blk++) {
+            Super S;
+            load_super(code, row + blk * bytes, &S);
+            for (int64_t b = 0; b < B; b++)
+                acc[b] = super_dot(&S, xq + b * K + blk * 256, xb + (b * nb + blk) * 16,
+                                   xd[b * nb + blk], acc[b]);
+        }
+        for (int64_t b = 0; b < B; b++) out[b * N + n] = hsum(acc[b]);
+    }
+}
+
+typedef struct {
+    int code; const uint8_t *qs; int64_t N, K; const int8_t *xq; const float *xd;
+    const int16_t *xb; int64_t B; float *out; int64_t rows;
+} KArgs;
+
+static void k_chunk(const void *p, int64_t c) {
+    const KArgs *a = p;
+    int64_t n0 = c * a->rows, n1 = n0 + a->rows < a->N ? n0 + a->rows : a->N;
+    gemv_k_rows(a->code, a->qs, a->K, a->N, a->xq, a->xd, a->xb, a->B, a->out, n0, n1);
+}
+
+/* out[B, N] = W @ x for the K-quant kinds, x given by pn_quantize_xk; B <= MAXB. */
+void pn_gemv_k(int code, const uint8_t *qs, int64_t N, int64_t K, const int8_t *xq,
+               const float *xd, const int16_t *xb, int64_t B, float *out) {
+    KArgs a = {code, qs, N, K, xq, xd, xb, B, out, piece_rows(N)};
+    pool_run(k_chunk, &a, (N + a.rows - 1) / a.rows);
+}
+
 int pn_has_i8(void) { return 1; }
 #else
 int pn_has_i8(void) { return 0; }
+void pn_quantize_xk(const float *x, int64_t B, int64_t K, int8_t *xq, float *xd,
+                    int16_t *xb) {}
+void pn_gemv_k(int code, const uint8_t *qs, int64_t N, int64_t K, const int8_t *xq,
+               const float *xd, const int16_t *xb, int64_t B, float *out) {}
 void pn_quantize_x(const float *x, int64_t B, int64_t K, int16_t *xq, float *xd, float *xs) {}
 void pn_gemv_i8(int code, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn,
                 int64_t N, int64_t K, int64_t bs, const int16_t *xq, const float *xd,
@@ -492,7 +735,8 @@ void pn_dequant_rows(int code, const uint8_t *qs, const uint16_t *sc, const uint
     if (threads <= 0) threads = omp_get_max_threads();
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t r = r0; r < r1; r++)
-        for (int64_t blk = 0; blk < nb; blk++)
+        if (is_k(code)) dequant_k_row(code, qs, K, r, out + (r - r0) * K);
+        else for (int64_t blk = 0; blk < nb; blk++)
             dequant_block(code, qs, sc, mn, K, run, r, blk, out + (r - r0) * K + blk * run);
 }
 
@@ -501,7 +745,8 @@ void pn_gather(int code, const uint8_t *qs, const uint16_t *sc, const uint16_t *
                int64_t K, int64_t bs, const int64_t *ids, int64_t T, float *out) {
     int64_t run = block_of(code, bs), nb = K / run;
     for (int64_t t = 0; t < T; t++)
-        for (int64_t blk = 0; blk < nb; blk++)
+        if (is_k(code)) dequant_k_row(code, qs, K, ids[t], out + t * K);
+        else for (int64_t blk = 0; blk < nb; blk++)
             dequant_block(code, qs, sc, mn, K, run, ids[t], blk, out + t * K + blk * run);
 }
 

@@ -49,7 +49,8 @@ TILE_THREADS = 1
 # idle pool threads spin this long for the next projection before they sleep (a layer's
 # projections follow each other within tens of microseconds)
 POOL_SPIN_US = 200
-CODES = {"q4": 0, "q8": 1, "f16": 3, "bf16": 4}
+CODES = {"q4": 0, "q8": 1, "f16": 3, "bf16": 4, "q4k": 5, "q6k": 6}
+K_BYTES = {"q4k": 144, "q6k": 210}     # bytes per super-block of 256 (as GGUF stores them)
 SOURCE = Path(__file__).with_name("kernels.c")
 
 _lib = None
@@ -121,10 +122,13 @@ def library():
         lib.pn_gemv_i8.argtypes = [ctypes.c_int, p, p, p, i64, i64, i64, p, p, p, i64, p]
         lib.pn_repack_q4_k.argtypes = [p, i64, p, p, p]
         lib.pn_repack_q6_k.argtypes = [p, i64, p, p]
+        lib.pn_quantize_xk.argtypes = [p, i64, i64, p, p, p]
+        lib.pn_gemv_k.argtypes = [ctypes.c_int, p, i64, i64, p, p, p, i64, p]
         lib.pn_pool_init.argtypes = [ctypes.c_int, i64]
         lib.pn_pool_init.restype = ctypes.c_int
         for fn in (lib.pn_gemv, lib.pn_dequant_rows, lib.pn_gather, lib.pn_quantize_x,
-                   lib.pn_gemv_i8, lib.pn_repack_q4_k, lib.pn_repack_q6_k):
+                   lib.pn_gemv_i8, lib.pn_repack_q4_k, lib.pn_repack_q6_k,
+                   lib.pn_quantize_xk, lib.pn_gemv_k):
             fn.restype = None
         assert lib.pn_max_rows() == GEMV_MAX_ROWS
         HAS_INT_PATH[0] = bool(lib.pn_has_i8())
@@ -166,10 +170,34 @@ def _scratch(batch: int, cols: int) -> tuple:
     return bufs[key][3:]
 
 
+def _scratch_k(batch: int, cols: int) -> tuple:
+    """This thread's buffers for x quantized per 256 (int8 values, scales, sums per 16)."""
+    key = ("k", batch, cols)
+    bufs = getattr(_local, "bufs", None)
+    if bufs is None:
+        bufs = _local.bufs = {}
+    if key not in bufs:
+        if len(bufs) > 64:
+            bufs.clear()
+        xq = np.empty((batch, cols), dtype=np.int8)
+        xd = np.empty((batch, cols // 256), dtype=F32)
+        xb = np.empty((batch, cols // 16), dtype=np.int16)
+        bufs[key] = (xq, xd, xb, _ptr(xq), _ptr(xd), _ptr(xb))
+    return bufs[key][3:]
+
+
 def _check_weights(m: QMatrix) -> tuple:
     """(code, qs, scale, min pointers, bs) after checking what C will read."""
     if m.kind not in CODES:
         raise TypeError(f"no CPU kernel for kind {m.kind!r}")
+    if m.kind in K_BYTES:
+        assert isinstance(m.qs, np.ndarray) and m.qs.flags.c_contiguous, \
+            "QMatrix arrays must be C-contiguous NumPy arrays"
+        assert m.cols % 256 == 0 and m.qs.dtype == np.uint8 and \
+            m.qs.shape == (m.rows, m.cols // 256 * K_BYTES[m.kind]), \
+            f"{m.kind} qs must be uint8 [{m.rows}, {m.cols // 256 * K_BYTES[m.kind]}], " \
+            f"got {m.qs.dtype} {m.qs.shape}"
+        return CODES[m.kind], _ptr(m.qs), 0, 0, 256
     code = CODES[m.kind] + (1 if m.kind == "q8" and m.minv is not None else 0)
     scale = _NO_SCALE if m.scale is None else m.scale
     minv = scale if m.minv is None else m.minv
@@ -197,13 +225,18 @@ def matmul(x: np.ndarray, m: QMatrix, path: str = "auto") -> np.ndarray:
     lib, (code, qs, sc, mn, bs) = library(), _weights(m)
     batch = x.shape[0]
     out = np.empty((batch, m.rows), dtype=F32)
+    if m.kind in K_BYTES and path != "tile" and batch <= GEMV_MAX_ROWS and HAS_INT_PATH[0]:
+        xq, xd, xb = _scratch_k(batch, m.cols)
+        lib.pn_quantize_xk(_ptr(x), batch, m.cols, xq, xd, xb)
+        lib.pn_gemv_k(code, qs, m.rows, m.cols, xq, xd, xb, batch, _ptr(out))
+        return out
     if path in ("auto", "i8") and batch <= GEMV_MAX_ROWS and m.kind in ("q4", "q8") \
             and HAS_INT_PATH[0] and m.cols // m.bs <= MAX_RUNS:
         xq, xd, xs = _scratch(batch, m.cols)
         lib.pn_quantize_x(_ptr(x), batch, m.cols, xq, xd, xs)
         lib.pn_gemv_i8(code, qs, sc, mn, m.rows, m.cols, bs, xq, xd, xs, batch, _ptr(out))
         return out
-    if path == "gemv" or (path == "auto" and batch <= GEMV_MAX_ROWS):
+    if m.kind not in K_BYTES and (path == "gemv" or (path == "auto" and batch <= GEMV_MAX_ROWS)):
         for b0 in range(0, batch, GEMV_MAX_ROWS):   # row slices of x and out are contiguous
             rows = x[b0:b0 + GEMV_MAX_ROWS]
             lib.pn_gemv(code, qs, sc, mn, m.rows, m.cols, bs, _ptr(rows), rows.shape[0],

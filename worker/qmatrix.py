@@ -11,8 +11,13 @@ in blocks along `in`, the way GGUF stores it, so `y = x @ W.T`. Kinds:
         (Q6_K's runs); minv the same shape, or None. w = scale * q (+ minv).
   f16   qs uint16 [rows, cols]: IEEE half bits.      w = half(qs)
   bf16  qs uint16 [rows, cols]: bfloat16 bits.       w = float32(qs << 16)
+  q4k, q6k  qs uint8 [rows, cols / 256 * (144 | 210)]: Q4_K / Q6_K super-blocks
+        exactly as the file stores them (worker/kernels.c reads them with integer
+        sub-scales); no scale or minv arrays, bs 256. CPU only: moved to a GPU they
+        are repacked into q4 / q8 first.
 
-GGUF tensors are repacked tensor by tensor into the closest kind, exactly but
+On the CPU, Q4_K and Q6_K tensors stay as stored (q4k, q6k: the file's bytes).
+Elsewhere GGUF tensors are repacked tensor by tensor into the closest kind, exactly but
 for one rounding: a K-quant's sub-block scale is the product of an fp16 and a
 6-bit (Q4_K, Q5_K) or 8-bit (Q6_K) integer, stored here as one fp16 (a relative
 error below 2^-11 on the scale; the format's own step is 1/16 to 1/64 of the
@@ -31,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from ..common.weight_format import IN_MEMORY, QUANTIZE_MODES  # noqa: F401 (re-exported)
+from ..common.weight_format import IN_MEMORY, ON_GPU, QUANTIZE_MODES  # noqa: F401 (re-exported)
 
 QT = GGMLQuantizationType
 
@@ -59,7 +64,10 @@ class QMatrix:
         return sum(int(a.nbytes) for a in (self.qs, self.scale, self.minv) if a is not None)
 
     def to(self, xp) -> "QMatrix":
-        """The same matrix with its arrays on another die (numpy → cupy)."""
+        """The same matrix with its arrays on another die (numpy → cupy). The file-layout
+        kinds (q4k, q6k) have no GPU kernels: they are repacked into q4 / q8 first."""
+        if self.kind in NATIVE_KINDS:
+            return from_gguf(self.qs, QT[self.source], self.shape, native=False).to(xp)
         move = (lambda a: None if a is None else xp.asarray(a))
         return QMatrix(self.kind, self.rows, self.cols, move(self.qs), move(self.scale),
                        move(self.minv), self.bs, self.source)
@@ -205,17 +213,30 @@ def _r_q6_k(b, out=None):
 REPACKERS = {QT.Q8_0: _r_q8_0, QT.Q4_0: _r_q4_0, QT.Q4_1: _r_q4_1, QT.Q5_0: _r_q5_0,
              QT.Q5_1: _r_q5_1, QT.Q4_K: _r_q4_k, QT.Q5_K: _r_q5_k, QT.Q6_K: _r_q6_k}
 # type → (kind, bs, repacker); kinds and block sizes as common/weight_format.py counts them
-REPACK = {t: (*IN_MEMORY[t.name][:2], fn) for t, fn in REPACKERS.items()}
+# (the K-quants repacked: what a GPU holds of them)
+REPACK = {t: (*ON_GPU.get(t.name, IN_MEMORY[t.name])[:2], fn) for t, fn in REPACKERS.items()}
+
+
+NATIVE = {QT.Q4_K: "q4k", QT.Q6_K: "q6k"}      # held in the file's own layout on a CPU
+NATIVE_KINDS = frozenset(NATIVE.values())
 
 
 def from_gguf(raw, qtype, shape: tuple[int, int], name: str = "tensor",
-              fast: bool = True) -> QMatrix:
-    """Repack one GGUF matrix (its bytes as stored, `shape` = (rows, cols)) into its
-    kind, chunk by chunk: no fp32 copy of it ever exists. Q4_K and Q6_K go through C
+              fast: bool = True, native: bool = True) -> QMatrix:
+    """Hold one GGUF matrix (its bytes as stored, `shape` = (rows, cols)) in its kind:
+    Q4_K and Q6_K as they are (`native`, the CPU's kinds), else repacked chunk by chunk:
+    no fp32 copy of it ever exists. The repacking of Q4_K and Q6_K goes through C
     (worker/kernels.c) when `fast` and the build allows, else NumPy (the same bits)."""
     qtype = QT(qtype)
     rows, cols = shape
     raw = np.asarray(raw).reshape(-1).view(np.uint8)
+    if native and qtype in NATIVE:
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        if cols % block or raw.size != rows * (cols // block) * type_size:
+            raise FormatError(f"tensor {name}: {raw.size} bytes do not hold {shape} in "
+                              f"whole {qtype.name} blocks of {block}")
+        return QMatrix(NATIVE[qtype], rows, cols, raw.reshape(rows, -1).copy(), None, None,
+                       block, qtype.name)
     if qtype == QT.F16:
         return QMatrix("f16", rows, cols, raw.view(np.uint16).reshape(rows, cols).copy(),
                        source="F16")
@@ -309,6 +330,10 @@ def quantize(w: np.ndarray, mode: str, source: str = "F32") -> QMatrix:
 def dequantize(m: QMatrix, rows: slice | None = None) -> np.ndarray:
     """float32 [rows, cols] of `m` (or of a slice of its rows), in NumPy."""
     sel = rows or slice(None)
+    if m.kind in NATIVE_KINDS:
+        from .quants import dequantize as decode
+        qs = np.ascontiguousarray(m.qs[sel])
+        return decode(qs.reshape(-1), QT[m.source], (qs.shape[0], m.cols))
     if m.kind == "f16":
         return np.asarray(m.qs[sel]).view(np.float16).astype(np.float32)
     if m.kind == "bf16":

@@ -525,46 +525,53 @@ void pn_gemv_i8(int code, const uint8_t *qs, const uint16_t *sc, const uint16_t 
     pool_run(i8_chunk, &a, (N + a.rows - 1) / a.rows);
 }
 
-/* -- K-quant products: x as int8 per super-block of 256 (one scale, as llama.cpp's
- * q8_K) with exact integer sums per 16 (xb). Inside a super-block everything is integer:
- * u8 weights x s8 activations in pairs (maddubs), times the sub-block's integer scale
- * (madd), summed in int32; one float multiply per super-block and row. */
+/* -- K-quant products: x per super-block of 256 as int16 with one float scale (a step of
+ * 1/16000 of the block's largest |x|) and exact sums per 32 (xs, for Q4_K's mins). A
+ * super-block's weights are widened to int16 once, with their integer sub-scale already
+ * multiplied in (q * sc: |.| <= 945 for Q4_K, (q - 32) * sc: <= 4096 for Q6_K), so every
+ * row of x meets them in 16 int16 pair products (madd, or VNNI's dpwssd) summed in
+ * int32, and one float multiply per 256 weights and row. (int8 activations, llama.cpp's
+ * q8_K, would take half the work but measured here a mean KL of 0.004-0.017 nats and
+ * top-1 agreement of 92-95 % on tiny models against their fp32 forward; int16: 0.0000
+ * and 100 %.) */
 
-/* x [B, K] → int8 (xq), a scale per 256 (xd) and the sums of its int8 values per 16. */
-void pn_quantize_xk(const float *x, int64_t B, int64_t K, int8_t *xq, float *xd,
-                    int16_t *xb) {
+#define XK_MAX 16000.0f   /* |x| in steps: keeps every int32 sum of a super-block in range */
+
+/* x [B, K] → int16 (xq), a scale per 256 (xd), exact sums of xq per 32 as floats (xs). */
+void pn_quantize_xk(const float *x, int64_t B, int64_t K, int16_t *xq, float *xd,
+                    float *xs) {
     const int64_t nb = K / 256;
     for (int64_t b = 0; b < B; b++)
         for (int64_t blk = 0; blk < nb; blk++) {
             const float *v = x + b * K + blk * 256;
-            int8_t *q = xq + b * K + blk * 256;
+            int16_t *q = xq + b * K + blk * 256;
             float amax = 0.0f;
             for (int i = 0; i < 256; i++) {
                 float a = v[i] < 0 ? -v[i] : v[i];
                 amax = a > amax ? a : amax;
             }
-            float d = amax / 127.0f, inv = d > 0 ? 1.0f / d : 0.0f;
-            for (int j = 0; j < 16; j++) {
+            float d = amax / XK_MAX, inv = d > 0 ? 1.0f / d : 0.0f;
+            for (int j = 0; j < 8; j++) {
                 int sum = 0;
-                for (int i = 0; i < 16; i++) {
-                    float r = v[16 * j + i] * inv;
+                for (int i = 0; i < 32; i++) {
+                    float r = v[32 * j + i] * inv;
                     int qv = (int)(r < 0 ? r - 0.5f : r + 0.5f);
-                    q[16 * j + i] = (int8_t)qv;
+                    q[32 * j + i] = (int16_t)qv;
                     sum += qv;
                 }
-                xb[(b * nb + blk) * 16 + j] = (int16_t)sum;
+                xs[(b * nb + blk) * 8 + j] = (float)sum;
             }
             xd[b * nb + blk] = d;
         }
 }
 
-/* One super-block's weights as 8 runs of 32 values (u8) and the integer scale of each
- * run per int16 lane (a pair of elements each: Q6_K's two scales per run split the
- * lanes 8 / 8), the offset term's integer factors per 16 elements (Q4_K: the run's
- * min, twice; Q6_K: 32 x its scale), and the float factors of both terms. */
+/* One super-block's weights as 16 vectors of 16 int16 (elements 16k..16k+15), each
+ * times its integer sub-scale; Q4_K's mins per 32 as floats (mf) and the factors
+ * d and -dmin (Q6_K: no offset term, the 32 is taken off the values). */
 typedef struct {
-    __m256i w[8], s[8], off;
-    float d, off_d;           /* off_d: -dmin (Q4_K) or -d (Q6_K) */
+    __m256i w[16];
+    __m256 mf;
+    float d, off_d;
 } Super;
 
 /* Q4_K's 12 bytes of 6-bit sub-scales and mins → sc[0..7], m[0..7] (bytes), in 32-bit
@@ -586,81 +593,88 @@ static inline void k_scales_fast(const uint8_t *s, uint8_t out[16]) {
     memcpy(out + 12, &m_hi, 4);
 }
 
-/* int16 value j (< 8) of each 128-bit half of v16, to every lane of that half. */
-static inline __m256i broadcast16(__m256i v16, int j) {
-    const __m256i idx = _mm256_set1_epi16((short)((2 * (j & 7) + 1) << 8 | (2 * (j & 7))));
-    return _mm256_shuffle_epi8(v16, idx);
+/* 32 bytes (one run of 32 values, u8) → two vectors of 16 int16, times scales s0, s1. */
+static inline void widen_run(__m256i run, __m256i s0, __m256i s1, __m256i off,
+                             __m256i *w0, __m256i *w1) {
+    __m256i a = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(run)), off);
+    __m256i b = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(run, 1)), off);
+    *w0 = _mm256_mullo_epi16(a, s0);
+    *w1 = _mm256_mullo_epi16(b, s1);
 }
 
 static inline void load_super(int code, const uint8_t *restrict b, Super *S) {
-    const __m256i low4 = _mm256_set1_epi8(15);
+    const __m256i low4 = _mm256_set1_epi8(15), zero = _mm256_setzero_si256();
     if (code == Q4K) {
         uint8_t sm[16];
         S->d = half_to_float(load_u16(b));
         S->off_d = -half_to_float(load_u16(b + 2));
         k_scales_fast(b + 4, sm);
-        for (int g = 0; g < 4; g++) {
+        for (int g = 0; g < 4; g++) {         /* group g: runs 2g (low nibbles), 2g + 1 */
             __m256i raw = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * g));
-            S->w[2 * g] = _mm256_and_si256(raw, low4);
-            S->w[2 * g + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+            __m256i s0 = _mm256_set1_epi16(sm[2 * g]), s1 = _mm256_set1_epi16(sm[2 * g + 1]);
+            widen_run(_mm256_and_si256(raw, low4), s0, s0, zero, &S->w[4 * g], &S->w[4 * g + 1]);
+            widen_run(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low4), s1, s1, zero,
+                      &S->w[4 * g + 2], &S->w[4 * g + 3]);
         }
-        __m128i all = _mm_loadu_si128((const __m128i *)sm);        /* sc[8], m[8] */
-        __m128i sc16 = _mm_cvtepu8_epi16(all), m16 = _mm_cvtepu8_epi16(_mm_srli_si128(all, 8));
-        __m256i scv = _mm256_set_m128i(sc16, sc16);
-        for (int j = 0; j < 8; j++) S->s[j] = broadcast16(scv, j);
-        /* each min twice: against x's two sums per 16 of its run */
-        S->off = _mm256_set_m128i(_mm_unpackhi_epi16(m16, m16), _mm_unpacklo_epi16(m16, m16));
+        S->mf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + 8))));
         return;
     }
     const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
     S->d = half_to_float(load_u16(b + 208));
-    S->off_d = -S->d;
-    const __m256i two = _mm256_set1_epi8(3);
+    S->off_d = 0.0f;
+    S->mf = _mm256_setzero_ps();
+    const __m256i two = _mm256_set1_epi8(3), off = _mm256_set1_epi16(32);
     for (int h = 0; h < 2; h++) {
         __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
         __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
         __m256i bits = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
-        __m256i h0 = _mm256_and_si256(bits, two);
-        __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(bits, 2), two);
-        __m256i h2 = _mm256_and_si256(_mm256_srli_epi16(bits, 4), two);
-        __m256i h3 = _mm256_and_si256(_mm256_srli_epi16(bits, 6), two);
-        S->w[4 * h] = _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_slli_epi16(h0, 4));
-        S->w[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_slli_epi16(h1, 4));
-        S->w[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
-                                          _mm256_slli_epi16(h2, 4));
-        S->w[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
-                                          _mm256_slli_epi16(h3, 4));
+        __m256i runs[4] = {
+            _mm256_or_si256(_mm256_and_si256(l0, low4),
+                            _mm256_slli_epi16(_mm256_and_si256(bits, two), 4)),
+            _mm256_or_si256(_mm256_and_si256(l1, low4),
+                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bits, 2), two), 4)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
+                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bits, 4), two), 4)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bits, 6), two), 4))};
+        for (int k = 0; k < 4; k++) {         /* run 4h + k: scales 8h + 2k, 8h + 2k + 1 */
+            const int j = 4 * h + k;
+            widen_run(runs[k], _mm256_set1_epi16(sc[2 * j]), _mm256_set1_epi16(sc[2 * j + 1]),
+                      off, &S->w[2 * j], &S->w[2 * j + 1]);
+        }
     }
-    __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
-    __m256i lo = _mm256_permute2x128_si256(sc16, sc16, 0x00);   /* scales 0..7, twice */
-    __m256i hi = _mm256_permute2x128_si256(sc16, sc16, 0x11);   /* scales 8..15, twice */
-    /* run j: lanes 0-7 take scale 2j, lanes 8-15 scale 2j + 1 */
-    for (int j = 0; j < 8; j++) {
-        __m256i src = j < 4 ? lo : hi;
-        int k = 2 * (j & 3);
-        __m256i a = broadcast16(src, k), c = broadcast16(src, k + 1);
-        S->s[j] = _mm256_permute2x128_si256(a, c, 0x20);
-    }
-    S->off = _mm256_slli_epi16(sc16, 5);                          /* 32 x scale, per 16 */
 }
 
-/* acc (8 float lanes) += d * dx * (W . x) - offset term, for one super-block and row. */
-static inline __m256 super_dot(const Super *S, const int8_t *restrict x,
-                               const int16_t *restrict xb, float dx, __m256 acc) {
-    __m256i isum = _mm256_setzero_si256();
-    for (int j = 0; j < 8; j++) {
-        __m256i p = _mm256_maddubs_epi16(S->w[j], _mm256_loadu_si256((const __m256i *)(x + 32 * j)));
-        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, S->s[j]));
+/* acc + pairs of a x b (int16 → int32 lanes): one VNNI instruction where there is one. */
+static inline __m256i madd_acc(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
+/* acc (8 float lanes) += d * dx * (W . x) + the min term, one super-block and row. Two
+ * int32 chains of 8 products each: each stays below 2^31 (Q6_K: 8 x 2 x 4096 x 16000). */
+static inline __m256 super_dot(const Super *S, const int16_t *restrict x,
+                               const float *restrict xs, float dx, __m256 acc) {
+    __m256i c0 = _mm256_setzero_si256(), c1 = _mm256_setzero_si256();
+    for (int k = 0; k < 16; k += 2) {
+        c0 = madd_acc(c0, S->w[k], _mm256_loadu_si256((const __m256i *)(x + 16 * k)));
+        c1 = madd_acc(c1, S->w[k + 1], _mm256_loadu_si256((const __m256i *)(x + 16 * k + 16)));
     }
-    __m256i off = _mm256_madd_epi16(S->off, _mm256_loadu_si256((const __m256i *)xb));
-    /* Q4_K: d sc q - dmin m; Q6_K: d sc (q - 32), the 32 folded into `off` */
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(S->d * dx), acc);
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(off), _mm256_set1_ps(S->off_d * dx), acc);
+    const __m256 dd = _mm256_set1_ps(S->d * dx);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c0), dd, acc);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c1), dd, acc);
+    /* Q4_K: - dmin * m[j] * (sum of x over run j), lane j */
+    return _mm256_fmadd_ps(_mm256_mul_ps(S->mf, _mm256_set1_ps(S->off_d * dx)),
+                           _mm256_loadu_ps(xs), acc);
 }
 
 static void gemv_k_rows(int code, const uint8_t *restrict qs, int64_t K, int64_t N,
-                        const int8_t *restrict xq, const float *restrict xd,
-                        const int16_t *restrict xb, int64_t B, float *restrict out,
+                        const int16_t *restrict xq, const float *restrict xd,
+                        const float *restrict xs, int64_t B, float *restrict out,
                         int64_t n0, int64_t n1) {
     const int64_t nb = K / 256, bytes = k_bytes(code);
     for (int64_t n = n0; n < n1; n++) {
@@ -671,7 +685,7 @@ static void gemv_k_rows(int code, const uint8_t *restrict qs, int64_t K, int64_t
             Super S;
             load_super(code, row + blk * bytes, &S);
             for (int64_t b = 0; b < B; b++)
-                acc[b] = super_dot(&S, xq + b * K + blk * 256, xb + (b * nb + blk) * 16,
+                acc[b] = super_dot(&S, xq + b * K + blk * 256, xs + (b * nb + blk) * 8,
                                    xd[b * nb + blk], acc[b]);
         }
         for (int64_t b = 0; b < B; b++) out[b * N + n] = hsum(acc[b]);
@@ -679,30 +693,30 @@ static void gemv_k_rows(int code, const uint8_t *restrict qs, int64_t K, int64_t
 }
 
 typedef struct {
-    int code; const uint8_t *qs; int64_t N, K; const int8_t *xq; const float *xd;
-    const int16_t *xb; int64_t B; float *out; int64_t rows;
+    int code; const uint8_t *qs; int64_t N, K; const int16_t *xq; const float *xd, *xs;
+    int64_t B; float *out; int64_t rows;
 } KArgs;
 
 static void k_chunk(const void *p, int64_t c) {
     const KArgs *a = p;
     int64_t n0 = c * a->rows, n1 = n0 + a->rows < a->N ? n0 + a->rows : a->N;
-    gemv_k_rows(a->code, a->qs, a->K, a->N, a->xq, a->xd, a->xb, a->B, a->out, n0, n1);
+    gemv_k_rows(a->code, a->qs, a->K, a->N, a->xq, a->xd, a->xs, a->B, a->out, n0, n1);
 }
 
 /* out[B, N] = W @ x for the K-quant kinds, x given by pn_quantize_xk; B <= MAXB. */
-void pn_gemv_k(int code, const uint8_t *qs, int64_t N, int64_t K, const int8_t *xq,
-               const float *xd, const int16_t *xb, int64_t B, float *out) {
-    KArgs a = {code, qs, N, K, xq, xd, xb, B, out, piece_rows(N)};
+void pn_gemv_k(int code, const uint8_t *qs, int64_t N, int64_t K, const int16_t *xq,
+               const float *xd, const float *xs, int64_t B, float *out) {
+    KArgs a = {code, qs, N, K, xq, xd, xs, B, out, piece_rows(N)};
     pool_run(k_chunk, &a, (N + a.rows - 1) / a.rows);
 }
 
 int pn_has_i8(void) { return 1; }
 #else
 int pn_has_i8(void) { return 0; }
-void pn_quantize_xk(const float *x, int64_t B, int64_t K, int8_t *xq, float *xd,
-                    int16_t *xb) {}
-void pn_gemv_k(int code, const uint8_t *qs, int64_t N, int64_t K, const int8_t *xq,
-               const float *xd, const int16_t *xb, int64_t B, float *out) {}
+void pn_quantize_xk(const float *x, int64_t B, int64_t K, int16_t *xq, float *xd,
+                    float *xs) {}
+void pn_gemv_k(int code, const uint8_t *qs, int64_t N, int64_t K, const int16_t *xq,
+               const float *xd, const float *xs, int64_t B, float *out) {}
 void pn_quantize_x(const float *x, int64_t B, int64_t K, int16_t *xq, float *xd, float *xs) {}
 void pn_gemv_i8(int code, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn,
                 int64_t N, int64_t K, int64_t bs, const int16_t *xq, const float *xd,

@@ -171,7 +171,8 @@ def _scratch(batch: int, cols: int) -> tuple:
 
 
 def _scratch_k(batch: int, cols: int) -> tuple:
-    """This thread's buffers for x quantized per 256 (int8 values, scales, sums per 16)."""
+    """This thread's buffers for x quantized per 256 (int16 values, scales, sums per 32)
+    and their pointers."""
     key = ("k", batch, cols)
     bufs = getattr(_local, "bufs", None)
     if bufs is None:
@@ -179,10 +180,10 @@ def _scratch_k(batch: int, cols: int) -> tuple:
     if key not in bufs:
         if len(bufs) > 64:
             bufs.clear()
-        xq = np.empty((batch, cols), dtype=np.int8)
+        xq = np.empty((batch, cols), dtype=np.int16)
         xd = np.empty((batch, cols // 256), dtype=F32)
-        xb = np.empty((batch, cols // 16), dtype=np.int16)
-        bufs[key] = (xq, xd, xb, _ptr(xq), _ptr(xd), _ptr(xb))
+        xs = np.empty((batch, cols // 32), dtype=F32)
+        bufs[key] = (xq, xd, xs) + tuple(_ptr(a) for a in (xq, xd, xs))
     return bufs[key][3:]
 
 
@@ -226,9 +227,9 @@ def matmul(x: np.ndarray, m: QMatrix, path: str = "auto") -> np.ndarray:
     batch = x.shape[0]
     out = np.empty((batch, m.rows), dtype=F32)
     if m.kind in K_BYTES and path != "tile" and batch <= GEMV_MAX_ROWS and HAS_INT_PATH[0]:
-        xq, xd, xb = _scratch_k(batch, m.cols)
-        lib.pn_quantize_xk(_ptr(x), batch, m.cols, xq, xd, xb)
-        lib.pn_gemv_k(code, qs, m.rows, m.cols, xq, xd, xb, batch, _ptr(out))
+        xq, xd, xs = _scratch_k(batch, m.cols)
+        lib.pn_quantize_xk(_ptr(x), batch, m.cols, xq, xd, xs)
+        lib.pn_gemv_k(code, qs, m.rows, m.cols, xq, xd, xs, batch, _ptr(out))
         return out
     if path in ("auto", "i8") and batch <= GEMV_MAX_ROWS and m.kind in ("q4", "q8") \
             and HAS_INT_PATH[0] and m.cols // m.bs <= MAX_RUNS:

@@ -1,0 +1,103 @@
+"""Q4_K and Q6_K writers for tests (gguf-py decodes these types but cannot encode them).
+
+Plain round-to-nearest quantizers in ggml's block layouts (not llama.cpp's
+error-minimizing search): what matters here is that the bytes are valid blocks,
+which tests check against gguf-py's own decoder, and that the values are close to
+the floats they came from. `rewrite_as_k_quants` turns a tiny model's F32 GGUF into
+a Q4_K / Q6_K one (every field kept), the way a Q4_K_M file mixes them.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+QT = gguf.GGMLQuantizationType
+
+
+def _f16(v) -> np.ndarray:
+    return np.asarray(v, dtype=np.float32).astype(np.float16)
+
+
+def quantize_q4_k(w: np.ndarray) -> np.ndarray:
+    """float32 [rows, cols] (cols % 256 == 0) → Q4_K blocks as uint8 [rows, cols/256*144].
+    Per 32: w ~ d*sc*q - dmin*m with q in 0..15, sc and m 6-bit, d and dmin fp16."""
+    rows, cols = w.shape
+    sb = w.reshape(-1, 8, 32).astype(np.float32)                       # super-blocks
+    lo = np.minimum(sb.min(-1), 0.0)                                   # [n, 8] (<= 0)
+    step = (sb.max(-1) - lo) / 15.0                                    # [n, 8]
+    d = _f16(step.max(-1) / 63.0).astype(np.float32)                   # [n]
+    dmin = _f16((-lo).max(-1) / 63.0).astype(np.float32)
+    safe = lambda a: np.where(a > 0, a, 1.0)                          # noqa: E731
+    sc = np.clip(np.rint(step / safe(d)[:, None]), 0, 63).astype(np.uint8)
+    m = np.clip(np.rint(-lo / safe(dmin)[:, None]), 0, 63).astype(np.uint8)
+    scale = (d[:, None] * sc)[..., None]
+    q = np.clip(np.rint((sb + (dmin[:, None] * m)[..., None]) / safe(scale)), 0, 15)
+    q = np.where(scale > 0, q, 0).astype(np.uint8)                    # [n, 8, 32]
+    n = sb.shape[0]
+    out = np.zeros((n, 144), dtype=np.uint8)
+    out[:, 0:2] = _f16(d).view(np.uint8).reshape(n, 2)
+    out[:, 2:4] = _f16(dmin).view(np.uint8).reshape(n, 2)
+    s = out[:, 4:16]                      # sc, m of j < 4 in bytes j, j + 4 (low 6 bits);
+    s[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)     # j >= 4: low nibbles in byte j + 4,
+    s[:, 4:8] = m[:, :4] | ((m[:, 4:] >> 4) << 6)       # top 2 bits over bytes j - 4, j
+    s[:, 8:12] = (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)
+    pairs = q.reshape(n, 4, 2, 32)        # group g: sub-blocks 2g (low nibble), 2g + 1 (high)
+    out[:, 16:144] = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, 128)
+    return out.reshape(rows, -1)
+
+
+def quantize_q6_k(w: np.ndarray) -> np.ndarray:
+    """float32 [rows, cols] → Q6_K blocks uint8 [rows, cols/256*210]: w ~ d*sc*(q - 32)
+    per 16, q in 0..63, sc int8, d fp16."""
+    rows, cols = w.shape
+    sb = w.reshape(-1, 16, 16).astype(np.float32)
+    n = sb.shape[0]
+    step = np.abs(sb).max(-1) / 31.0                                   # [n, 16]
+    d = _f16(step.max(-1) / 127.0).astype(np.float32)
+    safe = lambda a: np.where(a > 0, a, 1.0)                          # noqa: E731
+    sc = np.clip(np.rint(step / safe(d)[:, None]), -128, 127).astype(np.int8)
+    scale = (d[:, None] * sc)[..., None]
+    q = np.clip(np.rint(sb / safe(scale)) + 32, 0, 63)
+    q = np.where(scale != 0, q, 32).astype(np.uint8).reshape(n, 2, 4, 32)   # halves of 128
+    out = np.zeros((n, 210), dtype=np.uint8)
+    ql = out[:, 0:128].reshape(n, 2, 64)
+    ql[:, :, :32] = (q[:, :, 0] & 15) | ((q[:, :, 2] & 15) << 4)
+    ql[:, :, 32:] = (q[:, :, 1] & 15) | ((q[:, :, 3] & 15) << 4)
+    out[:, 128:192] = ((q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4)
+                       | ((q[:, :, 3] >> 4) << 6)).reshape(n, 64)
+    out[:, 192:208] = sc.view(np.uint8)
+    out[:, 208:210] = _f16(d).view(np.uint8).reshape(n, 2)
+    return out.reshape(rows, -1)
+
+
+QUANTIZERS = {QT.Q4_K: quantize_q4_k, QT.Q6_K: quantize_q6_k}
+
+
+def rewrite_as_k_quants(src: Path, dst: Path, pick) -> Path:
+    """A copy of the F32 GGUF at `src` (every metadata field kept) whose 2-D tensors are
+    re-encoded as pick(name, shape) returns: QT.Q4_K, QT.Q6_K, or None (left F32)."""
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    wr = gguf.GGUFWriter(str(dst), arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        vtype = field.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            wr.add_key_value(key, field.contents(), vtype, sub_type=field.types[-1])
+        else:
+            wr.add_key_value(key, field.contents(), vtype)
+    for t in reader.tensors:
+        shape = tuple(int(n) for n in reversed(t.shape))
+        data = np.asarray(t.data, dtype=np.float32).reshape(shape)
+        qtype = pick(t.name, shape) if data.ndim == 2 else None
+        if qtype is None:
+            wr.add_tensor(t.name, np.ascontiguousarray(data))
+        else:
+            raw = QUANTIZERS[qtype](data)
+            wr.add_tensor(t.name, raw, raw_shape=raw.shape, raw_dtype=qtype)
+    wr.write_header_to_file(), wr.write_kv_data_to_file(), wr.write_tensors_to_file()
+    wr.close()
+    return dst

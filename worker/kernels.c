@@ -255,7 +255,8 @@ static inline uint16_t load_u16(const uint8_t *p) {
     return v;
 }
 
-/* 256 weights of one super-block as floats. */
+#if !defined(__AVX2__)
+/* 256 weights of one super-block as floats (the portable decoding). */
 static void dequant_superblock(int code, const uint8_t *restrict b, float *restrict w) {
     if (code == Q4K) {
         float d = half_to_float(load_u16(b)), dmin = half_to_float(load_u16(b + 2));
@@ -285,15 +286,24 @@ static void dequant_superblock(int code, const uint8_t *restrict b, float *restr
             w[e + 96] = d * sc[(e + 96) / 16] * (float)(((hi >> 4) | (((bits >> 6) & 3) << 4)) - 32);
         }
 }
+#endif
 
 static inline int is_k(int code) { return code == Q4K || code == Q6K; }
 static inline int64_t k_bytes(int code) { return code == Q4K ? Q4K_BYTES : Q6K_BYTES; }
+
+#if defined(__AVX2__)
+static void dequant_superblock_avx2(int code, const uint8_t *restrict b, float *restrict w);
+#endif
 
 /* Row r of a K-quant matrix as K floats. */
 static void dequant_k_row(int code, const uint8_t *qs, int64_t K, int64_t r, float *out) {
     const int64_t nb = K / 256, bytes = k_bytes(code);
     for (int64_t blk = 0; blk < nb; blk++)
+#if defined(__AVX2__)
+        dequant_superblock_avx2(code, qs + (r * nb + blk) * bytes, out + blk * 256);
+#else
         dequant_superblock(code, qs + (r * nb + blk) * bytes, out + blk * 256);
+#endif
 }
 
 /* Float kinds have no blocks of their own: they are walked in runs of 32. */
@@ -643,6 +653,24 @@ static inline void load_super(int code, const uint8_t *restrict b, Super *S) {
             widen_run(runs[k], _mm256_set1_epi16(sc[2 * j]), _mm256_set1_epi16(sc[2 * j + 1]),
                       off, &S->w[2 * j], &S->w[2 * j + 1]);
         }
+    }
+}
+
+/* The tile path's decoding: the kernel's widened weights (q * sc) as floats, d * that
+ * (- dmin * m for Q4_K): the same values as dequant_superblock. */
+static void dequant_superblock_avx2(int code, const uint8_t *restrict b, float *restrict w) {
+    Super S;
+    load_super(code, b, &S);
+    float mins[8];
+    _mm256_storeu_ps(mins, _mm256_mul_ps(S.mf, _mm256_set1_ps(S.off_d)));
+    const __m256 d = _mm256_set1_ps(S.d);
+    for (int k = 0; k < 16; k++) {
+        const __m256 m = _mm256_set1_ps(mins[k / 2]);
+        __m256i v = S.w[k];
+        __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(v)));
+        __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(v, 1)));
+        _mm256_storeu_ps(w + 16 * k, _mm256_fmadd_ps(lo, d, m));
+        _mm256_storeu_ps(w + 16 * k + 8, _mm256_fmadd_ps(hi, d, m));
     }
 }
 

@@ -95,7 +95,7 @@ def test_copy_prefix_continues_like_the_source(model_dir):
     engine = engine_for(model_dir, "qwen2")
     tokens, want = tm.GOLDEN_TOKENS[0], tm.load_golden("qwen2")[0]
     engine.forward(np.array(tokens[:6]), [Span(0, 0, 6)])
-    engine.model.kv.copy_prefix(0, 3, 6)
+    engine.model.state.copy_prefix(0, 3, 6)
     got = engine.forward(np.array(tokens[6:]), [Span(3, 6, len(tokens) - 6)])
     np.testing.assert_allclose(got[0], want[-1], atol=TOL, rtol=0)
 
@@ -105,8 +105,9 @@ def test_activations_and_logits_stay_float32(model_dir):
     engine = engine_for(model_dir, "llama3")
     w = engine.model.w
     assert w.embed is not None  # llama3 is untied
-    assert all(a.dtype == np.float32 for a in (w.embed, w.head, w.inv_freq, w.out_norm))
-    assert engine.model.cos.dtype == np.float32 and engine.model.kv.k.dtype == np.float32
+    assert all(a.dtype == np.float32 for a in (w.embed, w.head, w.out_norm))
+    assert engine.model.ropes[0].cos.dtype == np.float32
+    assert all(s.k.dtype == np.float32 for s in engine.model.state.layers)
     out = engine.forward(np.array(tm.GOLDEN_TOKENS[0]), [Span(0, 0, 11)])
     assert out.dtype == np.float32
 

@@ -50,9 +50,7 @@ def compare(ref_engine, engine, seqs):
 
 
 def kinds(engine) -> set[str]:
-    w = engine.model.w
-    mats = [w.head] + [m for layer in w.layers for m in (layer.wqkv, layer.wo,
-                                                          layer.w_gate_up, layer.w_down)]
+    mats = engine.model.w.matrices()
     return {f"{m.kind}/{m.bs}{'+min' if m.minv is not None else ''}" if isinstance(m, QMatrix)
             else "dense" for m in mats}
 

@@ -224,6 +224,27 @@ def config_from_hf(folder: Path) -> ModelConfig:
     values["rope_theta"], values["rope_scaling"] = hf_rope(
         {"rope_theta": cfg.get("rope_theta", 10000.0), **params})
     return build_config(fam, "hf", values, cfg.get, where, name=folder.name,
-                        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                        tied_embeddings=bool(cfg.get("tie_word_embeddings", fam.hf_tied)),
                         qkv_bias=bool(cfg.get("attention_bias", fam.hf_qkv_bias)),
                         qk_norm=fam.hf_qk_norm)
+
+
+def check_tensors(cfg: ModelConfig, tensors) -> None:
+    """Refuse a model whose tensors (name, type, shape) lack one the stack needs or contradict
+    the config, naming the tensor: checked before any upload (the worker's loader checks
+    again as it reads)."""
+    from .arch.stack import expected_tensors
+    fam = cfg.family
+    have = {(fam.hf_name(n) if cfg.fmt == "hf" else n): tuple(shape) for n, _, shape in tensors}
+    want = expected_tensors(cfg)
+    for name, shape in want.items():
+        if name not in have:
+            raise ModelFileError(f"{'checkpoint' if cfg.fmt == 'hf' else 'GGUF file'} lacks "
+                                 f"tensor {name}, which the {cfg.arch} config needs")
+        if have[name] != shape:
+            raise ModelFileError(f"tensor {name} has shape {list(have[name])}, but the config "
+                                 f"implies {list(shape)}")
+    head = have.get("output.weight")
+    if head is not None and head != want["token_embd.weight"]:
+        raise ModelFileError(f"tensor output.weight has shape {list(head)}, but the config "
+                             f"implies {list(want['token_embd.weight'])}")

@@ -75,6 +75,7 @@ class Family:
     hf_layer_names: dict = field(default_factory=lambda: dict(LLAMA_LAYER_NAMES))
     hf_qkv_bias: bool = False              # attention_bias's default in config.json
     hf_qk_norm: bool = False
+    hf_tied: bool = False                  # tie_word_embeddings's default in config.json
     gguf_qk_interleaved: bool = False      # llama.cpp permuted q/k rows (llama only)
     # added to a norm weight on load, per format: a (1 + w) norm stored as w
     norm_offset: dict = field(default_factory=dict)

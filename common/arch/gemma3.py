@@ -4,7 +4,8 @@
   else every `sliding_window_pattern`-th layer (6) is global, as transformers and
   llama.cpp (hard-coded 6) both do. Local layers see the last `sliding_window`
   positions (themselves included) and rotate with their own base (10k: config.json
-  `rope_local_base_freq` or rope_parameters.sliding_attention; llama.cpp fixes 10k);
+  `rope_local_base_freq` or rope_parameters.sliding_attention, GGUF rope.freq_base_swa);
+  a GGUF without attention.sliding_window has only global layers, as in llama.cpp;
   global layers use `rope_theta` (1M) and any rope scaling (linear, 4B and up).
 - q/k RMSNorm per head; q scaled by query_pre_attn_scalar ** -0.5 (GGUF has no key:
   llama.cpp uses head_dim, or d_model / n_heads for the 62-layer 27B, as HF does).
@@ -24,7 +25,9 @@ from . import Family, Field
 from .stack import MLP, Attention, Block, Rope, RopeScaling
 
 FIELDS = (
-    Field("sliding_window", "attention.sliding_window", "sliding_window", 4096),
+    # a GGUF without the key has no local layers (llama.cpp); transformers' default is 4096
+    Field("sliding_window", "attention.sliding_window", "sliding_window", None, hf_default=4096),
+    Field("rope_local_theta", "rope.freq_base_swa", None, 10000.0, cast=float),
     Field("query_pre_attn_scalar", None, "query_pre_attn_scalar",
           lambda v: v["d_model"] // v["n_heads"] if v["n_layers"] == 62 else v["head_dim"],
           cast=float, hf_default=256.0),
@@ -32,7 +35,8 @@ FIELDS = (
           ("sliding_window_pattern", "_sliding_window_pattern"), 6, cast=lambda x: x),
     Field("layer_types", None, "layer_types", None, cast=list),
     Field("dtype", None, ("dtype", "torch_dtype"), "float32", cast=str),
-    Field("final_logit_softcapping", None, "final_logit_softcapping", None, cast=float),
+    Field("final_logit_softcapping", "final_logit_softcapping", "final_logit_softcapping", None,
+          cast=float),
     Field("attn_logit_softcapping", None, "attn_logit_softcapping", None, cast=float),
     Field("use_bidirectional_attention", None, "use_bidirectional_attention", False, cast=bool),
 )
@@ -51,12 +55,12 @@ def configure(values: dict, fmt: str, get) -> dict:
     """The two rope tables and the unsupported variants, from either format."""
     from ..model_file import ModelFileError, hf_rope
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if values[key] is not None:
+        if values[key]:                               # None or 0: none
             raise ModelFileError(f"gemma3: {key}={values[key]} is not supported")
     if values["use_bidirectional_attention"]:
         raise ModelFileError("gemma3: use_bidirectional_attention (an embedding model) "
                              "is not supported")
-    out = {"rope_local_theta": 10000.0}
+    out = {}
     if fmt == "hf":
         params = get("rope_parameters")
         if isinstance(params, dict) and "full_attention" in params:      # transformers 5
@@ -75,6 +79,8 @@ def configure(values: dict, fmt: str, get) -> dict:
 
 def is_sliding(cfg) -> list[bool]:
     p = cfg.params
+    if not p["sliding_window"]:
+        return [False] * cfg.n_layers
     if p["layer_types"] is not None:
         types = list(p["layer_types"])
         if len(types) != cfg.n_layers or not set(types) <= {"sliding_attention",
@@ -85,6 +91,10 @@ def is_sliding(cfg) -> list[bool]:
         return [t == "sliding_attention" for t in types]
     pattern = p["sliding_window_pattern"]
     if isinstance(pattern, (list, tuple)):           # llama.cpp's per-layer array: True = SWA
+        if len(pattern) != cfg.n_layers:
+            from ..model_file import ModelFileError
+            raise ModelFileError(f"gemma3: attention.sliding_window_pattern lists "
+                                 f"{len(pattern)} layers, the model has {cfg.n_layers}")
         return [bool(x) for x in pattern]
     return [bool((i + 1) % int(pattern)) for i in range(cfg.n_layers)]
 
@@ -115,5 +125,5 @@ def embed_scale(cfg) -> float:
 
 
 FAMILY = Family("gemma3", ("gemma3_text",), gemma3_blocks, FIELDS, HF_LAYER_NAMES,
-                hf_qk_norm=True, norm_offset={"hf": 1.0}, embed_scale=embed_scale,
+                hf_qk_norm=True, hf_tied=True, norm_offset={"hf": 1.0}, embed_scale=embed_scale,
                 configure=configure)

@@ -57,6 +57,17 @@ class Attention:
     def bytes_per_token(self, itemsize: int) -> int:
         return 2 * self.n_kv_heads * self.head_dim * itemsize
 
+    def tensors(self, p: str, d_model: int) -> dict[str, tuple[int, ...]]:
+        """GGUF name → shape ([out, in] for a matrix) of every tensor the layer reads."""
+        qd, kvd, hd = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.head_dim
+        out = {p + "attn_q.weight": (qd, d_model), p + "attn_k.weight": (kvd, d_model),
+               p + "attn_v.weight": (kvd, d_model), p + "attn_output.weight": (d_model, qd)}
+        if self.qkv_bias:
+            out |= {p + "attn_q.bias": (qd,), p + "attn_k.bias": (kvd,), p + "attn_v.bias": (kvd,)}
+        if self.qk_norm:
+            out |= {p + "attn_q_norm.weight": (hd,), p + "attn_k_norm.weight": (hd,)}
+        return out
+
     def bytes_per_slot(self) -> int:
         return 0
 
@@ -68,6 +79,10 @@ class MLP:
     d_ff: int
     act: str = "silu"                     # "silu" (SwiGLU) | "gelu_tanh" (GeGLU)
 
+    def tensors(self, p: str, d_model: int) -> dict[str, tuple[int, ...]]:
+        return {p + "ffn_gate.weight": (self.d_ff, d_model), p + "ffn_up.weight": (self.d_ff, d_model),
+                p + "ffn_down.weight": (d_model, self.d_ff)}
+
 
 @dataclass(frozen=True, slots=True)
 class Block:
@@ -78,6 +93,24 @@ class Block:
     after the MLP, each applied to the branch before it joins the residual.
     """
 
-    mixer: Attention                      # or any mixer spec with kind / bytes_per_*
+    mixer: Attention                      # or any mixer spec with kind / bytes_per_* / tensors
     mlp: MLP
     sandwich: bool = False
+
+    def tensors(self, layer: int, d_model: int) -> dict[str, tuple[int, ...]]:
+        p = f"blk.{layer}."
+        out = {p + "attn_norm.weight": (d_model,), p + "ffn_norm.weight": (d_model,)}
+        if self.sandwich:
+            out |= {p + "post_attention_norm.weight": (d_model,),
+                    p + "post_ffw_norm.weight": (d_model,)}
+        return out | self.mixer.tensors(p, d_model) | self.mlp.tensors(p, d_model)
+
+
+def expected_tensors(cfg) -> dict[str, tuple[int, ...]]:
+    """Every tensor a model of `cfg` must have (GGUF names), with its shape. The output
+    head (output.weight, [vocab, d_model]) is optional: without it the head is tied."""
+    d = cfg.d_model
+    out = {"token_embd.weight": (cfg.vocab_size, d), "output_norm.weight": (d,)}
+    for i, block in enumerate(cfg.blocks):
+        out |= block.tensors(i, d)
+    return out

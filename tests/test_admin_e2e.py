@@ -150,6 +150,20 @@ def test_unreadable_tensor_types_and_unknown_quantize_modes_are_400(fleet):
     assert bad.status_code == 400 and "auto, none, q8_0, q4" in bad.json()["error"]["message"]
 
 
+def test_bad_model_files_are_400_naming_the_tensor_or_architecture(fleet):
+    folder = Path(fleet.tiny).parent
+    good = tm.write_gguf("gemma3", folder / "gemma3.gguf")
+    for change, message in [({"drop": ["blk.4.post_ffw_norm.weight"]},
+                             "lacks tensor blk.4.post_ffw_norm.weight"),
+                            ({"reshape": {"blk.1.attn_q.weight": 64}},
+                             "tensor blk.1.attn_q.weight has shape [64, 64]"),
+                            ({"arch": "mamba"}, "unsupported model architecture 'mamba'")]:
+        bad = tm.rewrite_gguf(good, folder / "bad.gguf", **change)
+        r = admin(fleet, "load", {"path": str(bad), "name": "bad"})
+        assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+    assert "bad" not in admin(fleet, "status").json()["ready"]     # nothing placed, no crash
+
+
 def test_duplicate_load_in_progress_is_409(fleet):
     body = {"path": SMOL, "name": "smol-b"}               # a load of a few seconds
     try:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import gguf
 import httpx
 import numpy as np
 import pytest
@@ -133,35 +132,6 @@ def test_forks_and_the_host_prefix_cache_give_the_reply_of_a_fresh_slot(gguf_pat
 
 
 # -- bad files ---------------------------------------------------------------------------
-def rewrite(src: Path, dst: Path, drop=(), reshape=None, arch=None) -> Path:
-    """A copy of the GGUF at `src` without the tensors `drop`, with `reshape` {name: rows}
-    cut, or another architecture name."""
-    reader = gguf.GGUFReader(src)
-    arch_in = reader.fields["general.architecture"].contents()
-    wr = gguf.GGUFWriter(str(dst), arch or arch_in)
-    for key, field in reader.fields.items():
-        if key.startswith(("GGUF.", "general.architecture")) or key.startswith("tokenizer."):
-            continue
-        value = field.contents()
-        name = key.replace(f"{arch_in}.", f"{arch or arch_in}.", 1)
-        if isinstance(value, str):
-            wr.add_string(name, value)
-        elif isinstance(value, float):
-            wr.add_float32(name, value)
-        elif isinstance(value, int):
-            wr.add_uint32(name, value)
-    for t in reader.tensors:
-        if t.name in drop:
-            continue
-        data = np.asarray(t.data, dtype=np.float32).reshape([int(n) for n in reversed(t.shape)])
-        if reshape and t.name in reshape:
-            data = data[:reshape[t.name]]
-        wr.add_tensor(t.name, np.ascontiguousarray(data))
-    wr.write_header_to_file(), wr.write_kv_data_to_file(), wr.write_tensors_to_file()
-    wr.close()
-    return dst
-
-
 @pytest.mark.parametrize("change, message", [
     ({"drop": ["blk.3.post_ffw_norm.weight"]}, "lacks tensor blk.3.post_ffw_norm.weight"),
     ({"drop": ["blk.0.attn_q_norm.weight"]}, "lacks tensor blk.0.attn_q_norm.weight"),
@@ -169,7 +139,7 @@ def rewrite(src: Path, dst: Path, drop=(), reshape=None, arch=None) -> Path:
     ({"arch": "gemma4"}, "unsupported model architecture 'gemma4'"),
 ])
 def test_bad_files_are_load_errors_naming_the_tensor(gguf_path, tmp_path, change, message):
-    bad = rewrite(gguf_path, tmp_path / "bad.gguf", **change)
+    bad = tm.rewrite_gguf(gguf_path, tmp_path / "bad.gguf", **change)
     with pytest.raises(ModelFileError, match=message):
         check_tensors(read_config(bad), tensor_list(bad))        # the frontend, before upload
     with pytest.raises(ModelFileError, match=message):

@@ -401,6 +401,37 @@ def write_gguf(name: str, path: str | Path, tensor_type: str = "F32",
     return path
 
 
+def rewrite_gguf(src: Path, dst: Path, drop=(), reshape=None, arch=None) -> Path:
+    """A copy of the (F32) GGUF at `src` without the tensors `drop`, with `reshape`
+    {name: rows} cut, or another architecture name: bad files for load-error tests."""
+    import gguf
+
+    reader = gguf.GGUFReader(src)
+    arch_in = reader.fields["general.architecture"].contents()
+    wr = gguf.GGUFWriter(str(dst), arch or arch_in)
+    for key, field in reader.fields.items():
+        if key.startswith(("GGUF.", "general.architecture")) or key.startswith("tokenizer."):
+            continue
+        value = field.contents()
+        name = key.replace(f"{arch_in}.", f"{arch or arch_in}.", 1)
+        if isinstance(value, str):
+            wr.add_string(name, value)
+        elif isinstance(value, float):
+            wr.add_float32(name, value)
+        elif isinstance(value, int):
+            wr.add_uint32(name, value)
+    for t in reader.tensors:
+        if t.name in drop:
+            continue
+        data = np.asarray(t.data, dtype=np.float32).reshape([int(n) for n in reversed(t.shape)])
+        if reshape and t.name in reshape:
+            data = data[:reshape[t.name]]
+        wr.add_tensor(t.name, np.ascontiguousarray(data))
+    wr.write_header_to_file(), wr.write_kv_data_to_file(), wr.write_tensors_to_file()
+    wr.close()
+    return dst
+
+
 def load_golden(name: str) -> list[np.ndarray]:
     """Reference logits from transformers: one [T, vocab] float32 array per GOLDEN_TOKENS entry."""
     with np.load(GOLDEN_DIR / f"{name}.npz") as z:

@@ -331,6 +331,12 @@ class Loader:
             w = w + np.float32(self.norm_offset)
         return w
 
+    def array(self, name: str, shape: tuple[int, ...]):
+        """Any other tensor (a convolution kernel, a decay vector) as it is stored, fp32
+        on the die: a family's transforms apply to it after."""
+        self.check(name, shape)
+        return self.src.get(name, self.device, np.float32)
+
     def vector(self, names: list[str], dims: list[int]):
         """1-D tensors (biases) [sum(dims)] fp32, concatenated."""
         for name, dim in zip(names, dims):

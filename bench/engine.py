@@ -43,8 +43,9 @@ def median_time(fn, repeats: int) -> float:
 def matmul_floor(engine, repeats: int) -> float:
     """Seconds of one batch-1 step's matrix products alone."""
     w, xp = engine.model.w, engine.device.xp
-    mats = [m for layer in w.layers for m in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
-    mats.append(w.head)
+    mats = w.matrices()[1:] + [w.head]          # the embedding is a lookup, not a product
+    if w.embed is not None:
+        mats = mats[1:]
     def cols(m):
         first = m[0] if isinstance(m, list) else m
         return first.cols if isinstance(first, QMatrix) else first.shape[0]
@@ -105,7 +106,7 @@ def run_bench(model_path, die: str = "cpu", steps: int = 32, batches=(1, 4, 8),
     scale = 1 if sys.platform == "darwin" else 1024   # ru_maxrss is KiB on Linux
     result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
     result["weight_bytes"] = engine.model.w.nbytes()
-    result["kv_bytes"] = engine.model.kv.nbytes
+    result["kv_bytes"] = engine.model.state.nbytes
     result["formats"] = engine.model.w.formats()
     if Path(model_path).is_file():
         size = Path(model_path).stat().st_size

@@ -9,18 +9,19 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import gguf
 
+from .arch import BASE_FIELDS, HF_ARCH, REQUIRED, SUPPORTED_ARCHS, Family, family
+from .arch.stack import Block, RopeScaling
 from .gguf_file import open_gguf
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
-# Hugging Face `model_type`s that run on one of our architectures unchanged.
-HF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+__all__ = ["ModelConfig", "ModelFileError", "RopeScaling", "SUPPORTED_ARCHS", "HF_ARCH",
+           "read_config", "open_model_file"]
 
 
 class ModelFileError(ValueError):
@@ -28,23 +29,13 @@ class ModelFileError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
-class RopeScaling:
-    """How rotary frequencies are stretched beyond the trained context.
-
-    kind: "linear" (every frequency / factor) or "llama3" (Llama 3.1's banded
-    rule; a GGUF carries its result as the `rope_freqs` tensor instead).
-    """
-
-    kind: str
-    factor: float
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_context: int = 8192
-
-
-@dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """The shapes and constants of one decoder-only transformer."""
+    """The shapes and constants of one decoder-only model, and its layer stack.
+
+    The attention fields are those of the family's attention layers; `blocks` (one
+    common/arch/stack.Block per layer, from the family) is what the forward runs;
+    `params` holds the family's own fields (common/arch/<family>.py).
+    """
 
     arch: str                  # one of SUPPORTED_ARCHS
     fmt: str                   # "gguf" | "hf"
@@ -63,6 +54,9 @@ class ModelConfig:
     qkv_bias: bool             # qwen2
     qk_norm: bool              # qwen3
     name: str = ""
+    blocks: tuple[Block, ...] = ()
+    embed_scale: float = 1.0   # the embedding's multiplier (Gemma: sqrt(d_model))
+    params: dict = field(default_factory=dict, compare=False)
 
     @property
     def q_dim(self) -> int:
@@ -72,15 +66,21 @@ class ModelConfig:
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
 
+    @property
+    def family(self) -> Family:
+        return family(self.arch)
+
     def kv_bytes_per_token(self, itemsize: int = 4) -> int:
-        return 2 * self.n_layers * self.kv_dim * itemsize
+        """Sequence-state bytes that grow with each position (attention KV), all layers."""
+        return sum(b.mixer.bytes_per_token(itemsize) for b in self.blocks)
 
+    def fixed_bytes_per_slot(self) -> int:
+        """Sequence-state bytes of a slot whatever its length (recurrent layers)."""
+        return sum(b.mixer.bytes_per_slot() for b in self.blocks)
 
-def check_arch(arch: str) -> str:
-    if arch not in SUPPORTED_ARCHS:
-        raise ModelFileError(f"unsupported model architecture {arch!r}; "
-                             f"supported: {', '.join(SUPPORTED_ARCHS)}")
-    return arch
+    def state_bytes(self, n_slots: int, ctx: int, itemsize: int = 4) -> int:
+        """What `n_slots` slots of `ctx` positions take on a die."""
+        return n_slots * (ctx * self.kv_bytes_per_token(itemsize) + self.fixed_bytes_per_slot())
 
 
 def field_value(reader: gguf.GGUFReader, key: str, default=None):
@@ -111,54 +111,87 @@ def open_model_file(path: str | Path):
     return config_from_gguf(reader, name=path.stem), reader
 
 
+def read_fields(fields, fmt: str, lookup, where, values: dict) -> dict:
+    """Each field's value from `lookup(key)` (None: absent), defaults applied; `where(key)`
+    names a key in an error."""
+    for f in fields:
+        keys = f.gguf if fmt == "gguf" else f.hf
+        keys = () if keys is None else (keys,) if isinstance(keys, str) else keys
+        raw = next((v for v in map(lookup, keys) if v is not None), None)
+        default = f.hf_default if fmt == "hf" and f.hf_default is not REQUIRED else f.default
+        if raw is None:
+            if default is REQUIRED:
+                raise ModelFileError(f"{where(keys[0])} is missing" if keys else
+                                     f"config field {f.name} is missing")
+            raw = default(values) if callable(default) else default
+            values[f.name] = raw
+            continue
+        try:
+            values[f.name] = f.cast(raw)
+        except (TypeError, ValueError) as exc:
+            raise ModelFileError(f"{where(keys[0])} = {raw!r} is not valid: {exc}") from exc
+    return values
+
+
+def build_config(fam: Family, fmt: str, values: dict, lookup, where, **fixed) -> ModelConfig:
+    """ModelConfig from the base values, the family's fields and its stack; bad sizes are
+    load errors naming the field."""
+    values = read_fields(fam.fields, fmt, lookup, where, values)
+    if fam.configure is not None:
+        values.update(fam.configure(values, fmt, lookup))
+    for name in ("n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff",
+                 "vocab_size", "context_length"):
+        if int(values[name]) < 1:
+            raise ModelFileError(f"config field {name} = {values[name]} must be positive")
+    if values["n_heads"] % values["n_kv_heads"]:
+        raise ModelFileError(f"config: n_heads {values['n_heads']} is not a multiple of "
+                             f"n_kv_heads {values['n_kv_heads']}")
+    base = {f.name for f in BASE_FIELDS} | {"rope_theta", "rope_scaling"}
+    cfg = ModelConfig(arch=fam.name, fmt=fmt, **{k: v for k, v in values.items() if k in base},
+                      **fixed, params={k: v for k, v in values.items() if k not in base})
+    cfg = replace(cfg, blocks=tuple(fam.blocks(cfg)),
+                  embed_scale=fam.embed_scale(cfg) if fam.embed_scale else 1.0)
+    if len(cfg.blocks) != cfg.n_layers:
+        raise ModelFileError(f"{fam.name}: {len(cfg.blocks)} layer specs for "
+                             f"{cfg.n_layers} layers")
+    return cfg
+
+
 def config_from_gguf(reader: gguf.GGUFReader, name: str = "") -> ModelConfig:
     arch = field_value(reader, "general.architecture")
     if arch is None:
         raise ModelFileError("GGUF file has no general.architecture")
-    check_arch(arch)
+    fam = family(arch)
+    tensors = {t.name: t for t in reader.tensors}
+    embd = tensors.get("token_embd.weight")
+    if embd is None:
+        raise ModelFileError("GGUF file lacks tensor token_embd.weight")
 
-    def get(key, default=None):
-        value = field_value(reader, f"{arch}.{key}", default)
-        if value is None:
-            raise ModelFileError(f"GGUF file lacks {arch}.{key}")
-        return value
+    def lookup(key):
+        return field_value(reader, f"{arch}.{key}")
 
-    tensors = {t.name for t in reader.tensors}
-    d_model = int(get("embedding_length"))
-    n_heads = int(get("attention.head_count"))
-    head_dim = int(field_value(reader, f"{arch}.attention.key_length", d_model // n_heads))
-    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    vocab = int(field_value(reader, f"{arch}.vocab_size", int(embd.shape[1])))
+    def where(key):
+        return f"GGUF key {arch}.{key}"
+    values = read_fields(BASE_FIELDS, "gguf", lookup, where,
+                         {"embedding_rows": int(embd.shape[1])})
+    del values["embedding_rows"]
     scaling = None
-    kind = field_value(reader, f"{arch}.rope.scaling.type")
-    factor = field_value(reader, f"{arch}.rope.scaling.factor")
+    kind = lookup("rope.scaling.type")
+    factor = lookup("rope.scaling.factor")
     if kind == "linear" and factor:
         scaling = RopeScaling("linear", float(factor))
     elif kind not in (None, "none", "linear"):
         log.warning("rope scaling %r is not applied; fine within the original context", kind)
-    return ModelConfig(
-        arch=arch, fmt="gguf", name=name,
-        n_layers=int(get("block_count")),
-        d_model=d_model,
-        n_heads=n_heads,
-        n_kv_heads=int(field_value(reader, f"{arch}.attention.head_count_kv", n_heads)),
-        head_dim=head_dim,
-        d_ff=int(get("feed_forward_length")),
-        vocab_size=vocab,
-        context_length=int(get("context_length")),
-        rms_eps=float(get("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(field_value(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rope_scaling=scaling,
-        tied_embeddings="output.weight" not in tensors,
-        qkv_bias="blk.0.attn_q.bias" in tensors,
-        qk_norm="blk.0.attn_q_norm.weight" in tensors,
-    )
+    values.update(rope_theta=float(lookup("rope.freq_base") or 10000.0), rope_scaling=scaling)
+    return build_config(fam, "gguf", values, lookup, where, name=name,
+                        tied_embeddings="output.weight" not in tensors,
+                        qkv_bias="blk.0.attn_q.bias" in tensors,
+                        qk_norm="blk.0.attn_q_norm.weight" in tensors)
 
 
-def hf_rope(cfg: dict) -> tuple[float, RopeScaling | None]:
-    """rope theta and scaling from a config.json (transformers 4 or 5 spelling)."""
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+def hf_rope(params: dict, default_theta: float = 10000.0) -> tuple[float, RopeScaling | None]:
+    """rope theta and scaling from a config.json's rope dict (transformers 4 or 5 spelling)."""
+    theta = float(params.get("rope_theta", default_theta))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind in (None, "default"):
         return theta, None
@@ -181,25 +214,37 @@ def config_from_hf(folder: Path) -> ModelConfig:
     model_type = cfg.get("model_type", "")
     if model_type not in HF_ARCH:
         raise ModelFileError(f"unsupported model architecture {model_type!r}; supported: "
-                             f"{', '.join(sorted(HF_ARCH))}")
-    arch = HF_ARCH[model_type]
-    n_heads = int(cfg["num_attention_heads"])
-    d_model = int(cfg["hidden_size"])
-    theta, scaling = hf_rope(cfg)
-    return ModelConfig(
-        arch=arch, fmt="hf", name=folder.name,
-        n_layers=int(cfg["num_hidden_layers"]),
-        d_model=d_model,
-        n_heads=n_heads,
-        n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
-        head_dim=int(cfg.get("head_dim") or d_model // n_heads),
-        d_ff=int(cfg["intermediate_size"]),
-        vocab_size=int(cfg["vocab_size"]),
-        context_length=int(cfg.get("max_position_embeddings", 4096)),
-        rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
-        qk_norm=arch == "qwen3",
-    )
+                             f"{', '.join(HF_ARCH)}")
+    fam = family(HF_ARCH[model_type])
+
+    def where(key):
+        return f"config.json field {key!r}"
+    values = read_fields(BASE_FIELDS, "hf", cfg.get, where, {})
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    values["rope_theta"], values["rope_scaling"] = hf_rope(
+        {"rope_theta": cfg.get("rope_theta", 10000.0), **params})
+    return build_config(fam, "hf", values, cfg.get, where, name=folder.name,
+                        tied_embeddings=bool(cfg.get("tie_word_embeddings", fam.hf_tied)),
+                        qkv_bias=bool(cfg.get("attention_bias", fam.hf_qkv_bias)),
+                        qk_norm=fam.hf_qk_norm)
+
+
+def check_tensors(cfg: ModelConfig, tensors) -> None:
+    """Refuse a model whose tensors (name, type, shape) lack one the stack needs or contradict
+    the config, naming the tensor: checked before any upload (the worker's loader checks
+    again as it reads)."""
+    from .arch.stack import expected_tensors
+    fam = cfg.family
+    have = {(fam.hf_name(n) if cfg.fmt == "hf" else n): tuple(shape) for n, _, shape in tensors}
+    want = expected_tensors(cfg)
+    for name, shape in want.items():
+        if name not in have:
+            raise ModelFileError(f"{'checkpoint' if cfg.fmt == 'hf' else 'GGUF file'} lacks "
+                                 f"tensor {name}, which the {cfg.arch} config needs")
+        if have[name] != shape:
+            raise ModelFileError(f"tensor {name} has shape {list(have[name])}, but the config "
+                                 f"implies {list(shape)}")
+    head = have.get("output.weight")
+    if head is not None and head != want["token_embd.weight"]:
+        raise ModelFileError(f"tensor output.weight has shape {list(head)}, but the config "
+                             f"implies {list(want['token_embd.weight'])}")

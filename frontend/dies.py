@@ -37,11 +37,11 @@ def file_weight_bytes(path: str, quantize: str, dense_itemsize: int) -> int:
 def replica_bytes(path: str, cfg: ModelConfig, kind: str, slots: int, ctx: int,
                   quantize: str = "auto") -> int:
     """Weights as the worker will hold them (dense ones fp32 on a CPU die, fp16 on a GPU)
-    plus KV for `slots` x the context (or the guess)."""
+    plus the sequence state of `slots` slots of the context (or the guess): KV per
+    position, and any fixed per-slot state of recurrent layers."""
     itemsize = 4 if kind == "cpu" else 2
     guess = ctx or min(cfg.context_length, ADMIT_CTX_GUESS)
-    return (file_weight_bytes(str(path), quantize, itemsize)
-            + slots * guess * cfg.kv_bytes_per_token(4 if kind == "cpu" else 2))
+    return file_weight_bytes(str(path), quantize, itemsize) + cfg.state_bytes(slots, guess, itemsize)
 
 
 @dataclass

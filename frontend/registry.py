@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..common.chat_template import ChatTemplate
-from ..common.model_file import ModelConfig, ModelFileError, read_config
-from ..common.weight_format import READABLE, unreadable
+from ..common.model_file import ModelConfig, ModelFileError, check_tensors, read_config
+from ..common.weight_format import READABLE, tensor_list, unreadable
 from ..common.tokenizer import Tokenizer, open_tokenizer
 from .openai_api import APIError
 
@@ -85,6 +85,7 @@ class ServedModel:
 def open_model(path: str, name: str | None, created: int) -> ServedModel:
     """Read a model's metadata and tokenizer (no weights); raises on a bad file."""
     config = read_config(path)
+    check_tensors(config, tensor_list(path))
     bad = unreadable(path)
     if bad is not None:
         raise ModelFileError(f"tensor {bad[0]} has type {bad[1]}, which Pantheon cannot load; "

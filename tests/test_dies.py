@@ -46,9 +46,9 @@ def test_weights_are_counted_as_the_worker_holds_them(path, cfg):
     kv = 4 * 64 * cfg.kv_bytes_per_token(4)
     for mode in ("auto", "none", "q4"):
         engine = load_engine(path, n_slots=4, ctx=64, quantize=mode)
-        held = engine.model.w.nbytes() - engine.model.w.inv_freq.nbytes
+        held = engine.model.w.nbytes()
         assert replica_bytes(path, cfg, "cpu", 4, 64, mode) == held + kv, mode
-        assert engine.model.kv.nbytes == kv
+        assert engine.model.state.nbytes == kv
     # quantize applies to float tensors: Q8_0 ones stay as they are
     assert replica_bytes(path, cfg, "cpu", 1, 64, "q4") == replica_bytes(path, cfg, "cpu", 1, 64)
     assert replica_bytes(path, cfg, "cpu", 1, 64) < replica_bytes(path, cfg, "cpu", 1, 64, "none") / 3

@@ -38,9 +38,8 @@ def widened(arch: str):
 
 def kinds(engine) -> set[str]:
     """The kinds of every projection (a fused q|k|v of mixed types is a list of parts)."""
-    w, out = engine.model.w, set()
-    for m in [w.head] + [m for layer in w.layers for m in (layer.wqkv, layer.wo,
-                                                           layer.w_gate_up, layer.w_down)]:
+    out = set()
+    for m in engine.model.w.matrices():
         for part in (m if isinstance(m, list) else [m]):
             out.add(f"{part.kind}/{part.bs}" if isinstance(part, QMatrix) else "dense")
     return out

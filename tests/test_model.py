@@ -16,7 +16,7 @@ from pantheon.common.model_file import ModelFileError, read_config
 from pantheon.worker.engine import load_engine
 from pantheon.worker.model import Span
 
-ARCHS = ["llama", "llama3", "qwen2", "qwen3"]
+ARCHS = ["llama", "llama3", "qwen2", "qwen3", "gemma3"]
 TOL = 2e-4   # float32 forward vs float32 reference, different summation order
 
 
@@ -84,7 +84,7 @@ def test_spans_without_logits_are_skipped(model_dir):
     np.testing.assert_allclose(out[0], tm.load_golden("llama")[1][1], atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3"])
 def test_f16_weights_stay_close(model_dir, name):
     engine = engine_for(model_dir, name, "F16")
     got = decode_one_by_one(engine, tm.GOLDEN_TOKENS[1])
@@ -95,7 +95,7 @@ def test_copy_prefix_continues_like_the_source(model_dir):
     engine = engine_for(model_dir, "qwen2")
     tokens, want = tm.GOLDEN_TOKENS[0], tm.load_golden("qwen2")[0]
     engine.forward(np.array(tokens[:6]), [Span(0, 0, 6)])
-    engine.model.kv.copy_prefix(0, 3, 6)
+    engine.model.state.copy_prefix(0, 3, 6)
     got = engine.forward(np.array(tokens[6:]), [Span(3, 6, len(tokens) - 6)])
     np.testing.assert_allclose(got[0], want[-1], atol=TOL, rtol=0)
 
@@ -105,8 +105,9 @@ def test_activations_and_logits_stay_float32(model_dir):
     engine = engine_for(model_dir, "llama3")
     w = engine.model.w
     assert w.embed is not None  # llama3 is untied
-    assert all(a.dtype == np.float32 for a in (w.embed, w.head, w.inv_freq, w.out_norm))
-    assert engine.model.cos.dtype == np.float32 and engine.model.kv.k.dtype == np.float32
+    assert all(a.dtype == np.float32 for a in (w.embed, w.head, w.out_norm))
+    assert engine.model.ropes[0].cos.dtype == np.float32
+    assert all(s.k.dtype == np.float32 for s in engine.model.state.layers)
     out = engine.forward(np.array(tm.GOLDEN_TOKENS[0]), [Span(0, 0, 11)])
     assert out.dtype == np.float32
 
@@ -129,7 +130,7 @@ def test_unsupported_architecture_is_named(model_dir):
     writer.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
     writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ModelFileError, match="'phi3'.*supported: llama, qwen2, qwen3"):
+    with pytest.raises(ModelFileError, match="'phi3'.*supported: llama, qwen2, qwen3, gemma3"):
         read_config(path)
 
 
@@ -142,10 +143,11 @@ def test_missing_and_garbage_files(tmp_path):
         read_config(junk)
 
 
-def test_decodes_in_scattered_slots_batch_together(model_dir):
+@pytest.mark.parametrize("name", ["qwen3", "gemma3"])
+def test_decodes_in_scattered_slots_batch_together(model_dir, name):
     """Single-token spans in non-adjacent, unordered slots (others hold stale state)."""
-    engine = engine_for(model_dir, "qwen3", n_slots=5)
-    (a, b), (want_a, want_b) = tm.GOLDEN_TOKENS, tm.load_golden("qwen3")
+    engine = engine_for(model_dir, name, n_slots=5)
+    (a, b), (want_a, want_b) = tm.GOLDEN_TOKENS, tm.load_golden(name)
     engine.forward(np.array(a[:9]), [Span(2, 0, 9)])      # stale junk in slot 2
     engine.forward(np.array(a[:6]), [Span(4, 0, 6)])
     engine.forward(np.array(b[:2]), [Span(1, 0, 2)])

@@ -50,9 +50,7 @@ def compare(ref_engine, engine, seqs):
 
 
 def kinds(engine) -> set[str]:
-    w = engine.model.w
-    mats = [w.head] + [m for layer in w.layers for m in (layer.wqkv, layer.wo,
-                                                          layer.w_gate_up, layer.w_down)]
+    mats = engine.model.w.matrices()
     return {f"{m.kind}/{m.bs}{'+min' if m.minv is not None else ''}" if isinstance(m, QMatrix)
             else "dense" for m in mats}
 
@@ -65,7 +63,7 @@ FORMATS = {"Q8_0": {"q8/32"}, "Q4_0": {"q4/32+min"}, "Q4_1": {"q4/32+min"},
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_tiny_models_in_every_format_match_their_fp32_forward(tmp_path, arch, fmt):
     path = tm.write_gguf(arch, tmp_path / f"{arch}-{fmt}.gguf", tensor_type=fmt)
     quantized = load_engine(path, n_slots=1, ctx=64)
@@ -78,15 +76,19 @@ def test_tiny_models_in_every_format_match_their_fp32_forward(tmp_path, arch, fm
 
 
 # random weights are the worst case for 4 bits (no outliers to spare, near-flat logits):
-# the bounds are what the quantization itself costs here, measured
+# the bounds are what the quantization itself costs here, measured (gemma3: q8_0 top-1
+# 100 %, KL 5e-4; q4 top-1 73 %, KL 0.12)
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
 @pytest.mark.parametrize("mode, kind, kl_bound", [("q8_0", "q8/32", 1e-3), ("q4", "q4/32+min", 0.25)])
-def test_float_models_quantized_at_load(tmp_path, mode, kind, kl_bound):
-    path = tm.write_gguf("qwen3", tmp_path / "qwen3.gguf")
+def test_float_models_quantized_at_load(tmp_path, arch, mode, kind, kl_bound):
+    path = tm.write_gguf(arch, tmp_path / f"{arch}.gguf")
     quantized = load_engine(path, n_slots=1, ctx=64, quantize=mode)
     reference = load_engine(path, n_slots=1, ctx=64, quantize="none")
     assert kinds(quantized) == {kind}
     agree, kl, _ = compare(reference, quantized, TINY_SEQS)
     assert kl <= kl_bound, (agree, kl)      # the quantization itself: measured bounds
+    if mode == "q8_0":                      # within the engine issue's KL bound (top-1:
+        assert kl <= 0.01, (agree, kl)      # gemma3 100 %, qwen3 98.3 %: 1 of 60 near-ties)
 
 
 def test_an_unknown_quantize_mode_is_refused(tmp_path):
@@ -109,3 +111,20 @@ def test_smollm2_quantized_matches_its_fp32_forward():
     assert quantized.model.w.nbytes() <= cached_path().stat().st_size * 1.02
     agree, kl, n = compare(reference, quantized, seqs)
     assert n > 140 and agree >= 0.99 and kl <= 0.01, (agree, kl)
+
+
+GEMMA = Path.home() / ".cache" / "pantheon" / "models" / "gemma-3-270m.Q4_K_M.gguf"
+
+
+@pytest.mark.skipif(not GEMMA.exists() or not REFERENCE.exists(),
+                    reason="gemma3-270m not fetched (pantheon models fetch gemma3-270m)")
+def test_gemma3_270m_quantized_matches_its_fp32_forward():
+    cases = json.loads((REFERENCE / "llamacpp-greedy.json").read_text())[
+        "gemma-3-270m-q4_k_m.gguf"]["cases"]
+    seqs = [(c["model_input_ids"], c["greedy_ids"][:16]) for c in cases]
+    quantized = load_engine(GEMMA, n_slots=1, ctx=128)
+    reference = load_engine(GEMMA, n_slots=1, ctx=128, quantize="none")
+    # its Q5_0 tensors are held as int8 blocks (1.06 bytes a weight, 0.69 in the file)
+    assert quantized.model.w.nbytes() <= GEMMA.stat().st_size * 1.1
+    agree, kl, n = compare(reference, quantized, seqs)
+    assert n >= 90 and agree >= 0.99 and kl <= 0.01, (agree, kl)

@@ -103,7 +103,32 @@ CONFIGS: dict[str, dict] = {
     },
 }
 
-_SEEDS = {"llama": 1001, "llama3": 1002, "qwen2": 1003, "qwen3": 1004}
+# Gemma 3: six layers as llama.cpp reads a GGUF (every 6th global, the rest local), a
+# window of 4 (shorter than the golden sequences, so it cuts), head_dim 32 != d / heads,
+# linear rope scaling on the global layer only, the transformers 5 rope spelling.
+CONFIGS["gemma3"] = {
+    **_COMMON,
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "num_hidden_layers": 6,
+    "head_dim": 32,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "query_pre_attn_scalar": 32,   # GGUF carries none: llama.cpp takes head_dim
+    "sliding_window": 4,
+    "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+    "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    },
+    "attention_bias": False,
+    "final_logit_softcapping": None,
+    "attn_logit_softcapping": None,
+    "pad_token_id": 0,
+    "tie_word_embeddings": True,
+}
+del CONFIGS["gemma3"]["hidden_act"]
+
+_SEEDS = {"llama": 1001, "llama3": 1002, "qwen2": 1003, "qwen3": 1004, "gemma3": 1005}
 
 # ids < 320; the first is 11 tokens, the second 7 (with a repeat, so attention
 # to an identical earlier token is exercised).
@@ -112,7 +137,8 @@ GOLDEN_TOKENS: list[list[int]] = [
     [1, 300, 5, 64, 5, 271, 19],
 ]
 
-GGUF_ARCH = {"llama": "llama", "llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCH = {"llama": "llama", "llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+             "gemma3": "gemma3"}
 
 
 def head_dim(cfg: dict) -> int:
@@ -131,8 +157,9 @@ def make_weights(name: str) -> dict[str, np.ndarray]:
     def mat(*shape):
         return (rng.standard_normal(shape) * 0.2).astype(np.float32)
 
-    def norm(n):
-        return (1.0 + rng.standard_normal(n) * 0.1).astype(np.float32)
+    def norm(n):      # Gemma's norms multiply by (1 + w): their weights are centred on 0
+        centre = 0.0 if model_type == "gemma3_text" else 1.0
+        return (centre + rng.standard_normal(n) * 0.1).astype(np.float32)
 
     w: dict[str, np.ndarray] = {"model.embed_tokens.weight": mat(vocab, d)}
     for i in range(cfg["num_hidden_layers"]):
@@ -145,11 +172,14 @@ def make_weights(name: str) -> dict[str, np.ndarray]:
             w[p + "self_attn.q_proj.bias"] = mat(nq * hd)
             w[p + "self_attn.k_proj.bias"] = mat(nkv * hd)
             w[p + "self_attn.v_proj.bias"] = mat(nkv * hd)
-        if model_type == "qwen3":
+        if model_type in ("qwen3", "gemma3_text"):
             w[p + "self_attn.q_norm.weight"] = norm(hd)
             w[p + "self_attn.k_norm.weight"] = norm(hd)
         w[p + "self_attn.o_proj.weight"] = mat(d, nq * hd)
         w[p + "post_attention_layernorm.weight"] = norm(d)
+        if model_type == "gemma3_text":
+            w[p + "pre_feedforward_layernorm.weight"] = norm(d)
+            w[p + "post_feedforward_layernorm.weight"] = norm(d)
         w[p + "mlp.gate_proj.weight"] = mat(ff, d)
         w[p + "mlp.up_proj.weight"] = mat(ff, d)
         w[p + "mlp.down_proj.weight"] = mat(d, ff)
@@ -277,13 +307,20 @@ def gguf_tensors(name: str) -> dict[str, np.ndarray]:
             if p + f"self_attn.{x}_norm.weight" in w:
                 out[b + f"attn_{x}_norm.weight"] = w[p + f"self_attn.{x}_norm.weight"]
         out[b + "attn_output.weight"] = w[p + "self_attn.o_proj.weight"]
-        out[b + "ffn_norm.weight"] = w[p + "post_attention_layernorm.weight"]
+        if arch == "gemma3":
+            out[b + "post_attention_norm.weight"] = w[p + "post_attention_layernorm.weight"]
+            out[b + "ffn_norm.weight"] = w[p + "pre_feedforward_layernorm.weight"]
+            out[b + "post_ffw_norm.weight"] = w[p + "post_feedforward_layernorm.weight"]
+        else:
+            out[b + "ffn_norm.weight"] = w[p + "post_attention_layernorm.weight"]
         out[b + "ffn_gate.weight"] = w[p + "mlp.gate_proj.weight"]
         out[b + "ffn_up.weight"] = w[p + "mlp.up_proj.weight"]
         out[b + "ffn_down.weight"] = w[p + "mlp.down_proj.weight"]
     out["output_norm.weight"] = w["model.norm.weight"]
     if "lm_head.weight" in w:
         out["output.weight"] = w["lm_head.weight"]
+    if arch == "gemma3":   # convert_hf_to_gguf.py Gemma3Model: every norm stored as 1 + w
+        out = {k: v + np.float32(1.0) if k.endswith("norm.weight") else v for k, v in out.items()}
     return out
 
 
@@ -322,7 +359,13 @@ def write_gguf(name: str, path: str | Path, tensor_type: str = "F32",
     wr.add_feed_forward_length(cfg["intermediate_size"])
     wr.add_head_count(cfg["num_attention_heads"])
     wr.add_head_count_kv(cfg["num_key_value_heads"])
-    wr.add_rope_freq_base(float(cfg["rope_theta"]))
+    rope = cfg.get("rope_parameters", {}).get("full_attention", cfg)
+    wr.add_rope_freq_base(float(rope["rope_theta"]))
+    if rope.get("rope_type") == "linear":
+        wr.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        wr.add_rope_scaling_factor(float(rope["factor"]))
+    if "sliding_window" in cfg and arch == "gemma3":
+        wr.add_sliding_window(cfg["sliding_window"])
     wr.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
     if "head_dim" in cfg:
         wr.add_key_length(cfg["head_dim"])
@@ -356,6 +399,37 @@ def write_gguf(name: str, path: str | Path, tensor_type: str = "F32",
     wr.write_tensors_to_file()
     wr.close()
     return path
+
+
+def rewrite_gguf(src: Path, dst: Path, drop=(), reshape=None, arch=None) -> Path:
+    """A copy of the (F32) GGUF at `src` without the tensors `drop`, with `reshape`
+    {name: rows} cut, or another architecture name: bad files for load-error tests."""
+    import gguf
+
+    reader = gguf.GGUFReader(src)
+    arch_in = reader.fields["general.architecture"].contents()
+    wr = gguf.GGUFWriter(str(dst), arch or arch_in)
+    for key, field in reader.fields.items():
+        if key.startswith(("GGUF.", "general.architecture")) or key.startswith("tokenizer."):
+            continue
+        value = field.contents()
+        name = key.replace(f"{arch_in}.", f"{arch or arch_in}.", 1)
+        if isinstance(value, str):
+            wr.add_string(name, value)
+        elif isinstance(value, float):
+            wr.add_float32(name, value)
+        elif isinstance(value, int):
+            wr.add_uint32(name, value)
+    for t in reader.tensors:
+        if t.name in drop:
+            continue
+        data = np.asarray(t.data, dtype=np.float32).reshape([int(n) for n in reversed(t.shape)])
+        if reshape and t.name in reshape:
+            data = data[:reshape[t.name]]
+        wr.add_tensor(t.name, np.ascontiguousarray(data))
+    wr.write_header_to_file(), wr.write_kv_data_to_file(), wr.write_tensors_to_file()
+    wr.close()
+    return dst
 
 
 def load_golden(name: str) -> list[np.ndarray]:

@@ -1,4 +1,4 @@
-"""One model replica on one die: weights, KV memory, its sampler and its scheduler."""
+"""One model replica on one die: weights, sequence state, its sampler and its scheduler."""
 from __future__ import annotations
 
 import logging
@@ -87,12 +87,12 @@ def load_engine(path: str | Path, die: str | Device = "cpu", n_slots: int = 8,
     model = Model(cfg, weights, device.xp, n_slots, ctx, kv_dtype=device.weight_dtype)
     engine = Engine(cfg, device, model, None, 0.0, Sampler(device.xp))
     cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
-    engine.scheduler = Scheduler(engine.logits, n_slots, ctx, prefill_chunk, model.kv, cache,
+    engine.scheduler = Scheduler(engine.logits, n_slots, ctx, prefill_chunk, model.state, cache,
                                  sample=engine.sample)
     engine.load_seconds = time.perf_counter() - started
     log.info("loaded %s (%s, %d layers) on die %s in %.1f s: %.0f MB weights (%s), "
              "%.0f MB KV", Path(path).name, cfg.arch, cfg.n_layers, device.die_id,
              engine.load_seconds, weights.nbytes() / 1e6,
              ", ".join(f"{n} {k}" for k, n in sorted(weights.formats().items())),
-             model.kv.nbytes / 1e6)
+             model.state.nbytes / 1e6)
     return engine

@@ -144,7 +144,7 @@ class Worker:
         total, free = self.device.memory()
         resident = [p.Resident(r.model_id, r.path, len(r.engine.scheduler.slots),
                                r.engine.model.ctx, r.engine.model.w.nbytes(),
-                               r.engine.model.kv.nbytes) for r in self.replicas.values()]
+                               r.engine.model.state.nbytes) for r in self.replicas.values()]
         return p.Hello(self.die, self.device.kind, self.device.name, total, free, self.slots,
                        os.getpid(), list(self.replicas), self.budget or total, resident,
                        list(self.owner))
@@ -379,7 +379,7 @@ class Worker:
     def loaded_message(replica: Replica) -> p.Loaded:
         e = replica.engine
         return p.Loaded(replica.model_id, replica.name, len(e.scheduler.slots), e.model.ctx,
-                        e.cfg.vocab_size, e.model.w.nbytes(), e.model.kv.nbytes, e.load_seconds)
+                        e.cfg.vocab_size, e.model.w.nbytes(), e.model.state.nbytes, e.load_seconds)
 
     # -- generation ---------------------------------------------------------------------
     def admit(self, replica: Replica) -> None:

@@ -26,8 +26,13 @@ callable taking (tokens, spans) and returning logits [n_sampled, V], which the
 scheduler never looks into, only hands to `sample` (logits, the rows'
 SequenceSamplers) → [(token, logprobs)] on the host; an engine keeps them on
 its die that way. The default `sample` is NumPy's, for host logits (a fake
-model's). `kv` (with `save`/`restore`) and `cache` (a PrefixCache) are
-optional.
+model's). `kv` (the model's sequence state, worker/sequence_state.py: `save`,
+`restore`, `copy_prefix`) and `cache` (a PrefixCache) are optional.
+
+A state that is not `truncatable` (a recurrent layer's) resumes only at the exact
+length it holds: then a warm slot or a stored state is reused only when its whole
+history is a prefix of the prompt (shorter than it), and a fork's source stops its
+prefill at the fork length so that the copy is taken there.
 """
 from __future__ import annotations
 
@@ -149,6 +154,7 @@ class Scheduler:
         self.pacer = pacer or PrefillPacer(prefill_chunk)
         self.clock = clock
         self.kv, self.cache = kv, cache
+        self.exact = kv is not None and not getattr(kv, "truncatable", True)
         self.slots = [Slot(i) for i in range(n_slots)]
         self.by_id: dict[str, Slot] = {}
         self.uses = itertools.count(1)
@@ -173,7 +179,8 @@ class Scheduler:
         if not idle:
             raise RuntimeError("no free slot")
         prompt = np.asarray(req.prompt, dtype=np.int64)
-        matches = {s.index: common_prefix(np.asarray(s.history, dtype=np.int64), prompt)
+        matches = {s.index: self.usable(common_prefix(np.asarray(s.history, dtype=np.int64),
+                                                      prompt), len(s.history), len(prompt))
                    for s in idle}
         slot = max(idle, key=lambda s: (bool(req.session_id) and s.session_id == req.session_id,
                                         matches[s.index], -s.last_used))
@@ -188,6 +195,13 @@ class Scheduler:
             slot.state, slot.fork_from, slot.fork_len = SlotState.WAIT, source, shared
 
     FORK_MIN = 16      # shared prompt tokens worth waiting for instead of computing
+
+    def usable(self, match: int, held: int, prompt_len: int) -> int:
+        """Prompt tokens a state holding `held` tokens (sharing `match`) can skip: a state
+        that cannot be cut only when all of it is a prefix of the prompt, leaving one."""
+        if not self.exact:
+            return match
+        return match if match == held and match < prompt_len else 0
 
     def fork_source(self, slot: Slot, prompt: np.ndarray) -> tuple[Slot | None, int]:
         """A slot now prefilling a prompt that shares a long prefix with `prompt`."""
@@ -209,10 +223,12 @@ class Scheduler:
             if slot.state is not SlotState.WAIT:
                 continue
             src, k, prompt = slot.fork_from, slot.fork_len, slot.request.prompt
-            if src.cached >= k and src.history[:k] == prompt[:k]:
+            reached = src.cached == k if self.exact else src.cached >= k
+            if reached and src.history[:k] == prompt[:k]:
                 self.kv.copy_prefix(src.index, slot.index, k)
                 slot.history, slot.feed, slot.reused = list(prompt[:k]), list(prompt[k:]), k
-            elif src.state is SlotState.PREFILL and src.request.prompt[:k] == prompt[:k]:
+            elif (src.state is SlotState.PREFILL and src.request.prompt[:k] == prompt[:k]
+                  and src.cached < k):
                 continue                          # still on its way there
             slot.state, slot.fork_from = SlotState.PREFILL, None
 
@@ -227,6 +243,8 @@ class Scheduler:
                 state, nbytes = self.kv.save(slot.index, slot.cached)
                 self.cache.put(slot.history, state, nbytes, slot.session_id)
             entry, stored = self.cache.best(req.prompt, req.session_id)
+            if entry is not None:
+                stored = self.usable(stored, len(entry.tokens), len(req.prompt))
             if entry is not None and stored > match:
                 self.kv.restore(slot.index, entry.state)
                 match = stored
@@ -250,12 +268,25 @@ class Scheduler:
         long_prompt = any(s.state is SlotState.PREFILL and len(s.feed) > self.prefill_chunk
                           for s in self.slots)
         budget = self.pacer.budget(decoding=bool(plan) and long_prompt)
+        stops = self.fork_stops()
         for s in self.slots:
             if s.state is SlotState.PREFILL and budget > 0:
-                take = min(budget, len(s.feed))
+                take = min(budget, len(s.feed), stops.get(s.index, len(s.feed)))
                 plan.append((s, take))
                 budget -= take
         return plan
+
+    def fork_stops(self) -> dict[int, int]:
+        """Exact states: how far each fork source may prefill this step (to its nearest
+        pending fork length), so the copy is taken at that length."""
+        if not self.exact:
+            return {}
+        stops: dict[int, int] = {}
+        for w in self.slots:
+            if w.state is SlotState.WAIT and w.fork_from.cached < w.fork_len:
+                src = w.fork_from.index
+                stops[src] = min(stops.get(src, w.fork_len), w.fork_len - w.fork_from.cached)
+        return stops
 
     def step(self) -> list[Output]:
         plan = self.plan()

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..common.arch.stack import Rope
 from ..common.gguf_file import open_gguf
 from ..common.model_file import ModelConfig, ModelFileError
 from . import qmatrix as qm
@@ -35,42 +36,26 @@ from .device import Device
 from .qmatrix import QMatrix
 from .quants import dequantize
 
-# Hugging Face parameter names → GGUF names (our canonical names).
-HF_NAMES = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
-HF_LAYER_NAMES = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-
 
 @dataclass
-class Layer:
-    # a projection is a dense [in, out] array, a QMatrix [out, in], or a list of them
-    attn_norm: object       # [D]
-    wqkv: object            # [D, q_dim + 2 kv_dim]
-    bqkv: object | None     # [q_dim + 2 kv_dim]            (qwen2)
-    q_norm: object | None   # [head_dim]                     (qwen3)
-    k_norm: object | None   # [head_dim]
-    wo: object              # [q_dim, D]
-    ffn_norm: object        # [D]
-    w_gate_up: object       # [D, 2 d_ff]
-    w_down: object          # [d_ff, D]
+class BlockWeights:
+    """One layer's weights: its mixer's and MLP's (worker/layers/) and the norms around."""
+
+    mixer_norm: object               # [D] attn_norm
+    mixer: object                    # the mixer kind's weights dataclass
+    mlp_norm: object                 # [D] ffn_norm
+    mlp: object                      # MLPWeights
+    post_mixer_norm: object = None   # [D] post_attention_norm (sandwich blocks)
+    post_mlp_norm: object = None     # [D] post_ffw_norm
 
 
 @dataclass
 class Weights:
     embed: object | None    # [V, D] (dense or QMatrix); None when tied to the head
-    layers: list[Layer]
+    blocks: list[BlockWeights]
     out_norm: object        # [D]
     head: object            # dense [D, V], or QMatrix [V, D]
-    inv_freq: object        # [head_dim / 2] float32 rotary frequencies
+    rope_factors: object | None = None   # host [r/2]: a GGUF rope_freqs tensor (llama3)
 
     def embed_rows(self, tokens):
         """Embeddings of `tokens` [T] → [T, D] float32."""
@@ -81,24 +66,35 @@ class Weights:
         rows = table[:, tokens].T if self.embed is None else table[tokens]
         return rows.astype(np.float32)
 
+    def matrices(self) -> list:
+        """Every projection (a dense array, a QMatrix or a list of them), head first."""
+        out = [self.head] + ([] if self.embed is None else [self.embed])
+        for b in self.blocks:
+            for part in (b.mixer, b.mlp):
+                out += [getattr(part, name) for name in part.MATRICES]
+        return out
+
     def nbytes(self) -> int:
         """Bytes the weights really take on the die."""
-        items = [self.head, self.out_norm, self.inv_freq] + ([] if self.embed is None
-                                                              else [self.embed])
-        for layer in self.layers:
-            items += [a for a in vars(layer).values() if a is not None]
+        items = [self.head, self.out_norm] + ([] if self.embed is None else [self.embed])
+        for b in self.blocks:
+            items += [a for a in vars(b).values() if a is not None and not is_part(a)]
+            items += [a for part in (b.mixer, b.mlp) for a in vars(part).values()
+                      if a is not None]
         return sum(nbytes(a) for a in items)
 
     def formats(self) -> dict[str, int]:
         """Matrices by in-memory kind (and file type), for the record."""
         out: dict[str, int] = {}
-        for item in [self.head] + ([self.embed] if self.embed is not None else []) + [
-                a for layer in self.layers for a in (layer.wqkv, layer.wo, layer.w_gate_up,
-                                                     layer.w_down)]:
+        for item in self.matrices():
             for m in item if isinstance(item, list) else [item]:
                 key = f"{m.kind}<{m.source}" if isinstance(m, QMatrix) else str(m.dtype)
                 out[key] = out.get(key, 0) + 1
         return out
+
+
+def is_part(a) -> bool:
+    return hasattr(a, "MATRICES")
 
 
 def nbytes(item) -> int:
@@ -119,7 +115,17 @@ class GGUFSource:
         return name in self.tensors
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self.tensors:
+            raise ModelFileError(f"GGUF file lacks tensor {name}")
         return tuple(int(n) for n in reversed(self.tensors[name].shape))
+
+    def interleaved(self, name: str) -> int:
+        """Heads whose q/k rows llama.cpp interleaved (0: none)."""
+        if not self.cfg.family.gguf_qk_interleaved:
+            return 0
+        if name.endswith("attn_q.weight"):
+            return self.cfg.n_heads
+        return self.cfg.n_kv_heads if name.endswith("attn_k.weight") else 0
 
     def get(self, name: str, device: Device, dtype=np.float32):
         t = self.tensors.get(name)
@@ -130,8 +136,7 @@ class GGUFSource:
         if device.xp is not np:
             raw = device.xp.asarray(raw)
         out = dequantize(raw, t.tensor_type, shape, xp=device.xp, out_dtype=dtype)
-        if self.cfg.arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
-            heads = self.cfg.n_heads if "attn_q" in name else self.cfg.n_kv_heads
+        if heads := self.interleaved(name):
             out = unpermute_rows(out, heads, device.xp)
         return out
 
@@ -155,8 +160,7 @@ class GGUFSource:
                 m = qm.from_gguf(raw, qtype, shape, name)
         else:
             m = qm.from_gguf(raw, qtype, shape, name)
-        if self.cfg.arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
-            heads = self.cfg.n_heads if "attn_q" in name else self.cfg.n_kv_heads
+        if heads := self.interleaved(name):
             m = m.take_rows(unpermute_rows(np.arange(shape[0])[:, None], heads, np)[:, 0])
         self.release(t)
         return m
@@ -197,7 +201,7 @@ class SafetensorsSource:
 
     DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, cfg: ModelConfig):
         self.index: dict[str, tuple[np.memmap, dict]] = {}
         files = sorted(folder.glob("*.safetensors"))
         if not files:
@@ -209,12 +213,14 @@ class SafetensorsSource:
             data = np.memmap(file, dtype=np.uint8, mode="r", offset=8 + size)
             for name, info in header.items():
                 if name != "__metadata__":
-                    self.index[HF_NAMES.get(name) or hf_layer_name(name)] = (data, info)
+                    self.index[cfg.family.hf_name(name)] = (data, info)
 
     def __contains__(self, name: str) -> bool:
         return name in self.index
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self.index:
+            raise ModelFileError(f"checkpoint lacks tensor {name}")
         return tuple(self.index[name][1]["shape"])
 
     def get(self, name: str, device: Device, dtype=np.float32):
@@ -249,15 +255,6 @@ class SafetensorsSource:
                        source=info["dtype"])
 
 
-def hf_layer_name(name: str) -> str:
-    parts = name.split(".")
-    if len(parts) >= 5 and parts[0] == "model" and parts[1] == "layers":
-        module = ".".join(parts[3:-1])
-        if module in HF_LAYER_NAMES:
-            return f"blk.{parts[2]}.{HF_LAYER_NAMES[module]}.{parts[-1]}"
-    return name
-
-
 def transposed(xp, source, names: list[str], device: Device, dtype):
     """[out, in] tensors side by side as one [in, sum(out)] matrix (1-D: concatenated).
 
@@ -275,16 +272,19 @@ def transposed(xp, source, names: list[str], device: Device, dtype):
     return out
 
 
-def rope_inv_freq(cfg: ModelConfig, factors: np.ndarray | None = None) -> np.ndarray:
-    """Rotary inverse frequencies [head_dim / 2], float32, scaling applied.
+def rope_inv_freq(rope: Rope, factors: np.ndarray | None = None) -> np.ndarray:
+    """Rotary inverse frequencies [rope.dim / 2], float32, scaling applied.
 
     `factors` is a GGUF `rope_freqs` tensor (llama.cpp divides each frequency
-    by it); otherwise the config's scaling rule is computed here.
+    by it); otherwise the spec's scaling rule is computed here.
     """
-    dim = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
-    s = cfg.rope_scaling
+    dim = rope.dim
+    inv = 1.0 / (rope.theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    s = rope.scaling
     if factors is not None:
+        if factors.shape != inv.shape:
+            raise ModelFileError(f"tensor rope_freqs.weight has {factors.shape[0]} factors; "
+                                 f"rotary dimension {dim} needs {inv.shape[0]}")
         inv = inv / factors.astype(np.float64)
     elif s is not None and s.kind == "linear":
         inv = inv / s.factor
@@ -302,65 +302,103 @@ def rope_inv_freq(cfg: ModelConfig, factors: np.ndarray | None = None) -> np.nda
 
 
 def open_source(path: Path, cfg: ModelConfig, reader=None):
-    return SafetensorsSource(path) if path.is_dir() else GGUFSource(path, cfg, reader)
+    return SafetensorsSource(path, cfg) if path.is_dir() else GGUFSource(path, cfg, reader)
 
 
-def load_weights(path: str | Path, cfg: ModelConfig, device: Device, progress=None,
-                 quantize: str = "auto", reader=None) -> Weights:
-    """Read and place every tensor; `progress(done, total)` per layer.
+class Loader:
+    """What a layer reads its tensors through: shapes checked against the config, norms
+    and biases fp32 on the die, projections held as `quantize` asks."""
 
-    quantize: "auto" (GGUF blocks as stored, floats as stored), "q8_0" / "q4" (floats
-    quantized at load), "none" (everything dequantized to dense fp32: the reference)."""
-    if quantize not in qm.QUANTIZE_MODES:
-        raise ValueError(f"quantize must be one of {', '.join(qm.QUANTIZE_MODES)}, "
-                         f"not {quantize!r}")
-    xp, wdt = device.xp, device.weight_dtype
-    src = open_source(Path(path), cfg, reader)
+    def __init__(self, src, cfg: ModelConfig, device: Device, quantize: str):
+        self.src, self.cfg, self.device, self.quantize = src, cfg, device, quantize
+        self.norm_offset = cfg.family.norm_offset.get(cfg.fmt, 0.0)
 
-    def norm(name):  # norms and biases stay fp32: they are tiny and precision-sensitive
-        return src.get(name, device, np.float32)
+    def check(self, name: str, want: tuple[int, ...]) -> None:
+        got = self.src.shape(name)
+        if tuple(got) != tuple(want):
+            raise ModelFileError(f"tensor {name} has shape {list(got)}, but the config "
+                                 f"({self.cfg.arch}: d_model {self.cfg.d_model}, heads "
+                                 f"{self.cfg.n_heads}/{self.cfg.n_kv_heads} x "
+                                 f"{self.cfg.head_dim}, d_ff {self.cfg.d_ff}, vocab "
+                                 f"{self.cfg.vocab_size}) implies {list(want)}")
 
-    def proj(names: list[str]):
-        """One projection from the tensors `names` (row-stacked outputs)."""
-        if quantize != "none":
-            parts = [src.qmatrix(n, quantize) for n in names]
+    def norm(self, name: str, dim: int, family_norm: bool = True):
+        """A norm weight [dim] fp32; a family's (1 + w) norm stored as w gets its 1 here
+        (family_norm False: a norm that is plain w in every format)."""
+        self.check(name, (dim,))
+        w = self.src.get(name, self.device, np.float32)
+        if family_norm and self.norm_offset:
+            w = w + np.float32(self.norm_offset)
+        return w
+
+    def array(self, name: str, shape: tuple[int, ...]):
+        """Any other tensor (a convolution kernel, a decay vector) as it is stored, fp32
+        on the die: a family's transforms apply to it after."""
+        self.check(name, shape)
+        return self.src.get(name, self.device, np.float32)
+
+    def vector(self, names: list[str], dims: list[int]):
+        """1-D tensors (biases) [sum(dims)] fp32, concatenated."""
+        for name, dim in zip(names, dims):
+            self.check(name, (dim,))
+        return transposed(self.device.xp, self.src, names, self.device, np.float32)
+
+    def proj(self, names: list[str], shapes: list[tuple[int, int]]):
+        """One projection from the [out, in] tensors `names` (row-stacked outputs)."""
+        for name, shape in zip(names, shapes):
+            self.check(name, shape)
+        xp = self.device.xp
+        if self.quantize != "none":
+            parts = [self.src.qmatrix(n, self.quantize) for n in names]
             if all(p is not None for p in parts):
                 parts = [qm.stack(parts)] if qm.stackable(parts) else parts
                 parts = [p.to(xp) if xp is not np else p for p in parts]
                 return parts[0] if len(parts) == 1 else parts
-        return transposed(xp, src, names, device, wdt)       # dense: [in, sum(out)]
+        return transposed(xp, self.src, names, self.device, self.device.weight_dtype)
 
-    layers = []
-    for i in range(cfg.n_layers):
+
+def load_weights(path: str | Path, cfg: ModelConfig, device: Device, progress=None,
+                 quantize: str = "auto", reader=None) -> Weights:
+    """Read and place every tensor, layer by layer as the config's stack says;
+    `progress(done, total)` per layer.
+
+    quantize: "auto" (GGUF blocks as stored, floats as stored), "q8_0" / "q4" (floats
+    quantized at load), "none" (everything dequantized to dense fp32: the reference)."""
+    from .layers import MIXERS, load_mlp
+    if quantize not in qm.QUANTIZE_MODES:
+        raise ValueError(f"quantize must be one of {', '.join(qm.QUANTIZE_MODES)}, "
+                         f"not {quantize!r}")
+    xp, d = device.xp, cfg.d_model
+    src = open_source(Path(path), cfg, reader)
+    ld = Loader(src, cfg, device, quantize)
+    blocks = []
+    for i, spec in enumerate(cfg.blocks):
         p = f"blk.{i}."
-        qkv = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
-        layers.append(Layer(
-            attn_norm=norm(p + "attn_norm.weight"),
-            wqkv=proj(qkv),
-            bqkv=(transposed(xp, src, [n.replace("weight", "bias") for n in qkv], device,
-                             np.float32) if cfg.qkv_bias else None),
-            q_norm=norm(p + "attn_q_norm.weight") if cfg.qk_norm else None,
-            k_norm=norm(p + "attn_k_norm.weight") if cfg.qk_norm else None,
-            wo=proj([p + "attn_output.weight"]),
-            ffn_norm=norm(p + "ffn_norm.weight"),
-            w_gate_up=proj([p + "ffn_gate.weight", p + "ffn_up.weight"]),
-            w_down=proj([p + "ffn_down.weight"]),
-        ))
+        if spec.mixer.kind not in MIXERS:
+            raise ModelFileError(f"layer {i}: no implementation of mixer {spec.mixer.kind!r}")
+        blocks.append(BlockWeights(
+            mixer_norm=ld.norm(p + "attn_norm.weight", d),
+            mixer=MIXERS[spec.mixer.kind].load(ld, p, spec.mixer, d),
+            mlp_norm=ld.norm(p + "ffn_norm.weight", d),
+            mlp=load_mlp(ld, p, spec.mlp, d),
+            post_mixer_norm=ld.norm(p + "post_attention_norm.weight", d) if spec.sandwich else None,
+            post_mlp_norm=ld.norm(p + "post_ffw_norm.weight", d) if spec.sandwich else None))
         if progress:
             progress(i + 1, cfg.n_layers)
     tied = cfg.tied_embeddings or "output.weight" not in src
-    head = proj(["token_embd.weight" if tied else "output.weight"])   # one tensor: no list
+    vd = (cfg.vocab_size, d)
+    head = ld.proj(["token_embd.weight" if tied else "output.weight"], [vd])   # one: no list
     if tied:
         embed = None
     elif quantize != "none":
-        embed = proj(["token_embd.weight"])
+        embed = ld.proj(["token_embd.weight"], [vd])
         if not isinstance(embed, QMatrix):                     # dense: rows are tokens
             embed = xp.ascontiguousarray(embed.T)
     else:
-        embed = src.get("token_embd.weight", device, wdt)
+        ld.check("token_embd.weight", vd)
+        embed = src.get("token_embd.weight", device, device.weight_dtype)
     factors = None
     if "rope_freqs.weight" in src:
         factors = device.to_host(src.get("rope_freqs.weight", device, np.float32))
-    inv_freq = xp.asarray(rope_inv_freq(cfg, factors))
-    return Weights(embed=embed, layers=layers, out_norm=norm("output_norm.weight"),
-                   head=head, inv_freq=inv_freq)
+    return Weights(embed=embed, blocks=blocks, out_norm=ld.norm("output_norm.weight", d),
+                   head=head, rope_factors=factors)

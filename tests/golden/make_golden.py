@@ -1,4 +1,4 @@
-"""Regenerate tests/golden/{llama,llama3,qwen2,qwen3}.npz with Hugging Face transformers.
+"""Regenerate tests/golden/{llama,llama3,qwen2,qwen3,gemma3}.npz with Hugging Face transformers.
 
 The test venv has no torch, so the reference logits are computed here, once,
 and committed. This script runs OUTSIDE the test venv, in a throwaway venv
@@ -6,7 +6,7 @@ with a CPU build of torch (pinned: an unpinned torch pulls a multi-GB CUDA
 build; transformers' GGUF loader also needs accelerate):
 
     python3 -m venv /tmp/golden-venv
-    /tmp/golden-venv/bin/pip install torch==2.13.0 transformers numpy gguf safetensors accelerate
+    /tmp/golden-venv/bin/pip install torch==2.13.0 transformers==5.24.0 numpy gguf safetensors accelerate
     cd /work/main && /tmp/golden-venv/bin/python tests/golden/make_golden.py
 
 (about a minute; it prints one line per model and fails loudly on any mismatch)
@@ -37,6 +37,14 @@ What it does, for each model of tests/tiny_models.py:
    - qwen3: transformers' qwen3 GGUF mapping ignores attention.key_length
      (only qwen3_moe maps it), so head_dim 32 would become Qwen3Config's
      default; the key is checked against the config by reading it directly.
+   - gemma3: the GGUF carries no layer types, local rope base or query scale
+     (llama.cpp: every 6th layer global, base 10k, head_dim), so the tiny config
+     is chosen to agree with those rules and the GGUF is loaded with our config;
+     transformers' gemma3 GGUF loader subtracts the 1 that llama.cpp's converter
+     adds to every norm, so its weights match make_weights to fp32 rounding.
+   Two controls per gemma3 run: the same weights with a window wider than the
+   sequences, and without the global layers' rope scaling, must give other
+   logits (so the golden file tests both).
 Prints the max |diff| per check; any failed check raises.
 """
 from __future__ import annotations
@@ -117,7 +125,11 @@ def check_gguf_metadata(name: str, path: Path) -> None:
     cfg = t.CONFIGS[name]
     parsed = load_gguf_checkpoint(str(path), return_tensors=False)["config"]
     for key in GGUF_CONFIG_KEYS:
-        want, got = cfg[key], parsed.get(key)
+        want, got = cfg.get(key), parsed.get(key)
+        if key == "rope_theta" and "rope_parameters" in cfg:
+            want = cfg["rope_parameters"]["full_attention"]["rope_theta"]
+        if want is None and key == "tie_word_embeddings":
+            continue
         ok = (abs(float(got) - float(want)) <= 1e-6 * abs(float(want))
               if isinstance(want, float) else got == want)
         assert ok, f"{name}: transformers reads {key}={got!r} from the GGUF, config has {want!r}"
@@ -128,7 +140,14 @@ def check_gguf_metadata(name: str, path: Path) -> None:
     if "head_dim" in cfg:
         assert reader.fields[f"{arch}.attention.key_length"].contents() == hd
         assert reader.fields[f"{arch}.attention.value_length"].contents() == hd
-    assert not any(".rope.scaling." in k for k in reader.fields), "llama.cpp would double-scale"
+    if arch == "llama":
+        assert not any(".rope.scaling." in k for k in reader.fields), "llama.cpp would double-scale"
+    if arch == "gemma3":
+        assert reader.fields["gemma3.attention.sliding_window"].contents() == cfg["sliding_window"]
+        n = cfg["num_hidden_layers"]
+        assert cfg["layer_types"] == ["sliding_attention" if (i + 1) % 6 else "full_attention"
+                                      for i in range(n)], "llama.cpp's pattern of 6 disagrees"
+        assert cfg["query_pre_attn_scalar"] == hd, "llama.cpp scales q by head_dim ** -0.5"
 
 
 def check_llama3_rope(name: str, path: Path, model) -> float:
@@ -169,7 +188,9 @@ def cross_check_gguf(name: str, ref: list[np.ndarray], tmp: Path) -> dict[str, f
             assert type(model).__name__ == t.CONFIGS[name]["architectures"][0], type(model).__name__
         expected = weights if tensor_type == "F32" else f16_rounded(weights)
         wdiff = check_state(model, expected, f"{name} {tensor_type}")
-        assert wdiff == 0.0, f"{name} {tensor_type}: GGUF weights differ from make_weights by {wdiff}"
+        # gemma3 norms went through (w + 1) - 1 in float32
+        bound = 1.2e-7 if t.GGUF_ARCH[name] == "gemma3" else 0.0
+        assert wdiff <= bound, f"{name} {tensor_type}: GGUF weights differ from make_weights by {wdiff}"
         got = run(model)
         # F32: the very same model. F16: the same model on half-rounded weights.
         want = ref if tensor_type == "F32" else run(build_model(name, f16_rounded(weights)))
@@ -197,6 +218,27 @@ def permutation_control(tmp: Path, ref: list[np.ndarray]) -> float:
     return d
 
 
+def gemma3_controls(ref: list[np.ndarray]) -> dict[str, float]:
+    """The window and the global rope scaling each change the logits."""
+    cfg = t.CONFIGS["gemma3"]
+    out = {}
+    variants = {"wide window": {"sliding_window": 1000},
+                "no rope scaling": {"rope_parameters": {
+                    **cfg["rope_parameters"],
+                    "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}}}
+    for label, change in variants.items():
+        saved = dict(cfg)
+        cfg.update(change)
+        try:
+            d = max_diff(run(build_model("gemma3", t.make_weights("gemma3"))), ref)
+        finally:
+            cfg.clear()
+            cfg.update(saved)
+        assert d > 1e-2, f"gemma3 with {label} matches the golden logits (diff {d}): blind"
+        out[label] = d
+    return out
+
+
 def main() -> None:
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, numpy {np.__version__}")
     with tempfile.TemporaryDirectory() as td:
@@ -217,6 +259,9 @@ def main() -> None:
             assert st_diff < 1e-5, f"{name}: from_pretrained(safetensors folder) differs by {st_diff}"
 
             gg = cross_check_gguf(name, ref, tmp / f"{name}-gguf")
+            if name == "gemma3":
+                for label, d in gemma3_controls(ref).items():
+                    print(f"  gemma3 control: {label} differs by {d:.3f} (must not match)")
             np.savez_compressed(HERE / f"{name}.npz", **{f"seq{i}": x for i, x in enumerate(ref)})
             spread = float(np.std(ref[0]))
             print(f"{name}: logits std {spread:.3f}; max |diff| safetensors-folder {st_diff:.2e}, "

@@ -1,0 +1,181 @@
+"""Softmax attention over a KV cache: full, or within a sliding window.
+
+Per step the decode spans (one token each) of every attention layer run as one
+batched product over their slots' caches (DecodeGroup, prepared once per step and
+shared by the layers); each prefill chunk attends alone, against its slot's history.
+A sliding window is exact everywhere: a query at position p sees keys (p - window,
+p], whether its prompt came in one chunk, in many, or token by token; only the keys
+a window can reach are read.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...common.arch.stack import Attention
+from ..sequence_state import KVState
+from .ops import F32, linear, rms_norm, rope, xp_of
+
+
+@dataclass
+class AttentionWeights:
+    wqkv: object            # [D, q_dim + 2 kv_dim] (q | k | v, fused)
+    bqkv: object | None     # [q_dim + 2 kv_dim]               (qwen2)
+    q_norm: object | None   # [head_dim]                        (qwen3, gemma3)
+    k_norm: object | None   # [head_dim]
+    wo: object              # [q_dim, D]
+    MATRICES = ("wqkv", "wo")
+
+
+def load_attention(ld, p: str, spec: Attention, d_model: int) -> AttentionWeights:
+    qd, kvd, hd = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim, spec.head_dim
+    qkv = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
+    return AttentionWeights(
+        wqkv=ld.proj(qkv, [(qd, d_model), (kvd, d_model), (kvd, d_model)]),
+        bqkv=(ld.vector([n.replace("weight", "bias") for n in qkv], [qd, kvd, kvd])
+              if spec.qkv_bias else None),
+        q_norm=ld.norm(p + "attn_q_norm.weight", hd) if spec.qk_norm else None,
+        k_norm=ld.norm(p + "attn_k_norm.weight", hd) if spec.qk_norm else None,
+        wo=ld.proj([p + "attn_output.weight"], [(d_model, qd)]))
+
+
+def attend(q, k, v, start: int, lo: int = 0, window: int | None = None):
+    """Causal grouped-query attention of one sequence against its cache.
+
+    q [n, Hq, hd] (already scaled) for positions [start, start + n);
+    k, v [Hkv, L, hd] for positions [lo, lo + L), L = start + n - lo → [n, Hq * hd].
+    With a window, position start + i sees keys (start + i - window, start + i].
+    """
+    xp = xp_of(q)
+    n, n_heads, hd = q.shape
+    n_kv, length = k.shape[0], k.shape[1]
+    group = n_heads // n_kv
+    # query head h reads kv head h // group: group the queries by kv head
+    qg = q.reshape(n, n_kv, group, hd).transpose(1, 2, 0, 3).reshape(n_kv, group * n, hd)
+    s = (qg.astype(k.dtype, copy=False) @ k.transpose(0, 2, 1)).astype(F32, copy=False)
+    if n > 1 or window is not None:    # an additive mask: the same on CuPy
+        key_pos = lo + xp.arange(length)[None, :]                                 # [1, L]
+        q_pos = (start + xp.arange(n))[:, None]                                   # [n, 1]
+        hidden = key_pos > q_pos
+        if window is not None:
+            hidden |= key_pos <= q_pos - window
+        bias = xp.where(hidden, F32(-np.inf), F32(0.0))                           # [n, L]
+        s = (s.reshape(n_kv, group, n, length) + bias).reshape(n_kv, group * n, length)
+    s -= s.max(axis=-1, keepdims=True)
+    p = xp.exp(s)
+    p /= p.sum(axis=-1, keepdims=True)
+    o = (p.astype(v.dtype, copy=False) @ v).astype(F32, copy=False)      # [Hkv, group*n, hd]
+    return o.reshape(n_kv, group, n, hd).transpose(2, 0, 1, 3).reshape(n, n_heads * hd)
+
+
+def attend_decodes(q, k, v, bias, sel):
+    """Attention of many single-token sequences at once, over their slots' caches.
+
+    q [B, Hq, hd] (scaled); k, v [S, Hkv, L, hd]: a contiguous range of S >= B
+    slots, read in place (a view: no copy of anyone's history); bias [S, 1, 1, L]
+    is 0 where a key is visible and -inf elsewhere; sel [B] says which of the S
+    slots each query belongs to. → [B, Hq * hd].
+    """
+    xp = xp_of(q)
+    n_seq, n_heads, hd = q.shape
+    n_slots, n_kv = k.shape[0], k.shape[1]
+    group = n_heads // n_kv
+    qg = q.reshape(n_seq, n_kv, group, hd)
+    if n_seq != n_slots or not (sel == xp.arange(n_slots)).all():
+        full = xp.zeros((n_slots, n_kv, group, hd), dtype=q.dtype)
+        full[sel] = qg
+        qg = full
+    s = (qg.astype(k.dtype, copy=False) @ k.transpose(0, 1, 3, 2)).astype(F32, copy=False)
+    s += bias                                                         # [S, Hkv, g, L]
+    s -= s.max(axis=-1, keepdims=True)
+    p = xp.exp(s)
+    p /= p.sum(axis=-1, keepdims=True)
+    o = (p.astype(v.dtype, copy=False) @ v).astype(F32, copy=False)  # [S, Hkv, g, hd]
+    return o[sel].reshape(n_seq, n_heads * hd)
+
+
+class DecodeGroup:
+    """The single-token spans of a step, prepared once and used by every attention layer."""
+
+    def __init__(self, spans, xp):
+        rows, slots, pos, row = [], [], [], 0
+        for s in spans:
+            if s.n == 1:
+                rows.append(row), slots.append(s.slot), pos.append(s.start)
+            row += s.n
+        self.size = len(rows)
+        if not self.size:
+            return
+        self.xp = xp
+        self.lo, self.hi = min(slots), max(slots) + 1
+        self.length = max(pos) + 1
+        self.rows, self.slots, self.pos = (xp.asarray(a) for a in (rows, slots, pos))
+        self.sel = self.slots - self.lo
+        self.host_slots, self.host_pos = np.asarray(slots), np.asarray(pos)
+        self.masks: dict = {}
+
+    def mask(self, window: int | None):
+        """(first key position read, bias [S, 1, 1, L]) for layers of this window."""
+        if window not in self.masks:
+            lo = 0 if window is None else max(0, int(self.host_pos.min()) - window + 1)
+            keys = np.arange(lo, self.length)[None, :]
+            seen = np.ones((self.hi - self.lo, 1), dtype=bool)        # unused slots: see all
+            first = np.full((self.hi - self.lo, 1), lo)
+            last = np.full((self.hi - self.lo, 1), self.length - 1)
+            last[self.host_slots - self.lo, 0] = self.host_pos
+            if window is not None:
+                first[self.host_slots - self.lo, 0] = self.host_pos - window + 1
+            visible = seen & (keys >= first) & (keys <= last)
+            bias = np.where(visible, 0.0, -np.inf).astype(F32)[:, None, None, :]
+            self.masks[window] = lo, self.xp.asarray(bias)
+        return self.masks[window]
+
+    def run(self, kv: KVState, q, k, v, out, window: int | None) -> None:
+        """Write the group's k, v into the cache and its attention into `out` rows."""
+        kv.k[self.slots, :, self.pos] = k[self.rows]
+        kv.v[self.slots, :, self.pos] = v[self.rows]
+        lo, bias = self.mask(window)
+        kc = kv.k[self.lo:self.hi, :, lo:self.length]
+        vc = kv.v[self.lo:self.hi, :, lo:self.length]
+        out[self.rows] = attend_decodes(q[self.rows], kc, vc, bias, self.sel)
+
+
+class AttentionLayer:
+    """One attention layer: its weights, its KV state and its forward."""
+
+    load = staticmethod(load_attention)
+
+    def __init__(self, spec: Attention, w: AttentionWeights, state: KVState, rope_table,
+                 eps: float):
+        self.spec, self.w, self.state, self.rope, self.eps = spec, w, state, rope_table, eps
+        self.qd, self.kvd = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
+
+    @staticmethod
+    def new_state(spec: Attention, n_slots: int, ctx: int, xp, dtype) -> KVState:
+        return KVState(n_slots, spec.n_kv_heads, ctx, spec.head_dim, xp, dtype)
+
+    def __call__(self, h, batch):
+        """h [T, D] (normed) → the layer's output [T, D], caching this step's k, v."""
+        spec, w, n, qd, kvd = self.spec, self.w, batch.n, self.qd, self.kvd
+        qkv = linear(h, w.wqkv, w.bqkv)                                # [T, qd + 2 kvd]
+        q = qkv[:n, :qd].reshape(n, spec.n_heads, spec.head_dim)
+        k = qkv[:n, qd:qd + kvd].reshape(n, spec.n_kv_heads, spec.head_dim)
+        v = qkv[:n, qd + kvd:].reshape(n, spec.n_kv_heads, spec.head_dim)
+        if w.q_norm is not None:
+            q = rms_norm(q, w.q_norm, self.eps)
+            k = rms_norm(k, w.k_norm, self.eps)
+        cos, sin = batch.rope(self.rope)                               # [n, 1, r/2]
+        q = rope(q, cos, sin) * spec.scale
+        k = rope(k, cos, sin)
+        attn = batch.scratch(qd)                                       # [T, Hq*hd]
+        decodes = batch.memo("decodes", DecodeGroup)
+        if decodes.size:
+            decodes.run(self.state, q, k, v, attn, spec.window)
+        for row, s in batch.chunks:
+            end, stop = row + s.n, s.start + s.n
+            lo = 0 if spec.window is None else max(0, s.start - spec.window + 1)
+            self.state.write(s.slot, s.start, k[row:end], v[row:end])
+            kc, vc = self.state.view(s.slot, lo, stop)
+            attn[row:end] = attend(q[row:end], kc, vc, s.start, lo, spec.window)
+        return linear(attn, w.wo)

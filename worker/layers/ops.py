@@ -1,0 +1,59 @@
+"""Pure operations every layer uses, over the array module of their input (NumPy or
+CuPy). Activations are float32 throughout; Python-float constants stay weak, so they
+never promote an array to float64."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..linear import matmul
+
+F32 = np.float32
+
+
+def xp_of(a):
+    return np if isinstance(a, np.ndarray) else __import__("cupy").get_array_module(a)
+
+
+def rms_norm(x, w, eps: float):
+    """x [..., d] normalized by its root mean square, times w [d]."""
+    xp = xp_of(x)
+    ms = (x * x).mean(axis=-1, keepdims=True)
+    return x * (1.0 / xp.sqrt(ms + eps)) * w
+
+
+def linear(x, w, b=None):
+    """x [T, in] @ W (+ b) → [T, out] float32, W held any way (worker/linear.py)."""
+    y = matmul(x, w)
+    if b is not None:
+        y += b
+    return y
+
+
+def rope(x, cos, sin):
+    """Rotate-half rotary embedding of the first 2 * cos.shape[-1] dims of each head.
+
+    x [T, H, hd]; cos, sin [T, 1, r/2] with r <= hd (r < hd: partial rotary, the rest
+    passes through)."""
+    xp = xp_of(x)
+    half = cos.shape[-1]
+    if 2 * half == x.shape[-1]:
+        x1, x2 = x[..., :half], x[..., half:]
+        return xp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+    return xp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
+
+
+def silu(x):
+    """x * sigmoid(x), written with tanh so large |x| never overflows exp."""
+    return x * (0.5 + 0.5 * xp_of(x).tanh(0.5 * x))
+
+
+GELU_C = float(np.sqrt(2.0 / np.pi))
+
+
+def gelu_tanh(x):
+    """GELU, tanh approximation (PyTorch's gelu(approximate="tanh"))."""
+    return 0.5 * x * (1.0 + xp_of(x).tanh(GELU_C * (x + 0.044715 * (x * x * x))))
+
+
+ACTIVATIONS = {"silu": silu, "gelu_tanh": gelu_tanh}

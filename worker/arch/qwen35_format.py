@@ -9,7 +9,7 @@ The canonical layout is llama.cpp's, because a GGUF's quantized blocks cannot
 be permuted for free while a checkpoint's float tensors can: `from_hf_tensors`
 applies the converter's transforms (conversion/qwen.py, Qwen3NextModel and
 _LinearAttentionVReorderBase.modify_tensors) and `to_hf_tensors` undoes them
-exactly. They are, per tensor:
+(exact but for the float32 rounding of the +1 and of log(exp)). They are, per tensor:
 
 - names: HF_TO_GGUF below (gguf-py's tensor map for MODEL_ARCH.QWEN35);
   `post_attention_layernorm` is `post_attention_norm` here, not `ffn_norm`.
@@ -33,7 +33,15 @@ rope.dimension_count (head_dim · partial_rotary_factor), rope.dimension_section
 ssm.conv_kernel, ssm.state_size (linear_key_head_dim), ssm.group_count
 (linear_num_key_heads), ssm.time_step_rank (linear_num_value_heads),
 ssm.inner_size (linear_value_head_dim · linear_num_value_heads),
-full_attention_interval.
+full_attention_interval (layer i is full attention iff (i + 1) % interval == 0;
+llama.cpp's default 4). Not read: `attn_output_gate` (transformers' Qwen3.5
+always gates), the mrope sections (text positions are the same in every section).
+
+For a registry module: config_from_hf / config_from_gguf give the Qwen35Config;
+tensor_shapes / layer_shapes list what to load per layer (by layer type) and
+check_tensors validates it; from_hf_tensors turns a checkpoint's floats into
+the GGUF layout (quantize after it); dense_layers gives the reference [in, out]
+dicts that qwen35_ops reads (keys: the GGUF names without blk.N. and suffix).
 """
 from __future__ import annotations
 

@@ -368,14 +368,15 @@ def attend(q, k, v, start: int):
     xp = _xp(q)
     n, H, hd = q.shape
     L, Hkv = k.shape[0], k.shape[1]
-    qg = q.reshape(n, Hkv, H // Hkv, hd).transpose(1, 2, 0, 3)           # [Hkv, g, n, hd]
-    s = qg @ k.transpose(1, 2, 0)[:, None]                               # [Hkv, g, n, L]
+    # contiguous operands: NumPy multiplies transposed strided views without BLAS
+    qg = xp.ascontiguousarray(q.reshape(n, Hkv, H // Hkv, hd).transpose(1, 2, 0, 3))  # [Hkv, g, n, hd]
+    s = qg @ xp.ascontiguousarray(k.transpose(1, 2, 0))[:, None]                     # [Hkv, g, n, L]
     future = np.arange(L)[None, :] > (start + np.arange(n))[:, None]
     s = s + xp.asarray(np.where(future, -np.inf, 0.0).astype(F32))
     s = s - s.max(axis=-1, keepdims=True)
     p = xp.exp(s)
     p /= p.sum(axis=-1, keepdims=True)
-    o = p @ v.transpose(1, 0, 2)[:, None]                                # [Hkv, g, n, hd]
+    o = p @ xp.ascontiguousarray(v.transpose(1, 0, 2))[:, None]                      # [Hkv, g, n, hd]
     return o.transpose(2, 0, 1, 3).reshape(n, H * hd)
 
 

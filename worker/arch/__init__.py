@@ -1,0 +1,1 @@
+"""One module per model family (the architecture registry's building blocks)."""

@@ -434,7 +434,7 @@ def qwen35_gguf_tensors() -> dict[str, np.ndarray]:
     (v heads grouped → tiled, when nv != nk, on every `linear_attn.` tensor), then
     Qwen3NextModel.modify_tensors (A_log → -exp(A_log), dt_bias → dt_proj.bias,
     conv1d squeezed, +1 on every norm.weight except linear_attn.norm), then the
-    name map. Written separately from worker/arch/qwen35_format.py on purpose:
+    name map. Written separately from tests/qwen35_reference.py on purpose:
     make_golden.py checks this one against transformers.
     """
     cfg = CONFIGS["qwen35"]

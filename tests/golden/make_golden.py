@@ -272,7 +272,7 @@ def qwen35_reorder(t_: torch.Tensor, dim: int, outer: int, inner: int, head: int
 
 def qwen35_from_gguf(tensors: dict[str, np.ndarray], regroup: bool = True) -> dict[str, torch.Tensor]:
     """Undo the converter on a qwen35 GGUF's tensors (written here again, in torch, apart
-    from worker/arch/qwen35_format.py): a Qwen3_5ForCausalLM state dict. regroup=False
+    from tests/qwen35_reference.py): a Qwen3_5ForCausalLM state dict. regroup=False
     skips the inverse v-head reorder (the control)."""
     cfg = t.CONFIGS[QWEN35]
     nk, nv, dk, dv = (cfg[k] for k in ("linear_num_key_heads", "linear_num_value_heads",

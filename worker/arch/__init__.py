@@ -1,1 +1,0 @@
-"""One module per model family (the architecture registry's building blocks)."""

@@ -620,16 +620,17 @@ def write_gguf(name: str, path: str | Path, tensor_type: str = "F32",
     return path
 
 
-def rewrite_gguf(src: Path, dst: Path, drop=(), reshape=None, arch=None) -> Path:
-    """A copy of the (F32) GGUF at `src` without the tensors `drop`, with `reshape`
-    {name: rows} cut, or another architecture name: bad files for load-error tests."""
+def rewrite_gguf(src: Path, dst: Path, drop=(), reshape=None, arch=None, drop_keys=()) -> Path:
+    """A copy of the (F32) GGUF at `src` without the tensors `drop` or the metadata keys
+    `drop_keys`, with `reshape` {name: rows} cut, or another architecture name: bad files
+    for load-error tests."""
     import gguf
 
     reader = gguf.GGUFReader(src)
     arch_in = reader.fields["general.architecture"].contents()
     wr = gguf.GGUFWriter(str(dst), arch or arch_in)
     for key, field in reader.fields.items():
-        if key.startswith(("GGUF.", "general.architecture")) or key.startswith("tokenizer."):
+        if key.startswith(("GGUF.", "general.architecture", "tokenizer.")) or key in drop_keys:
             continue
         value = field.contents()
         name = key.replace(f"{arch_in}.", f"{arch or arch_in}.", 1)

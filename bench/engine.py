@@ -7,9 +7,13 @@ Prints one JSON object:
   floor_tok_s     batch-1 tokens/s if a decode step cost only its weight matmuls
                   (this model's own matrices, timed back to back on the spot,
                   median of as many repeats as decode steps)
+  decode_1_at_context_tok_s  with --contexts 256,4096: batch-1 decode tokens/s after a
+                  prompt of each length (steps alternating between them, median), and
+                  longest_vs_shortest_context their ratio
   peak_rss_bytes  the process's peak resident memory
   weight_bytes, kv_bytes, file_bytes and their ratios (weights / file, RSS / (file + KV))
-With --compare-llama BIN_DIR, llama.cpp's llama-bench runs on the same file with
+--synthetic qwen35-wide benchmarks a random-weight model of that shape (bench/synthetic.py)
+instead of -m. With --compare-llama BIN_DIR, llama.cpp's llama-bench runs on the same file with
 the same thread count right after, and "llama" holds its pp / tg figures and the
 ratios (ours / theirs).
 """
@@ -76,6 +80,31 @@ def decode_rate(engine, batch: int, steps: int, prompt_len: int = 64) -> float:
     return batch / median_time(step, steps)
 
 
+def decode_at_contexts(engine, contexts: list[int], steps: int, chunk: int = 256) -> dict:
+    """Batch-1 decode tokens/s after a prompt of each length in `contexts` (slot i holds
+    contexts[i]): how a step's cost grows with the history (attention) or does not
+    (recurrent layers). The steps alternate between the contexts, so a shared machine's
+    changing load falls on all of them alike."""
+    rng = np.random.default_rng(0)
+    tokens, pos = [], list(contexts)
+    for slot, n in enumerate(contexts):
+        ids = rng.integers(0, engine.cfg.vocab_size, n)
+        for start in range(0, n, chunk):
+            part = ids[start:start + chunk]
+            engine.forward(part, [Span(slot, start, len(part))])
+        tokens.append(ids[-1:])
+    times: list[list[float]] = [[] for _ in contexts]
+    for rep in range(steps + 1):
+        for slot in range(len(contexts)):
+            t0 = time.perf_counter()
+            tokens[slot] = engine.forward(tokens[slot], [Span(slot, pos[slot], 1)]).argmax(axis=-1)
+            engine.device.synchronize()
+            if rep:                                  # the first step of each warms up
+                times[slot].append(time.perf_counter() - t0)
+            pos[slot] += 1
+    return {str(n): round(1.0 / float(np.median(t)), 1) for n, t in zip(contexts, times)}
+
+
 def prefill_rate(engine, n_tokens: int, chunk: int = 128) -> float:
     rng = np.random.default_rng(0)
     ids = rng.integers(0, engine.cfg.vocab_size, n_tokens)
@@ -89,8 +118,10 @@ def prefill_rate(engine, n_tokens: int, chunk: int = 128) -> float:
 
 
 def run_bench(model_path, die: str = "cpu", steps: int = 32, batches=(1, 4, 8),
-              quantize: str = "auto") -> dict:
-    engine = load_engine(model_path, die=die, n_slots=max(batches), ctx=1024, quantize=quantize)
+              quantize: str = "auto", contexts=()) -> dict:
+    ctx = max([1024] + [c + steps + 8 for c in contexts])
+    engine = load_engine(model_path, die=die, n_slots=max([*batches, len(contexts)]), ctx=ctx,
+                         quantize=quantize)
     engine.warm_up()
     result = {
         "model": str(model_path),
@@ -103,6 +134,11 @@ def run_bench(model_path, die: str = "cpu", steps: int = 32, batches=(1, 4, 8),
         "floor_tok_s": round(1.0 / matmul_floor(engine, steps), 1),
     }
     result["decode_1_vs_floor"] = round(result["decode_tok_s"]["1"] / result["floor_tok_s"], 3)
+    if contexts:
+        rates = decode_at_contexts(engine, list(contexts), steps)
+        result["decode_1_at_context_tok_s"] = rates
+        result["longest_vs_shortest_context"] = round(
+            rates[str(max(contexts))] / rates[str(min(contexts))], 3)
     scale = 1 if sys.platform == "darwin" else 1024   # ru_maxrss is KiB on Linux
     result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
     result["weight_bytes"] = engine.model.w.nbytes()
@@ -146,8 +182,9 @@ def compare(ours: dict, theirs: dict) -> dict:
 
 
 def main(args) -> int:
+    contexts = [int(c) for c in (getattr(args, "contexts", None) or "").split(",") if c]
     result = run_bench(args.model, die=args.die, steps=args.steps,
-                       quantize=getattr(args, "quantize", "auto"))
+                       quantize=getattr(args, "quantize", "auto"), contexts=contexts)
     if getattr(args, "compare_llama", None):
         theirs = llama_bench(args.compare_llama, args.model, result["threads"])
         result["llama"] = theirs | {"ratios": compare(result, theirs)}

@@ -216,6 +216,8 @@ def config_from_hf(folder: Path) -> ModelConfig:
         raise ModelFileError(f"unsupported model architecture {model_type!r}; supported: "
                              f"{', '.join(HF_ARCH)}")
     fam = family(HF_ARCH[model_type])
+    if fam.hf_config is not None:
+        cfg = fam.hf_config(cfg)
 
     def where(key):
         return f"config.json field {key!r}"

@@ -47,7 +47,11 @@ def cmd_run(args) -> int:
 def cmd_bench(args) -> int:
     if args.bench == "engine":
         from pantheon.bench.engine import main
-        args.model = model_path(args.model)
+        if args.synthetic:
+            from pantheon.bench.synthetic import synthetic_model
+            args.model = synthetic_model(args.synthetic)
+        else:
+            args.model = model_path(args.model)
         return main(args)
     if args.bench == "prefix":
         from pantheon.bench.prefix import main
@@ -208,6 +212,11 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--steps", type=int, default=32, help="decode steps per batch size")
     engine.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="auto",
                         help="weights in memory, as `serve --quantize`")
+    engine.add_argument("--contexts", metavar="N,N",
+                        help="also time batch-1 decode after prompts of these lengths")
+    engine.add_argument("--synthetic", choices=["qwen35-wide"],
+                        help="a random-weight model of this shape instead of -m (written "
+                             "once into the cache directory)")
     engine.add_argument("--compare-llama", metavar="BIN_DIR",
                         help="also run llama.cpp's llama-bench from BIN_DIR on the same file "
                              "and threads, and print the ratios")

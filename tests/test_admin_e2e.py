@@ -152,13 +152,19 @@ def test_unreadable_tensor_types_and_unknown_quantize_modes_are_400(fleet):
 
 def test_bad_model_files_are_400_naming_the_tensor_or_architecture(fleet):
     folder = Path(fleet.tiny).parent
-    good = tm.write_gguf("gemma3", folder / "gemma3.gguf")
-    for change, message in [({"drop": ["blk.4.post_ffw_norm.weight"]},
-                             "lacks tensor blk.4.post_ffw_norm.weight"),
-                            ({"reshape": {"blk.1.attn_q.weight": 64}},
-                             "tensor blk.1.attn_q.weight has shape [64, 64]"),
-                            ({"arch": "mamba"}, "unsupported model architecture 'mamba'")]:
-        bad = tm.rewrite_gguf(good, folder / "bad.gguf", **change)
+    good = {a: tm.write_gguf(a, folder / f"{a}.gguf") for a in ("gemma3", "qwen35")}
+    for arch, change, message in [
+            ("gemma3", {"drop": ["blk.4.post_ffw_norm.weight"]},
+             "lacks tensor blk.4.post_ffw_norm.weight"),
+            ("gemma3", {"reshape": {"blk.1.attn_q.weight": 64}},
+             "tensor blk.1.attn_q.weight has shape [64, 64]"),
+            ("gemma3", {"arch": "mamba"}, "unsupported model architecture 'mamba'"),
+            ("qwen35", {"drop": ["blk.3.ssm_conv1d.weight"]}, "lacks tensor blk.3.ssm_conv1d.weight"),
+            ("qwen35", {"reshape": {"blk.1.ssm_out.weight": 32}},
+             "tensor blk.1.ssm_out.weight has shape [32, 96]"),
+            ("qwen35", {"drop_keys": ["qwen35.ssm.group_count"]},
+             "GGUF key qwen35.ssm.group_count is missing")]:
+        bad = tm.rewrite_gguf(good[arch], folder / "bad.gguf", **change)
         r = admin(fleet, "load", {"path": str(bad), "name": "bad"})
         assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
     assert "bad" not in admin(fleet, "status").json()["ready"]     # nothing placed, no crash

@@ -41,6 +41,29 @@ def test_bench_engine_prints_the_promised_json(tmp_path):
         assert result[key] > 0
 
 
+def test_bench_engine_times_decode_at_each_context(tmp_path):
+    path = tm.write_gguf("qwen35", tmp_path / "q35.gguf")
+    proc = pantheon("bench", "engine", "-m", str(path), "--steps", "2", "--contexts", "16,200")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert set(result["decode_1_at_context_tok_s"]) == {"16", "200"}
+    assert result["longest_vs_shortest_context"] > 0
+
+
+def test_the_synthetic_qwen35_loads_and_runs(tmp_path):
+    import numpy as np
+    from pantheon.bench.synthetic import SHAPES, write_qwen35
+    from pantheon.worker.engine import load_engine
+    from pantheon.worker.model import Span
+    small = dict(SHAPES["qwen35-wide"], d_model=64, d_ff=64, n_layers=4, vocab=64, n_heads=2,
+                 n_kv_heads=1, head_dim=32, rotary_dim=8, n_k_heads=2, n_v_heads=4, d_k=16,
+                 d_v=16)
+    engine = load_engine(write_qwen35(tmp_path / "wide.gguf", small), n_slots=1, ctx=32)
+    assert [b.mixer.kind for b in engine.cfg.blocks][2:] == ["gated_deltanet", "gated_attention"]
+    logits = engine.forward(np.arange(10), [Span(0, 0, 10)])
+    assert logits.shape == (1, 64) and np.isfinite(logits).all()
+
+
 def test_run_with_a_missing_model_fails_cleanly(tmp_path):
     proc = pantheon("run", "-m", str(tmp_path / "nope.gguf"), "hi")
     assert proc.returncode == 1

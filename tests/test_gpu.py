@@ -27,6 +27,24 @@ def test_fp32_gpu_forward_matches_reference(tmp_path, name):
         np.testing.assert_allclose(np.stack(rows), want, atol=1e-3, rtol=0)
 
 
+def test_qwen35_on_the_gpu_matches_reference(tmp_path):
+    """The recurrent state on the die: a 150-token prompt in chunks (the chunked delta
+    rule), then decodes of two sequences batched with a prefill of a third."""
+    engine = load_engine(tm.write_gguf("qwen35", tmp_path / "q35.gguf"),
+                         cuda_device(0, fp16=False), n_slots=3, ctx=200)
+    (a, b, long), want = tm.golden_tokens("qwen35"), tm.load_golden("qwen35")
+    start = 0
+    for n in (37, 64, 49):
+        got = engine.forward(np.array(long[start:start + n]), [Span(0, start, n)])
+        start += n
+        np.testing.assert_allclose(got[0], want[2][start - 1], atol=1e-3, rtol=0)
+    engine.forward(np.array(a[:-1]), [Span(1, 0, len(a) - 1)])
+    out = engine.forward(np.array([a[-1]] + b[:6]), [Span(1, len(a) - 1, 1), Span(2, 0, 6)])
+    np.testing.assert_allclose(out, np.stack([want[0][-1], want[1][5]]), atol=1e-3, rtol=0)
+    out = engine.forward(np.array([b[6]]), [Span(2, 6, 1)])
+    np.testing.assert_allclose(out[0], want[1][6], atol=1e-3, rtol=0)
+
+
 def test_fp16_gpu_mixed_batch_stays_close(tmp_path):
     engine = load_engine(tm.write_gguf("qwen3", tmp_path / "q.gguf"),
                          cuda_device(0, fp16=True), n_slots=2, ctx=64)

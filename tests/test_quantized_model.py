@@ -63,7 +63,7 @@ FORMATS = {"Q8_0": {"q8/32"}, "Q4_0": {"q4/32+min"}, "Q4_1": {"q4/32+min"},
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3", "qwen35"])
 def test_tiny_models_in_every_format_match_their_fp32_forward(tmp_path, arch, fmt):
     path = tm.write_gguf(arch, tmp_path / f"{arch}-{fmt}.gguf", tensor_type=fmt)
     quantized = load_engine(path, n_slots=1, ctx=64)

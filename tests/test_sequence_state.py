@@ -122,3 +122,40 @@ def test_recurrent_state_refuses_other_lengths_and_kv_state_cuts_anywhere():
     assert (layer.arrays["s"][0] == 0).all() and layer.length[0] == 0
     assert state.restore(0, saved) == 5 and (layer.arrays["s"][0] == 1.5).all()
     assert state.nbytes == layer.nbytes + 2 * 2 * 8 * 4 * 4
+
+
+def test_the_host_cache_prefers_a_whole_state_to_a_longer_cut():
+    """Two stored states: one shares more of the prompt but would need a cut, the other is
+    shorter and whole. Only the whole one can be resumed, so it is the one chosen."""
+    cache = PrefixCache(1 << 20)
+    model, sched = scheduler(1, cache=cache)
+    reply = run(sched, Request("a", PROMPT[:20], GREEDY, 3))[0]["a"]
+    held = PROMPT[:20] + reply[:2]                         # what "a" left: 22 tokens
+    run(sched, Request("c", [50] * 20, GREEDY, 3))         # "a" goes to the host
+    outs, last = run(sched, Request("b", held + [60] * 10, GREEDY, 3))
+    assert last["b"].cached_tokens == 22                   # "a" came back, then grew
+    run(sched, Request("e", [51] * 20, GREEDY, 3))         # "b" goes to the host
+    assert {len(e.tokens) for e in cache.entries.values()} >= {22, 34}
+    prompt = held + [60] * 5 + [70]                        # 27 shared with "b": a cut
+    outs, last = run(sched, Request("d", prompt, GREEDY, 5))
+    assert last["d"].cached_tokens == 22 and outs["d"] == fresh(prompt, 5)
+
+
+def test_a_failed_step_leaves_nothing_to_resume():
+    """A step that fails after the state moved on: the slot's history no longer describes
+    its state, so the session's next turn starts over instead of resuming it."""
+    model, sched = scheduler(1)
+    reply = run(sched, Request("a", PROMPT, GREEDY, 3, session_id="s"))[0]["a"]
+
+    def fail_after_the_state_moved(tokens, spans):
+        model(tokens, spans)
+        raise RuntimeError("the device went away")
+    sched.forward = fail_after_the_state_moved
+    sched.add(Request("b", PROMPT + reply + [1, 2, 3], GREEDY, 3, session_id="s"))
+    with pytest.raises(RuntimeError):
+        sched.step()
+    sched.abort("b")
+    sched.forward = model
+    turn = PROMPT + reply + [1, 2, 3, 4]
+    outs, last = run(sched, Request("c", turn, GREEDY, 3, session_id="s"))
+    assert last["c"].cached_tokens == 0 and outs["c"] == fresh(turn, 3)

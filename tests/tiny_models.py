@@ -12,7 +12,15 @@ through transformers' own GGUF loader).
     write_safetensors_dir()  config.json + model.safetensors (HF folder layout)
     write_gguf()             a llama.cpp-style GGUF (F32, or F16 2-D weights)
     GOLDEN_TOKENS            the two token sequences the golden logits are for
-    load_golden(name)        [T, vocab] float32 logits per GOLDEN_TOKENS entry
+    golden_tokens(name)      those, or a model's own list (qwen35 adds a 150-token one)
+    load_golden(name)        [T, vocab] float32 logits per golden_tokens(name) entry
+    qwen35_gguf_tensors()    what llama.cpp's converter writes for the tiny qwen35
+    load_qwen35_golden_extra() its layer states after each prompt, the <think> prompt
+
+qwen35 (Qwen3.5: Gated DeltaNet + gated attention) is checked by
+tests/test_qwen35_ops.py with a reference forward of its own; transformers'
+GGUF loader does not know the architecture, so make_golden.py checks its GGUF
+by undoing the converter's transforms and loading the result as a state dict.
 
 Changing CONFIGS, make_weights, the seeds or GOLDEN_TOKENS invalidates the
 golden files: rerun make_golden.py (tests/golden/README.md says how).
@@ -101,6 +109,44 @@ CONFIGS: dict[str, dict] = {
         "max_window_layers": 2,
         "tie_word_embeddings": False,
     },
+    # Qwen3.5: Gated DeltaNet layers with a gated-attention layer every third
+    # (llama.cpp derives the pattern from full_attention_interval, so the two
+    # agree). linear_num_value_heads 6 != linear_num_key_heads 2 exercises the
+    # converter's v-head reorder; head_dim 32 with partial_rotary_factor 0.25
+    # ropes 8 of 32 dims. d_k == d_v: llama.cpp sizes the state with
+    # ssm.state_size for both. Tied head, as in Qwen3.5's small models.
+    "qwen35": {
+        "architectures": ["Qwen3_5ForCausalLM"],
+        "model_type": "qwen3_5_text",
+        "vocab_size": 320,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 6,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "layer_types": ["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+        "full_attention_interval": 3,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_cache": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "float32",
+        "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
+                            "partial_rotary_factor": 0.25, "mrope_section": [2, 1, 1],
+                            "mrope_interleaved": True},
+    },
 }
 
 # Gemma 3: six layers as llama.cpp reads a GGUF (every 6th global, the rest local), a
@@ -128,7 +174,9 @@ CONFIGS["gemma3"] = {
 }
 del CONFIGS["gemma3"]["hidden_act"]
 
-_SEEDS = {"llama": 1001, "llama3": 1002, "qwen2": 1003, "qwen3": 1004, "gemma3": 1005}
+# (gemma3 and qwen35 share a seed: their shapes differ, and both golden files use it)
+_SEEDS = {"llama": 1001, "llama3": 1002, "qwen2": 1003, "qwen3": 1004, "gemma3": 1005,
+          "qwen35": 1005}
 
 # ids < 320; the first is 11 tokens, the second 7 (with a repeat, so attention
 # to an identical earlier token is exercised).
@@ -137,8 +185,26 @@ GOLDEN_TOKENS: list[list[int]] = [
     [1, 300, 5, 64, 5, 271, 19],
 ]
 
+# qwen35 also has a 150-token prompt: more than two of transformers' 64-token
+# delta-rule chunks, so its chunked path and the state carried between chunks
+# are in the reference too.
+GOLDEN_TOKENS_BY_NAME: dict[str, list[list[int]]] = {
+    "qwen35": GOLDEN_TOKENS + [[1] + [(7 * i * i + 3 * i + 11) % 317 + 3 for i in range(149)]],
+}
+
+# A Qwen3.5-style reasoning template: the assistant turn opens <think>.
+THINK_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
+THINK_MESSAGES = [{"role": "user", "content": "why is the sky blue"}]
+
 GGUF_ARCH = {"llama": "llama", "llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-             "gemma3": "gemma3"}
+             "gemma3": "gemma3", "qwen35": "qwen35"}
+
+
+def golden_tokens(name: str) -> list[list[int]]:
+    """The token sequences the golden logits of `name` are for."""
+    return GOLDEN_TOKENS_BY_NAME.get(name, GOLDEN_TOKENS)
 
 
 def head_dim(cfg: dict) -> int:
@@ -147,6 +213,8 @@ def head_dim(cfg: dict) -> int:
 
 def make_weights(name: str) -> dict[str, np.ndarray]:
     """Hugging Face state dict (float32), the same on every call and machine."""
+    if name == "qwen35":
+        return _qwen35_weights()
     cfg = CONFIGS[name]
     rng = np.random.default_rng(_SEEDS[name])
     d, ff, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
@@ -186,6 +254,55 @@ def make_weights(name: str) -> dict[str, np.ndarray]:
     w["model.norm.weight"] = norm(d)
     if not cfg["tie_word_embeddings"]:
         w["lm_head.weight"] = mat(vocab, d)
+    return w
+
+
+def _qwen35_weights() -> dict[str, np.ndarray]:
+    """Qwen3_5ForCausalLM's state dict. Zero-centred norms hold w (transformers computes
+    1 + w); the gated DeltaNet norm is plain; A_log, dt_bias give decays exp(g) from
+    about 0.99 down to 0.3, so the state both remembers and forgets."""
+    cfg = CONFIGS["qwen35"]
+    rng = np.random.default_rng(_SEEDS["qwen35"])
+    d, ff, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    hd, nq, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv, K = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], cfg["linear_conv_kernel_dim"]
+    conv_dim = 2 * nk * dk + nv * dv
+
+    def mat(*shape, scale=0.2):
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    def zc_norm(n):   # zero-centred: the multiplier is 1 + w
+        return (rng.standard_normal(n) * 0.1).astype(np.float32)
+
+    w: dict[str, np.ndarray] = {"model.embed_tokens.weight": mat(vocab, d)}
+    for i, kind in enumerate(cfg["layer_types"]):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = zc_norm(d)
+        if kind == "linear_attention":
+            a = p + "linear_attn."
+            w[a + "in_proj_qkv.weight"] = mat(conv_dim, d)
+            w[a + "in_proj_z.weight"] = mat(nv * dv, d)
+            w[a + "in_proj_b.weight"] = mat(nv, d)
+            w[a + "in_proj_a.weight"] = mat(nv, d)
+            w[a + "conv1d.weight"] = mat(conv_dim, 1, K, scale=0.4)
+            w[a + "dt_bias"] = rng.uniform(-2.0, 0.5, nv).astype(np.float32)
+            w[a + "A_log"] = np.log(rng.uniform(0.05, 1.5, nv)).astype(np.float32)
+            w[a + "norm.weight"] = (1.0 + rng.standard_normal(dv) * 0.1).astype(np.float32)
+            w[a + "out_proj.weight"] = mat(d, nv * dv)
+        else:
+            a = p + "self_attn."
+            w[a + "q_proj.weight"] = mat(2 * nq * hd, d)     # per head [query | gate]
+            w[a + "k_proj.weight"] = mat(nkv * hd, d)
+            w[a + "v_proj.weight"] = mat(nkv * hd, d)
+            w[a + "o_proj.weight"] = mat(d, nq * hd)
+            w[a + "q_norm.weight"] = zc_norm(hd)
+            w[a + "k_norm.weight"] = zc_norm(hd)
+        w[p + "post_attention_layernorm.weight"] = zc_norm(d)
+        w[p + "mlp.gate_proj.weight"] = mat(ff, d)
+        w[p + "mlp.up_proj.weight"] = mat(ff, d)
+        w[p + "mlp.down_proj.weight"] = mat(d, ff)
+    w["model.norm.weight"] = zc_norm(d)
     return w
 
 
@@ -280,8 +397,93 @@ def _add_tiny_tokenizer(writer, vocab_size: int) -> None:
     writer.add_add_bos_token(False)
 
 
+def _qwen35_reorder_v_heads(t: np.ndarray, dim: int, num_k_heads: int, num_v_per_k: int,
+                           head_dim: int) -> np.ndarray:
+    """convert_hf_to_gguf's _LinearAttentionVReorderBase._reorder_v_heads, in NumPy."""
+    shape = list(t.shape)
+    if dim < 0:
+        dim += len(shape)
+    new_shape = shape[:dim] + [num_k_heads, num_v_per_k, head_dim] + shape[dim + 1:]
+    t = t.reshape(new_shape)
+    perm = list(range(len(new_shape)))
+    perm[dim], perm[dim + 1] = perm[dim + 1], perm[dim]
+    return np.ascontiguousarray(t.transpose(perm)).reshape(shape)
+
+
+# HF name suffix → GGUF (gguf-py's tensor map for MODEL_ARCH.QWEN35)
+_QWEN35_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "linear_attn.in_proj_qkv.weight": "attn_qkv.weight", "linear_attn.in_proj_z.weight": "attn_gate.weight",
+    "linear_attn.in_proj_b.weight": "ssm_beta.weight", "linear_attn.in_proj_a.weight": "ssm_alpha.weight",
+    "linear_attn.conv1d.weight": "ssm_conv1d.weight", "linear_attn.dt_proj.bias": "ssm_dt.bias",
+    "linear_attn.A_log": "ssm_a", "linear_attn.norm.weight": "ssm_norm.weight",
+    "linear_attn.out_proj.weight": "ssm_out.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def qwen35_gguf_tensors() -> dict[str, np.ndarray]:
+    """What llama.cpp's converter writes for the tiny qwen35 (float32, before any cast).
+
+    Step for step conversion/qwen.py: _LinearAttentionVReorderBase.modify_tensors
+    (v heads grouped → tiled, when nv != nk, on every `linear_attn.` tensor), then
+    Qwen3NextModel.modify_tensors (A_log → -exp(A_log), dt_bias → dt_proj.bias,
+    conv1d squeezed, +1 on every norm.weight except linear_attn.norm), then the
+    name map. Written separately from tests/qwen35_reference.py on purpose:
+    make_golden.py checks this one against transformers.
+    """
+    cfg = CONFIGS["qwen35"]
+    nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    out: dict[str, np.ndarray] = {}
+    for name, data in make_weights("qwen35").items():
+        data = data.copy()
+        if nk != nv and "linear_attn." in name:
+            r = nv // nk
+            if ".in_proj_qkv." in name:
+                q, k, v = data[:dk * nk], data[dk * nk:2 * dk * nk], data[2 * dk * nk:]
+                data = np.concatenate([q, k, _qwen35_reorder_v_heads(v, 0, nk, r, dv)], axis=0)
+            elif ".in_proj_z." in name:
+                data = _qwen35_reorder_v_heads(data, 0, nk, r, dv)
+            elif ".in_proj_b." in name or ".in_proj_a." in name:
+                data = _qwen35_reorder_v_heads(data, 0, nk, r, 1)
+            elif ".A_log" in name or ".dt_bias" in name:
+                data = _qwen35_reorder_v_heads(data[:, None], 0, nk, r, 1)[:, 0]
+            elif ".conv1d" in name:
+                data = data.squeeze()
+                qk = data[:dk * nk * 2]
+                data = np.concatenate([qk, _qwen35_reorder_v_heads(data[dk * nk * 2:], 0, nk, r, dv)])
+            elif ".out_proj." in name:
+                data = _qwen35_reorder_v_heads(data, 1, nk, r, dv)
+        if name.endswith(".A_log"):
+            data = -np.exp(data)
+        elif name.endswith(".dt_bias"):
+            name = name.rpartition(".dt_bias")[0] + ".dt_proj.bias"
+        elif "conv1d" in name:
+            data = data.squeeze()
+        elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            data = data + np.float32(1)
+        if name == "model.embed_tokens.weight":
+            out["token_embd.weight"] = data
+        elif name == "model.norm.weight":
+            out["output_norm.weight"] = data
+        elif name == "lm_head.weight":
+            out["output.weight"] = data
+        else:
+            bid, _, rest = name[len("model.layers."):].partition(".")
+            out[f"blk.{bid}.{_QWEN35_NAMES[rest]}"] = data
+    return out
+
+
 def gguf_tensors(name: str) -> dict[str, np.ndarray]:
     """The GGUF tensors (float32, before any F16 cast) for a model, in file order."""
+    if name == "qwen35":
+        return qwen35_gguf_tensors()
     cfg = CONFIGS[name]
     arch = GGUF_ARCH[name]
     w = make_weights(name)
@@ -359,8 +561,11 @@ def write_gguf(name: str, path: str | Path, tensor_type: str = "F32",
     wr.add_feed_forward_length(cfg["intermediate_size"])
     wr.add_head_count(cfg["num_attention_heads"])
     wr.add_head_count_kv(cfg["num_key_value_heads"])
-    rope = cfg.get("rope_parameters", {}).get("full_attention", cfg)
-    wr.add_rope_freq_base(float(rope["rope_theta"]))
+    rope = cfg.get("rope_parameters") or {}
+    if "mrope_section" in rope:   # padded to 4, as TextModel.set_gguf_parameters does
+        wr.add_rope_dimension_sections((list(rope["mrope_section"]) + [0, 0, 0, 0])[:4])
+    rope = rope.get("full_attention", rope) if rope else cfg     # gemma3: per layer type
+    wr.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta"))))
     if rope.get("rope_type") == "linear":
         wr.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         wr.add_rope_scaling_factor(float(rope["factor"]))
@@ -371,15 +576,29 @@ def write_gguf(name: str, path: str | Path, tensor_type: str = "F32",
         wr.add_key_length(cfg["head_dim"])
         wr.add_value_length(cfg["head_dim"])
     wr.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if tensor_type == "F16" else gguf.LlamaFileType.ALL_F32)
+    if arch == "qwen35":   # Qwen3NextModel.set_gguf_parameters
+        wr.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
+        wr.add_ssm_state_size(cfg["linear_key_head_dim"])
+        wr.add_ssm_group_count(cfg["linear_num_key_heads"])
+        wr.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
+        wr.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
+        wr.add_full_attention_interval(cfg.get("full_attention_interval", 4))
+        # the converter reads a top-level partial_rotary_factor, default 0.25
+        # (transformers 5 keeps it in rope_parameters: the same 0.25 here)
+        wr.add_rope_dimension_count(int(head_dim(cfg) * cfg.get("partial_rotary_factor", 0.25)))
     wr.add_vocab_size(cfg["vocab_size"])
-    wr.add_rope_dimension_count(head_dim(cfg))
+    if arch != "qwen35":
+        wr.add_rope_dimension_count(head_dim(cfg))
     if with_tokenizer:
         _add_tiny_tokenizer(wr, cfg["vocab_size"])
     if chat_template is not None:
         wr.add_chat_template(chat_template)
 
     for tname, data in gguf_tensors(name).items():
-        if tensor_type == "F16" and data.ndim == 2:
+        # the converter keeps 1-D tensors, ssm_conv1d and names without .weight in F32
+        if data.ndim != 2 or tname.endswith("ssm_conv1d.weight") or not tname.endswith(".weight"):
+            wr.add_tensor(tname, data.astype(np.float32), raw_dtype=gguf.GGMLQuantizationType.F32)
+        elif tensor_type == "F16" and data.ndim == 2:
             wr.add_tensor(tname, data.astype(np.float16), raw_dtype=gguf.GGMLQuantizationType.F16)
         elif tensor_type in UNREADABLE and data.ndim == 2:
             qtype = gguf.GGMLQuantizationType[tensor_type]
@@ -401,16 +620,17 @@ def write_gguf(name: str, path: str | Path, tensor_type: str = "F32",
     return path
 
 
-def rewrite_gguf(src: Path, dst: Path, drop=(), reshape=None, arch=None) -> Path:
-    """A copy of the (F32) GGUF at `src` without the tensors `drop`, with `reshape`
-    {name: rows} cut, or another architecture name: bad files for load-error tests."""
+def rewrite_gguf(src: Path, dst: Path, drop=(), reshape=None, arch=None, drop_keys=()) -> Path:
+    """A copy of the (F32) GGUF at `src` without the tensors `drop` or the metadata keys
+    `drop_keys`, with `reshape` {name: rows} cut, or another architecture name: bad files
+    for load-error tests."""
     import gguf
 
     reader = gguf.GGUFReader(src)
     arch_in = reader.fields["general.architecture"].contents()
     wr = gguf.GGUFWriter(str(dst), arch or arch_in)
     for key, field in reader.fields.items():
-        if key.startswith(("GGUF.", "general.architecture")) or key.startswith("tokenizer."):
+        if key.startswith(("GGUF.", "general.architecture", "tokenizer.")) or key in drop_keys:
             continue
         value = field.contents()
         name = key.replace(f"{arch_in}.", f"{arch or arch_in}.", 1)
@@ -433,9 +653,22 @@ def rewrite_gguf(src: Path, dst: Path, drop=(), reshape=None, arch=None) -> Path
 
 
 def load_golden(name: str) -> list[np.ndarray]:
-    """Reference logits from transformers: one [T, vocab] float32 array per GOLDEN_TOKENS entry."""
+    """Reference logits from transformers: one [T, vocab] float32 array per golden_tokens(name) entry."""
+    tokens = golden_tokens(name)
     with np.load(GOLDEN_DIR / f"{name}.npz") as z:
-        out = [z[f"seq{i}"].astype(np.float32) for i in range(len(GOLDEN_TOKENS))]
-    for toks, logits in zip(GOLDEN_TOKENS, out):
+        out = [z[f"seq{i}"].astype(np.float32) for i in range(len(tokens))]
+    for toks, logits in zip(tokens, out):
         assert logits.shape == (len(toks), CONFIGS[name]["vocab_size"]), (name, logits.shape)
     return out
+
+
+def load_qwen35_golden_extra() -> dict[str, np.ndarray]:
+    """The rest of tests/golden/qwen35.npz, as transformers leaves it (grouped v heads):
+    `seq{i}_conv{layer}` [conv_dim, K] and `seq{i}_ssm{layer}` [nv, dk, dv], the
+    DynamicCache of each linear layer after prompt i; `f16_seq{i}` the logits of the
+    model on half-rounded 2-D weights (what the F16 GGUF holds); `think_prompt` (the ids of
+    THINK_TEMPLATE rendered for THINK_MESSAGES with the tiny vocabulary),
+    `think_greedy` (transformers' greedy continuation of it) and
+    `think_logits` ([len(think_greedy), vocab], the logits that chose each)."""
+    with np.load(GOLDEN_DIR / "qwen35.npz") as z:
+        return {k: z[k] for k in z.files if not (k.startswith("seq") and "_" not in k)}

@@ -69,16 +69,20 @@ class PrefixCache:
         if entry is not None:
             self.used -= entry.nbytes
 
-    def best(self, prompt, session_id: str | None = None) -> tuple[Entry | None, int]:
+    def best(self, prompt, session_id: str | None = None,
+             whole: bool = False) -> tuple[Entry | None, int]:
         """The stored state sharing the longest prefix with `prompt`, and that length.
 
-        The session's own entry wins ties. A hit moves the entry to the
-        most-recently-used end.
+        The session's own entry wins ties. With `whole` (a state that cannot be cut)
+        only entries whose entire history is a prefix of the prompt, shorter than
+        it, count. A hit moves the entry to the most-recently-used end.
         """
         prompt = np.asarray(prompt, dtype=np.int64)
         best_key, best_len = None, 0
         for key, entry in self.entries.items():
             n = common_prefix(entry.tokens, prompt)
+            if whole and (n != len(entry.tokens) or n >= len(prompt)):
+                continue
             if n > best_len or (n == best_len and n and entry.session_id == session_id):
                 best_key, best_len = key, n
         if best_key is None or best_len < self.min_tokens:

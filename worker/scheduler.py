@@ -32,7 +32,13 @@ model's). `kv` (the model's sequence state, worker/sequence_state.py: `save`,
 A state that is not `truncatable` (a recurrent layer's) resumes only at the exact
 length it holds: then a warm slot or a stored state is reused only when its whole
 history is a prefix of the prompt (shorter than it), and a fork's source stops its
-prefill at the fork length so that the copy is taken there.
+prefill at the fork length so that the copy is taken there. The snapshot of a turn
+is the state its slot holds when it ends (history: the prompt and every reply token
+but the last, never fed); it stays in the slot, and goes to the host cache, under
+the session's id, when another conversation takes the slot. So a session's next
+turn, whose prompt extends that history, resumes it exactly; a prompt without a
+session resumes only a state whose whole history it extends; anything else is
+computed from the start, and `cached_tokens` says which.
 """
 from __future__ import annotations
 
@@ -242,9 +248,7 @@ class Scheduler:
             if match < slot.cached // 2 and slot.cached >= self.cache.min_tokens:
                 state, nbytes = self.kv.save(slot.index, slot.cached)
                 self.cache.put(slot.history, state, nbytes, slot.session_id)
-            entry, stored = self.cache.best(req.prompt, req.session_id)
-            if entry is not None:
-                stored = self.usable(stored, len(entry.tokens), len(req.prompt))
+            entry, stored = self.cache.best(req.prompt, req.session_id, whole=self.exact)
             if entry is not None and stored > match:
                 self.kv.restore(slot.index, entry.state)
                 match = stored
@@ -297,7 +301,14 @@ class Scheduler:
             tokens += slot.feed[:n]
             spans.append(Span(slot.index, slot.cached, n, logits=(n == len(slot.feed))))
         started = self.clock()
-        logits = self.forward(np.asarray(tokens, dtype=np.int64), spans)
+        try:
+            logits = self.forward(np.asarray(tokens, dtype=np.int64), spans)
+        except Exception:
+            # a step that failed part way may have advanced some layers' states and not
+            # others: nothing these slots hold is to be resumed
+            for slot, _ in plan:
+                slot.history = []
+            raise
         sampled = [slot for (slot, _), span in zip(plan, spans) if span.logits]
         picks = self.sample(logits, [slot.sampler for slot in sampled]) if sampled else []
         n_decode = sum(slot.state is SlotState.DECODE for slot, _ in plan)

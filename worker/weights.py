@@ -43,7 +43,7 @@ class BlockWeights:
 
     mixer_norm: object               # [D] attn_norm
     mixer: object                    # the mixer kind's weights dataclass
-    mlp_norm: object                 # [D] ffn_norm
+    mlp_norm: object                 # [D] ffn_norm (the block spec's mlp_norm)
     mlp: object                      # MLPWeights
     post_mixer_norm: object = None   # [D] post_attention_norm (sandwich blocks)
     post_mlp_norm: object = None     # [D] post_ffw_norm
@@ -379,7 +379,7 @@ def load_weights(path: str | Path, cfg: ModelConfig, device: Device, progress=No
         blocks.append(BlockWeights(
             mixer_norm=ld.norm(p + "attn_norm.weight", d),
             mixer=MIXERS[spec.mixer.kind].load(ld, p, spec.mixer, d),
-            mlp_norm=ld.norm(p + "ffn_norm.weight", d),
+            mlp_norm=ld.norm(p + f"{spec.mlp_norm}.weight", d),
             mlp=load_mlp(ld, p, spec.mlp, d),
             post_mixer_norm=ld.norm(p + "post_attention_norm.weight", d) if spec.sandwich else None,
             post_mlp_norm=ld.norm(p + "post_ffw_norm.weight", d) if spec.sandwich else None))

@@ -1,6 +1,7 @@
 """The architecture registry: one module per model family, nothing about a family elsewhere.
 
-A family module (common/arch/llama.py, qwen2.py, qwen3.py, gemma3.py) defines FAMILY:
+A family module (common/arch/llama.py, qwen2.py, qwen3.py, gemma3.py, qwen35.py) defines
+FAMILY:
 - its config fields beyond BASE_FIELDS: where each lives in a GGUF file
   (`{arch}.` + key) and in a Hugging Face config.json, and its default;
 - its tensor names: Hugging Face parameter names inside a layer → the GGUF names
@@ -81,9 +82,14 @@ class Family:
     norm_offset: dict = field(default_factory=dict)
     embed_scale: Callable | None = None    # ModelConfig → the embedding's multiplier
     configure: Callable | None = None      # (values, fmt, raw) → more values (rope, ...)
+    rename: Callable | None = None         # HF name → GGUF name or None, instead of the tables
+    hf_config: Callable | None = None      # config.json dict → the dict the fields read
+                                           # (a multimodal wrapper's text_config)
 
     def hf_name(self, name: str) -> str:
         """A Hugging Face parameter name → the GGUF name (unknown names pass through)."""
+        if self.rename is not None:
+            return self.rename(name) or name
         if name in HF_GLOBAL_NAMES:
             return HF_GLOBAL_NAMES[name]
         parts = name.split(".")
@@ -95,8 +101,8 @@ class Family:
 
 
 def _families() -> dict[str, Family]:
-    from . import gemma3, llama, qwen2, qwen3
-    return {m.FAMILY.name: m.FAMILY for m in (llama, qwen2, qwen3, gemma3)}
+    from . import gemma3, llama, qwen2, qwen3, qwen35
+    return {m.FAMILY.name: m.FAMILY for m in (llama, qwen2, qwen3, gemma3, qwen35)}
 
 
 FAMILIES: dict[str, Family] = _families()

@@ -168,14 +168,22 @@ class AttentionLayer:
         cos, sin = batch.rope(self.rope)                               # [n, 1, r/2]
         q = rope(q, cos, sin) * spec.scale
         k = rope(k, cos, sin)
-        attn = batch.scratch(qd)                                       # [T, Hq*hd]
-        decodes = batch.memo("decodes", DecodeGroup)
-        if decodes.size:
-            decodes.run(self.state, q, k, v, attn, spec.window)
-        for row, s in batch.chunks:
-            end, stop = row + s.n, s.start + s.n
-            lo = 0 if spec.window is None else max(0, s.start - spec.window + 1)
-            self.state.write(s.slot, s.start, k[row:end], v[row:end])
-            kc, vc = self.state.view(s.slot, lo, stop)
-            attn[row:end] = attend(q[row:end], kc, vc, s.start, lo, spec.window)
+        attn = attend_batch(self.state, q, k, v, batch, spec.window)  # [T, Hq*hd]
         return linear(attn, w.wo)
+
+
+def attend_batch(state: KVState, q, k, v, batch, window: int | None):
+    """A step's attention for one layer: q [n, Hq, hd] (scaled, roped), k, v [n, Hkv, hd]
+    are cached at their spans' positions; → [T, Hq * hd] (a step scratch buffer, padding
+    rows zero): the decodes as one group, each prefill chunk alone."""
+    attn = batch.scratch(q.shape[1] * q.shape[2])
+    decodes = batch.memo("decodes", DecodeGroup)
+    if decodes.size:
+        decodes.run(state, q, k, v, attn, window)
+    for row, s in batch.chunks:
+        end, stop = row + s.n, s.start + s.n
+        lo = 0 if window is None else max(0, s.start - window + 1)
+        state.write(s.slot, s.start, k[row:end], v[row:end])
+        kc, vc = state.view(s.slot, lo, stop)
+        attn[row:end] = attend(q[row:end], kc, vc, s.start, lo, window)
+    return attn

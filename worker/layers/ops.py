@@ -48,6 +48,27 @@ def silu(x):
     return x * (0.5 + 0.5 * xp_of(x).tanh(0.5 * x))
 
 
+def sigmoid(x):
+    """1 / (1 + exp(-x)), as tanh: no overflow."""
+    return 0.5 + 0.5 * xp_of(x).tanh(0.5 * x)
+
+
+def softplus(x):
+    """log(1 + exp(x)) without overflow."""
+    xp = xp_of(x)
+    return xp.maximum(x, 0) + xp.log1p(xp.exp(-xp.abs(x)))
+
+
+def l2_normalize(x, eps: float = 1e-6):
+    """x [..., d] * rsqrt(sum(x²) + eps), as transformers' (and FLA's) l2norm."""
+    return x * (1.0 / xp_of(x).sqrt((x * x).sum(axis=-1, keepdims=True) + eps))
+
+
+def gated_rms_norm(o, z, w, eps: float):
+    """rms_norm(o, w) * silu(z): a gated output norm. o, z [..., d]; w [d]."""
+    return rms_norm(o, w, eps) * silu(z)
+
+
 GELU_C = float(np.sqrt(2.0 / np.pi))
 
 

@@ -90,6 +90,14 @@ def stack(parts: list[QMatrix]) -> QMatrix:
                    cat("minv"), first.bs, "+".join(sorted({p.source for p in parts})))
 
 
+def owned(m: QMatrix) -> QMatrix:
+    """`m` with memory of its own: a file-layout kind read with copy=False views the
+    file's pages until copied (every other kind is built into new arrays)."""
+    if m.kind not in NATIVE_KINDS or m.qs.flags.owndata:
+        return m
+    return QMatrix(m.kind, m.rows, m.cols, m.qs.copy(), None, None, m.bs, m.source)
+
+
 def stackable(parts: list[QMatrix]) -> bool:
     first = parts[0]
     return all(p.kind == first.kind and p.bs == first.bs and p.cols == first.cols
@@ -222,7 +230,7 @@ NATIVE_KINDS = frozenset(NATIVE.values())
 
 
 def from_gguf(raw, qtype, shape: tuple[int, int], name: str = "tensor",
-              fast: bool = True, native: bool = True) -> QMatrix:
+              fast: bool = True, native: bool = True, copy: bool = True) -> QMatrix:
     """Hold one GGUF matrix (its bytes as stored, `shape` = (rows, cols)) in its kind:
     Q4_K and Q6_K as they are (`native`, the CPU's kinds), else repacked chunk by chunk:
     no fp32 copy of it ever exists. The repacking of Q4_K and Q6_K goes through C
@@ -235,7 +243,8 @@ def from_gguf(raw, qtype, shape: tuple[int, int], name: str = "tensor",
         if cols % block or raw.size != rows * (cols // block) * type_size:
             raise FormatError(f"tensor {name}: {raw.size} bytes do not hold {shape} in "
                               f"whole {qtype.name} blocks of {block}")
-        return QMatrix(NATIVE[qtype], rows, cols, raw.reshape(rows, -1).copy(), None, None,
+        qs = raw.reshape(rows, -1)
+        return QMatrix(NATIVE[qtype], rows, cols, qs.copy() if copy else qs, None, None,
                        block, qtype.name)
     if qtype == QT.F16:
         return QMatrix("f16", rows, cols, raw.view(np.uint16).reshape(rows, cols).copy(),

@@ -140,9 +140,11 @@ class GGUFSource:
             out = unpermute_rows(out, heads, device.xp)
         return out
 
-    def qmatrix(self, name: str, mode: str):
+    def qmatrix(self, name: str, mode: str, copy: bool = True):
         """Matrix `name` held as the mode asks: a QMatrix (host arrays), or None where
-        it stays a dense float matrix (F32 as stored, a row not made of blocks)."""
+        it stays a dense float matrix (F32 as stored, a row not made of blocks). With
+        `copy` False a kind held as the file stores it may still view the file's pages
+        (for a caller that copies it anyway: a row stack)."""
         t = self.tensors.get(name)
         if t is None:
             raise ModelFileError(f"GGUF file lacks tensor {name}")
@@ -159,7 +161,7 @@ class GGUFSource:
             else:
                 m = qm.from_gguf(raw, qtype, shape, name)
         else:
-            m = qm.from_gguf(raw, qtype, shape, name)
+            m = qm.from_gguf(raw, qtype, shape, name, copy=copy)
         if heads := self.interleaved(name):
             m = m.take_rows(unpermute_rows(np.arange(shape[0])[:, None], heads, np)[:, 0])
         self.release(t)
@@ -349,9 +351,12 @@ class Loader:
             self.check(name, shape)
         xp = self.device.xp
         if self.quantize != "none":
-            parts = [self.src.qmatrix(n, self.quantize) for n in names]
+            # parts that will be row-stacked are copied once, by the stack
+            parts = [self.src.qmatrix(n, self.quantize, copy=len(names) == 1)
+                     if isinstance(self.src, GGUFSource) else self.src.qmatrix(n, self.quantize)
+                     for n in names]
             if all(p is not None for p in parts):
-                parts = [qm.stack(parts)] if qm.stackable(parts) else parts
+                parts = [qm.stack(parts)] if qm.stackable(parts) else [qm.owned(p) for p in parts]
                 parts = [p.to(xp) if xp is not np else p for p in parts]
                 return parts[0] if len(parts) == 1 else parts
         return transposed(xp, self.src, names, self.device, self.device.weight_dtype)

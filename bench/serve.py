@@ -14,6 +14,9 @@ and no two share a long prefix. Prints one JSON object; per level:
   tpot_s        per request (last - first content chunk) / (completion_tokens - 1)
   output_tok_s  total completion tokens / wall time of the level
   request_s     whole-request latency;  errors / error_samples: failed requests
+  server_cpu_ms_per_token  with --server-pid: the CPU time (user + system) that process
+                spent during the level, per completion token (its own threads, not its
+                children: for Pantheon, the frontend without its workers)
 completion_tokens come from the usage chunk, else from counting content chunks.
 """
 from __future__ import annotations
@@ -116,8 +119,17 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, headers: 
     return res
 
 
+def cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU seconds of process `pid` so far (its own, not its children's)."""
+    if pid is None:
+        return None
+    import psutil
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
+
+
 async def run_level(url, model, concurrency, requests, prompt_fn, max_tokens,
-                    api_key=None, timeout=300) -> dict:
+                    api_key=None, timeout=300, server_pid: int | None = None) -> dict:
     """`concurrency` clients drain a queue of `requests` requests; prompt_fn(i) -> user text."""
     url = url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -143,9 +155,10 @@ async def run_level(url, model, concurrency, requests, prompt_fn, max_tokens,
                     res = {"error": "timeout"}
                 results.append(res)
 
-        t0 = time.perf_counter()
+        cpu0, t0 = cpu_seconds(server_pid), time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
+        cpu = cpu_seconds(server_pid) - cpu0 if server_pid is not None else None
 
     ok = [r for r in results if r["error"] is None]
     errors = [r["error"] for r in results if r["error"] is not None]
@@ -162,6 +175,8 @@ async def run_level(url, model, concurrency, requests, prompt_fn, max_tokens,
         "output_tok_s": tokens / wall if wall > 0 else None,
         "request_s": _pct([r["latency"] for r in ok]),
         "wall_s": wall,
+        **({"server_cpu_s": cpu, "server_cpu_ms_per_token":
+            1000 * cpu / tokens if tokens else None} if cpu is not None else {}),
     }
 
 
@@ -173,7 +188,8 @@ def first_model(url: str, api_key: str | None = None) -> str:
 
 
 def run(url, model, concurrencies: list[int], requests_per_level: int | None, max_tokens: int,
-        prompt_tokens_hint: int, api_key: str | None, seed: int, warmup: int = 1) -> dict:
+        prompt_tokens_hint: int, api_key: str | None, seed: int, warmup: int = 1,
+        server_pid: int | None = None) -> dict:
     """All levels in order; prompt_tokens_hint is the approximate prompt size in words.
     `warmup` untimed requests go first (the server's first request may compile or load)."""
     model = model or first_model(url, api_key)
@@ -188,15 +204,25 @@ def run(url, model, concurrencies: list[int], requests_per_level: int | None, ma
         levels = []
         for c in concurrencies:
             n = requests_per_level or max(4, 2 * c)
-            levels.append(await run_level(url, model, c, n, prompts(offset), max_tokens, api_key))
+            levels.append(await run_level(url, model, c, n, prompts(offset), max_tokens, api_key,
+                                          server_pid=server_pid))
             offset += n
         return levels
 
     levels = asyncio.run(go())
     return {"url": url, "model": model, "max_tokens": max_tokens,
             "prompt_words": prompt_tokens_hint, "seed": seed, "levels": levels,
-            "summary": {f"c{lv['concurrency']}_output_tok_s": round(lv["output_tok_s"] or 0, 2)
-                        for lv in levels}}
+            "summary": summary(levels)}
+
+
+def summary(levels: list[dict]) -> dict:
+    out = {}
+    for lv in levels:
+        out[f"c{lv['concurrency']}_output_tok_s"] = round(lv["output_tok_s"] or 0, 2)
+        if lv.get("server_cpu_ms_per_token") is not None:
+            out[f"c{lv['concurrency']}_server_cpu_ms_per_token"] = round(
+                lv["server_cpu_ms_per_token"], 4)
+    return out
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -209,13 +235,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=settings.openai_api_key())
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup", type=int, default=1, help="untimed requests first")
+    parser.add_argument("--server-pid", type=int, metavar="PID",
+                        help="also report this process's CPU time per completion token "
+                             "(the frontend's pid for Pantheon)")
     parser.add_argument("--output", help="also write the JSON to this file")
 
 
 def main(args) -> int:
     levels = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
     result = run(args.url, args.model, levels, args.requests, args.max_tokens,
-                 args.prompt_words, args.api_key, args.seed, warmup=args.warmup)
+                 args.prompt_words, args.api_key, args.seed, warmup=args.warmup,
+                 server_pid=args.server_pid)
     text = json.dumps(result, indent=2)
     print(text)
     if args.output:

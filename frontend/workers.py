@@ -246,6 +246,9 @@ class WorkerPool:
             worker.heartbeat, worker.beat_at = msg, now
             self.check_slow(worker, now)
             self.changed()
+        elif isinstance(msg, p.Outputs):
+            for tokens in msg.outputs:
+                self.deliver(tokens.request_id, tokens)
         elif isinstance(msg, p.Tokens):
             self.deliver(msg.request_id, msg)
         elif isinstance(msg, p.Error):

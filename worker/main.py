@@ -1,7 +1,7 @@
 """`pantheon worker`: one process per die, driven by the frontend over ZeroMQ.
 
 The loop: receive messages → admit waiting requests → one scheduler step per
-resident model → send the new tokens. Nothing heavy but the step runs on it:
+resident model → send the new tokens (one Outputs message per step). Nothing heavy but the step runs on it:
 model loads run in a thread (the engine is handed back to the loop only when
 it is loaded and warm), and so does the preparation of a constrained request
 (the grammar's tokenizer is built right after its model loads, each request's
@@ -408,8 +408,10 @@ class Worker:
         for out in outputs:
             if out.finish:
                 self.owner.pop(out.request_id, None)
-            self.send(p.Tokens(out.request_id, out.tokens, out.finish, out.prompt_tokens,
-                               out.completion_tokens, out.cached_tokens, out.logprobs))
+        if outputs:             # one message per step, whatever the batch size
+            self.send(p.Outputs([p.Tokens(o.request_id, o.tokens, o.finish, o.prompt_tokens,
+                                          o.completion_tokens, o.cached_tokens, o.logprobs)
+                                 for o in outputs]))
 
 
 def pin_cores(cores: list[int] | None) -> None:

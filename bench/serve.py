@@ -226,7 +226,8 @@ def summary(levels: list[dict]) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    parser.add_argument("--url", default=f"http://{settings.HOST}:{settings.PORT}",
+                        help="server base URL")
     parser.add_argument("--model", help="model name (default: first id of GET /v1/models)")
     parser.add_argument("--concurrency", default="1,4,8", help="comma-separated levels")
     parser.add_argument("--requests", type=int, help="requests per level (default 2*c, min 4)")

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import msgpack
 
+from .settings import PREFILL_CHUNK
+
 PROTOCOL = 1
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024      # a prompt of a few million tokens at most
 
@@ -176,7 +178,7 @@ class Load:
     name: str
     slots: int = 0           # 0: the worker's default
     ctx: int = 0             # 0: the model's trained context, capped by the worker
-    prefill_chunk: int = 128
+    prefill_chunk: int = PREFILL_CHUNK
     quantize: str = "auto"   # common/weight_format.QUANTIZE_MODES
 
 

@@ -24,6 +24,7 @@ import zmq
 import zmq.asyncio
 
 from ..common import protocol as p
+from ..common import settings
 from ..common.model_file import ModelFileError
 from ..common.weight_format import QUANTIZE_MODES
 from .admission import Admission
@@ -191,7 +192,7 @@ class Admin:
     async def unload(self, body: dict) -> dict:
         name = field(body, "name", str, required=True)
         die = field(body, "die", (str, int))
-        timeout_s = field(body, "timeout_s", (int, float), 30.0)
+        timeout_s = field(body, "timeout_s", (int, float), settings.UNLOAD_TIMEOUT_S)
         if timeout_s < 0:
             raise AdminError(400, "timeout_s must be >= 0", "timeout_s")
         model = self.registry.models.get(name)

@@ -18,6 +18,7 @@ from collections import OrderedDict, defaultdict, deque
 import psutil
 
 from ..common.protocol import CRITICAL, pressure_level
+from ..common import settings
 from .openai_api import APIError
 from .registry import Replica, ServedModel
 
@@ -31,7 +32,8 @@ def host_pressure() -> int:
 class Admission:
     AFFINITY_SESSIONS = 10000      # sessions whose replica is remembered (LRU)
 
-    def __init__(self, depth: int = 32, timeout_s: float = 30.0, pressure=host_pressure):
+    def __init__(self, depth: int = settings.QUEUE_DEPTH,
+                 timeout_s: float = settings.QUEUE_TIMEOUT_S, pressure=host_pressure):
         self.depth, self.timeout_s, self.host_pressure = depth, timeout_s, pressure
         self.queues: dict[str, deque[asyncio.Future]] = defaultdict(deque)
         self.models: dict[str, ServedModel] = {}

@@ -15,6 +15,7 @@ import asyncio
 import logging
 from pathlib import Path
 
+from ..common import settings
 from ..common import protocol as p
 from .dies import DieTable, PlacementError
 from .registry import Registry, Replica, ReplicaState, ServedModel
@@ -25,7 +26,7 @@ log = logging.getLogger("pantheon.frontend.placement")
 
 class Placer:
     def __init__(self, registry: Registry, pool: WorkerPool, dies: DieTable, slots: int = 0,
-                 ctx: int = 0, prefill_chunk: int = 128, expected_dies: list[str] | None = None,
+                 ctx: int = 0, prefill_chunk: int = settings.PREFILL_CHUNK, expected_dies: list[str] | None = None,
                  grace_s: float = 60.0, quantize: str = "auto"):
         self.registry, self.pool, self.dies = registry, pool, dies
         self.slots, self.ctx, self.prefill_chunk = slots, ctx, prefill_chunk

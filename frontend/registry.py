@@ -16,13 +16,14 @@ from pathlib import Path
 from ..common.chat_template import ChatTemplate
 from ..common.model_file import ModelConfig, ModelFileError, read_config
 from ..common.weight_format import READABLE, unreadable
+from ..common import settings
 from ..common.tokenizer import Tokenizer, open_tokenizer
 from .openai_api import APIError
 
 log = logging.getLogger("pantheon.frontend.registry")
 
 
-MAX_ENTRIES = 16           # resident replicas, all models together (the spec's MR_MAX_MODELS)
+MAX_ENTRIES = settings.MAX_MODELS   # resident replicas, all models (the spec's MR_MAX_MODELS)
 
 
 class ReplicaState:

@@ -104,7 +104,7 @@ class Heartbeats(threading.Thread):
 
 
 class Worker:
-    def __init__(self, device: Device, frontend: str, die: str, slots: int = 8,
+    def __init__(self, device: Device, frontend: str, die: str, slots: int = settings.SLOTS,
                  prefix_cache_bytes: int = 0, parent_pid: int = 0, budget: int = 0):
         self.device, self.die, self.slots = device, die, slots
         self.parent_pid = parent_pid     # spawned by a frontend: live and die with it

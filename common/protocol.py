@@ -187,10 +187,32 @@ class Unload:
     model_id: str
 
 
+SEED_LIMIT = 2**63 - 1
+
+# The one table of sampling ranges: the HTTP edge validates a request against it (its
+# error messages use `what`), the worker checks what arrives against it again.
+# field: (integers only, accepts the value, what it must be). Booleans are never numbers.
+SAMPLING_RANGES = {
+    "temperature": (False, lambda v: 0 <= v <= 2, "a number in [0, 2]"),
+    "top_p": (False, lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    "top_k": (True, lambda v: v >= -1, "an integer >= -1 (0 or -1 = off)"),
+    "min_p": (False, lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+    "presence_penalty": (False, lambda v: -2 <= v <= 2, "a number in [-2, 2]"),
+    "frequency_penalty": (False, lambda v: -2 <= v <= 2, "a number in [-2, 2]"),
+    "repetition_penalty": (False, lambda v: 0 < v <= 10, "a number in (0, 10]"),
+    "seed": (True, lambda v: abs(v) <= SEED_LIMIT,
+             f"an integer with absolute value <= {SEED_LIMIT}"),
+    "repeat_last_n": (True, lambda v: v >= 0, "an integer >= 0"),
+}
+
+
 @dataclass(slots=True)
 class Sampling:
-    temperature: float = 1.0
-    top_k: int = 0
+    """One request's sampling settings: the only declaration of them. The HTTP edge
+    builds it (openai_api), the wire carries it, the worker's sampler reads it."""
+
+    temperature: float = 1.0      # 0 = greedy
+    top_k: int = 0                # 0 (or -1) = off
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
@@ -198,6 +220,18 @@ class Sampling:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     seed: int | None = None
+    repeat_last_n: int = 64       # tokens the repetition penalty looks back on
+
+    def check(self, vocab_size: int) -> "Sampling":
+        """Itself, if every field is in SAMPLING_RANGES and the biased ids are in the
+        vocabulary; ValueError naming the first field that is not."""
+        for name, (_, ok, what) in SAMPLING_RANGES.items():
+            value = getattr(self, name)
+            if value is not None and not ok(value):
+                raise ValueError(f"{name} must be {what}, got {value!r}")
+        if not all(0 <= int(t) < vocab_size for t in self.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab_size})")
+        return self
 
 
 @dataclass(slots=True)

@@ -1,4 +1,4 @@
-"""Served models, their replicas on workers, and routing a request to one.
+"""Served models and their replicas on workers (router.py picks one per request).
 
 A *served model* is a name clients use; it has a tokenizer and a chat
 template (read from the model file, without weights) and one or more
@@ -8,6 +8,9 @@ away is loaded again when a worker for that die comes back.
 """
 from __future__ import annotations
 
+import asyncio
+import functools
+import hashlib
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -18,7 +21,7 @@ from ..common.model_file import ModelConfig, ModelFileError, read_config
 from ..common.weight_format import READABLE, unreadable
 from ..common import settings
 from ..common.tokenizer import Tokenizer, open_tokenizer
-from .openai_api import APIError
+from .errors import APIError
 
 log = logging.getLogger("pantheon.frontend.registry")
 
@@ -32,6 +35,12 @@ class ReplicaState:
     READY = "ready"          # takes requests
     UNLOADING = "unloading"  # takes no new requests; draining, then gone
     FAILED = "failed"        # the load failed; `error` says why
+
+
+def idle_event() -> asyncio.Event:
+    event = asyncio.Event()
+    event.set()
+    return event
 
 
 @dataclass
@@ -51,6 +60,10 @@ class Replica:
     progress: tuple[int, int] = (0, 0)
     served: int = 0                # requests routed here, for the record
     loads: int = 0                 # uploads that completed (a kept replica adds none)
+    path: str = ""                 # its own file (a copy of the model's); "": the model's
+    idle: asyncio.Event = field(default_factory=lambda: idle_event(), repr=False,
+                                compare=False)   # set while nothing is in flight
+
 
     def as_json(self) -> dict:
         return {"id": self.model_id, "die": self.die, "state": self.state,

@@ -26,6 +26,8 @@ log = logging.getLogger("pantheon.frontend")
 
 @dataclass(kw_only=True)
 class ServeConfig:
+    """Everything `pantheon serve` runs with; built by name, defaults from settings."""
+
     models: list[tuple[str, str | None]]          # (path, served name or None)
     host: str = settings.HOST
     port: int = settings.PORT

@@ -36,7 +36,6 @@ from ..common import protocol as p
 from ..common import settings
 from .device import Device, open_device
 from .engine import Engine, load_engine
-from .sampler import SamplingParams
 from .scheduler import Request
 
 log = logging.getLogger("pantheon.worker")
@@ -254,8 +253,7 @@ class Worker:
             return
         sched = replica.engine.scheduler
         try:
-            params = SamplingParams(**{f: getattr(msg.sampling, f) for f in
-                                       msg.sampling.__slots__}).check(replica.engine.cfg.vocab_size)
+            params = msg.sampling.check(replica.engine.cfg.vocab_size)
             if not msg.prompt or len(msg.prompt) >= sched.ctx:
                 raise ValueError(f"prompt of {len(msg.prompt)} tokens does not fit the "
                                  f"context of {sched.ctx}")

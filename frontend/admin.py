@@ -171,8 +171,10 @@ class Admin:
         try:
             await self.placer.load(self.registry.models[name], replica, worker)
         finally:
+            self.pool.progress_queues.pop(replica.model_id, None)
             if watcher:
                 watcher.cancel()
+                await asyncio.gather(watcher, return_exceptions=True)
         if on_progress and replica.progress[1] and replica.progress != sent[0]:
             await on_progress(replica.model_id, *replica.progress)    # the last step
         if replica.state != ReplicaState.READY:
@@ -181,12 +183,13 @@ class Admin:
         return {"loaded": {"name": name, "die": die, **replica.as_json()}}
 
     async def watch(self, replica, on_progress, sent: list) -> None:
+        """Pass each progress report of the load on, as it arrives."""
+        queue = self.pool.watch_progress(replica.model_id)
         while True:
-            now = self.pool.progress.get(replica.model_id)
-            if now and now != sent[0]:
+            now = await queue.get()
+            if now != sent[0]:
                 sent[0] = now
                 await on_progress(replica.model_id, *now)
-            await asyncio.sleep(0.1)
 
     # -- unload ------------------------------------------------------------------------
     async def unload(self, body: dict) -> dict:
@@ -207,9 +210,11 @@ class Admin:
             r.state = ReplicaState.UNLOADING          # no new requests from now on
         if not model.ready():
             self.admission.fail_waiters(model, f"model {name!r} was unloaded")
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while any(r.inflight for r in targets) and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.05)
+        try:                # the drain: admission sets `idle` when the last one leaves
+            await asyncio.wait_for(asyncio.gather(*(r.idle.wait() for r in targets)),
+                                   timeout_s)
+        except asyncio.TimeoutError:
+            pass
         aborted = sum(r.inflight for r in targets)
         for r in targets:
             if r.worker is not None and r.worker.alive:

@@ -15,8 +15,8 @@ import asyncio
 import logging
 from pathlib import Path
 
-from ..common import settings
 from ..common import protocol as p
+from ..common import settings
 from .dies import DieTable, PlacementError
 from .registry import Registry, Replica, ReplicaState, ServedModel
 from .workers import LoadError, WorkerInfo, WorkerLost, WorkerPool
@@ -33,9 +33,10 @@ class Placer:
         self.quantize = quantize
         # auto-placement waits (up to grace_s) for every die we spawned, to spread models
         self.expected = set(expected_dies or [])
-        asyncio.get_running_loop().call_later(grace_s, self.stop_waiting)
+        self.grace = asyncio.get_running_loop().call_later(grace_s, self.stop_waiting)
         self.upload_lock = asyncio.Lock()
         self.tasks: set[asyncio.Task] = set()
+        self.change = asyncio.Event()         # set when a replica becomes ready or fails
         pool.on_join.append(self.joined)
         pool.on_lost.append(self.lost)
 
@@ -74,6 +75,7 @@ class Placer:
             log.info("%s is still resident on die %s: kept, not reloaded", held.model_id,
                      worker.die)
             self.pool.changed()
+            self.change.set()
             return True
         return False
 
@@ -109,6 +111,7 @@ class Placer:
             except PlacementError as exc:
                 replica.state, replica.error = ReplicaState.FAILED, str(exc)
                 log.error("cannot place %s: %s", model.name, exc)
+                self.change.set()
                 continue
             self.start_load(model, replica, live[replica.die])
 
@@ -136,11 +139,13 @@ class Placer:
             return
         finally:
             replica.progress = self.pool.progress.pop(replica.model_id, replica.progress)
+            self.change.set()
         replica.state, replica.worker = ReplicaState.READY, worker
         replica.loads += 1
         replica.reserved = loaded.weight_bytes + loaded.kv_bytes     # the real figure now
         replica.slots, replica.ctx, replica.error = loaded.slots, loaded.ctx, ""
         self.pool.changed()                       # queued requests may start now
+        self.change.set()
         log.info("%s ready on die %s: %d slots x %d ctx, loaded in %.1f s", model.name,
                  worker.die, loaded.slots, loaded.ctx, loaded.load_s)
 
@@ -153,6 +158,19 @@ class Placer:
         """Every replica is ready or has failed (startup is over)."""
         return all(r.state in (ReplicaState.READY, ReplicaState.FAILED)
                    for _, r in self.registry.replicas())
+
+    async def wait_settled(self) -> None:
+        """Return once settled(): woken by each load's end, not by polling."""
+        while not self.settled():
+            self.change.clear()
+            await self.change.wait()
+
+    async def close(self) -> None:
+        """Cancel the loads in flight and the placement timer (shutdown)."""
+        self.grace.cancel()
+        for task in list(self.tasks):
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
 def same_file(a: str, b: str) -> bool:

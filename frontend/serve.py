@@ -49,12 +49,12 @@ class ServeConfig:
     worker_lost_after_s: float = settings.WORKER_LOST_AFTER_S   # silence: external one lost
     quantize: str = "auto"
 
-
-async def serve(cfg: ServeConfig) -> int:
     def __post_init__(self):
         if self.worker_lost_after_s < self.worker_timeout_s:
             raise ValueError("--worker-lost-after must be at least --worker-timeout")
 
+
+async def serve(cfg: ServeConfig) -> int:
     created = int(time.time())
     registry = Registry()
     for path, name in cfg.models:        # metadata and tokenizers: refuse bad files up front
@@ -93,8 +93,10 @@ async def serve(cfg: ServeConfig) -> int:
     finally:
         for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         admin_socket.close()
         admission.close()
+        await placer.close()
         await supervisor.stop()
         await pool.close()
     return 0 if server.started else 1
@@ -122,8 +124,7 @@ def bind(what: str, address: str, make):
 async def announce_when_ready(cfg: ServeConfig, placer: Placer, registry: Registry,
                               addr: str) -> None:
     log.info("workers connect to %s; admin socket at %s", addr, cfg.admin_addr)
-    while not placer.settled():
-        await asyncio.sleep(0.1)
+    await placer.wait_settled()
     names = ", ".join(m.name for m in registry.ready_models()) or "none"
     failed = [f"{m.name} ({r.error})" for m, r in registry.replicas() if r.error]
     print(f"Pantheon ready at http://{cfg.host}:{cfg.port} (models: {names})", flush=True)

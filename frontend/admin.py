@@ -30,7 +30,7 @@ from ..common.weight_format import QUANTIZE_MODES
 from .admission import Admission
 from .dies import DieTable, PlacementError
 from .placement import Placer
-from .registry import MAX_ENTRIES, Registry, ReplicaState, open_model
+from .registry import MAX_ENTRIES, Registry, ReplicaState, open_model, same_model
 from .workers import WorkerLost, WorkerPool
 
 log = logging.getLogger("pantheon.frontend.admin")
@@ -149,9 +149,11 @@ class Admin:
         except (ModelFileError, ValueError) as exc:
             raise AdminError(400, str(exc), "path") from exc
         existing = self.registry.models.get(name)
-        if existing and Path(existing.path).resolve() != Path(model.path).resolve():
-            raise AdminError(409, f"{name!r} already serves {existing.path}; a replica must "
-                                  "be the same model file", "name")
+        differs = existing and await asyncio.to_thread(same_model, existing.path, model.path)
+        if differs:
+            raise AdminError(409, f"{name!r} already serves {existing.path}, and {path} is a "
+                                  f"different model ({differs}); a replica must be the same "
+                                  "model", "name")
         # phase 2: place and admit, before any upload
         try:
             die, need = self.die_table.choose(model.path, model.config, dies,

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from pathlib import Path
 
 from ..common import protocol as p
 from ..common import settings
 from .dies import DieTable, PlacementError
-from .registry import Registry, Replica, ReplicaState, ServedModel
+from .registry import Registry, Replica, ReplicaState, ServedModel, same_model
 from .workers import LoadError, WorkerInfo, WorkerLost, WorkerPool
 
 log = logging.getLogger("pantheon.frontend.placement")
@@ -64,7 +63,7 @@ class Placer:
                 continue
             if (replica.die not in (None, worker.die)
                     or replica.state not in (ReplicaState.PLACED, ReplicaState.FAILED)
-                    or not same_file(model.path, held.path)
+                    or same_model(replica.path or model.path, held.path) is not None
                     or replica.want_slots not in (0, held.slots)
                     or replica.want_ctx not in (0, held.ctx)):
                 return False
@@ -126,7 +125,8 @@ class Placer:
                     raise WorkerLost("worker gone before its turn to load")
                 log.info("loading %s (%s) on die %s", model.name, replica.model_id, worker.die)
                 loaded = await self.pool.load(worker, p.Load(
-                    replica.model_id, model.path, model.name, replica.want_slots or self.slots,
+                    replica.model_id, replica.path or model.path, model.name,
+                    replica.want_slots or self.slots,
                     replica.want_ctx or self.ctx, self.prefill_chunk,
                     replica.want_quantize or self.quantize))
         except LoadError as exc:
@@ -171,10 +171,3 @@ class Placer:
         for task in list(self.tasks):
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
-
-
-def same_file(a: str, b: str) -> bool:
-    try:
-        return Path(a).resolve() == Path(b).resolve()
-    except OSError:
-        return False

@@ -17,6 +17,10 @@ and no two share a long prefix. Prints one JSON object; per level:
   server_cpu_ms_per_token  with --server-pid: the CPU time (user + system) that process
                 spent during the level, per completion token (its own threads, not its
                 children: for Pantheon, the frontend without its workers)
+  server_cpu_ms_per_token_above_idle  the same less what the process spends idle
+                (server_idle_cpu_ms_per_s, sampled before the first level, times the
+                level's wall time): on a slow or contended host, few tokens a second
+                make the idle timers' share of the raw figure large
 completion_tokens come from the usage chunk, else from counting content chunks.
 """
 from __future__ import annotations
@@ -129,7 +133,8 @@ def cpu_seconds(pid: int | None) -> float | None:
 
 
 async def run_level(url, model, concurrency, requests, prompt_fn, max_tokens,
-                    api_key=None, timeout=300, server_pid: int | None = None) -> dict:
+                    api_key=None, timeout=300, server_pid: int | None = None,
+                    idle_cpu_per_s: float = 0.0) -> dict:
     """`concurrency` clients drain a queue of `requests` requests; prompt_fn(i) -> user text."""
     url = url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -176,8 +181,18 @@ async def run_level(url, model, concurrency, requests, prompt_fn, max_tokens,
         "request_s": _pct([r["latency"] for r in ok]),
         "wall_s": wall,
         **({"server_cpu_s": cpu, "server_cpu_ms_per_token":
-            1000 * cpu / tokens if tokens else None} if cpu is not None else {}),
+            1000 * cpu / tokens if tokens else None,
+            "server_cpu_ms_per_token_above_idle":
+            1000 * (cpu - idle_cpu_per_s * wall) / tokens if tokens else None}
+           if cpu is not None else {}),
     }
+
+
+async def idle_cpu(pid: int, seconds: float) -> float:
+    """CPU seconds per second process `pid` spends while nobody sends it anything."""
+    before = cpu_seconds(pid)
+    await asyncio.sleep(seconds)
+    return (cpu_seconds(pid) - before) / seconds if seconds > 0 else 0.0
 
 
 def first_model(url: str, api_key: str | None = None) -> str:
@@ -189,7 +204,7 @@ def first_model(url: str, api_key: str | None = None) -> str:
 
 def run(url, model, concurrencies: list[int], requests_per_level: int | None, max_tokens: int,
         prompt_tokens_hint: int, api_key: str | None, seed: int, warmup: int = 1,
-        server_pid: int | None = None) -> dict:
+        server_pid: int | None = None, idle_s: float = 3.0) -> dict:
     """All levels in order; prompt_tokens_hint is the approximate prompt size in words.
     `warmup` untimed requests go first (the server's first request may compile or load)."""
     model = model or first_model(url, api_key)
@@ -201,11 +216,14 @@ def run(url, model, concurrencies: list[int], requests_per_level: int | None, ma
             return lambda i: make_prompt(base + i, prompt_tokens_hint, seed)
         if warmup > 0:
             await run_level(url, model, 1, warmup, prompts(-warmup), max_tokens, api_key)
+        idle = await idle_cpu(server_pid, idle_s) if server_pid is not None else 0.0
         levels = []
         for c in concurrencies:
             n = requests_per_level or max(4, 2 * c)
             levels.append(await run_level(url, model, c, n, prompts(offset), max_tokens, api_key,
-                                          server_pid=server_pid))
+                                          server_pid=server_pid, idle_cpu_per_s=idle))
+            if server_pid is not None:
+                levels[-1]["server_idle_cpu_ms_per_s"] = 1000 * idle
             offset += n
         return levels
 
@@ -219,9 +237,9 @@ def summary(levels: list[dict]) -> dict:
     out = {}
     for lv in levels:
         out[f"c{lv['concurrency']}_output_tok_s"] = round(lv["output_tok_s"] or 0, 2)
-        if lv.get("server_cpu_ms_per_token") is not None:
-            out[f"c{lv['concurrency']}_server_cpu_ms_per_token"] = round(
-                lv["server_cpu_ms_per_token"], 4)
+        for key in ("server_cpu_ms_per_token", "server_cpu_ms_per_token_above_idle"):
+            if lv.get(key) is not None:
+                out[f"c{lv['concurrency']}_{key}"] = round(lv[key], 4)
     return out
 
 

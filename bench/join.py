@@ -18,6 +18,8 @@ import time
 
 import httpx
 
+from ..common import settings
+
 from .serve import first_model, make_prompt
 
 
@@ -74,7 +76,7 @@ async def run(url, model, n_streams, join_words, max_tokens, headers) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", default="http://127.0.0.1:8000")
+    parser.add_argument("--url", default=f"http://{settings.HOST}:{settings.PORT}")
     parser.add_argument("--model", help="model name (default: first id of GET /v1/models)")
     parser.add_argument("--streams", type=int, default=4, help="streams already running")
     parser.add_argument("--join-words", type=int, default=1500,

@@ -18,6 +18,8 @@ import statistics
 
 import httpx
 
+from ..common import settings
+
 from .serve import first_model, make_prompt, one_request
 
 
@@ -59,7 +61,7 @@ async def rounds(url, model, words, n, headers, seed) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", default="http://127.0.0.1:8000")
+    parser.add_argument("--url", default=f"http://{settings.HOST}:{settings.PORT}")
     parser.add_argument("--model", help="model name (default: first id of GET /v1/models)")
     parser.add_argument("--words", type=int, default=700,
                         help="words in the first user turn (~1,000 tokens with the template)")

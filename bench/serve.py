@@ -14,6 +14,13 @@ and no two share a long prefix. Prints one JSON object; per level:
   tpot_s        per request (last - first content chunk) / (completion_tokens - 1)
   output_tok_s  total completion tokens / wall time of the level
   request_s     whole-request latency;  errors / error_samples: failed requests
+  server_cpu_ms_per_token  with --server-pid: the CPU time (user + system) that process
+                spent during the level, per completion token (its own threads, not its
+                children: for Pantheon, the frontend without its workers)
+  server_cpu_ms_per_token_above_idle  the same less what the process spends idle
+                (server_idle_cpu_ms_per_s, sampled before the first level, times the
+                level's wall time): on a slow or contended host, few tokens a second
+                make the idle timers' share of the raw figure large
 completion_tokens come from the usage chunk, else from counting content chunks.
 """
 from __future__ import annotations
@@ -116,8 +123,18 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, headers: 
     return res
 
 
+def cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU seconds of process `pid` so far (its own, not its children's)."""
+    if pid is None:
+        return None
+    import psutil
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
+
+
 async def run_level(url, model, concurrency, requests, prompt_fn, max_tokens,
-                    api_key=None, timeout=300) -> dict:
+                    api_key=None, timeout=300, server_pid: int | None = None,
+                    idle_cpu_per_s: float = 0.0) -> dict:
     """`concurrency` clients drain a queue of `requests` requests; prompt_fn(i) -> user text."""
     url = url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -143,9 +160,10 @@ async def run_level(url, model, concurrency, requests, prompt_fn, max_tokens,
                     res = {"error": "timeout"}
                 results.append(res)
 
-        t0 = time.perf_counter()
+        cpu0, t0 = cpu_seconds(server_pid), time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
+        cpu = cpu_seconds(server_pid) - cpu0 if server_pid is not None else None
 
     ok = [r for r in results if r["error"] is None]
     errors = [r["error"] for r in results if r["error"] is not None]
@@ -162,7 +180,19 @@ async def run_level(url, model, concurrency, requests, prompt_fn, max_tokens,
         "output_tok_s": tokens / wall if wall > 0 else None,
         "request_s": _pct([r["latency"] for r in ok]),
         "wall_s": wall,
+        **({"server_cpu_s": cpu, "server_cpu_ms_per_token":
+            1000 * cpu / tokens if tokens else None,
+            "server_cpu_ms_per_token_above_idle":
+            1000 * (cpu - idle_cpu_per_s * wall) / tokens if tokens else None}
+           if cpu is not None else {}),
     }
+
+
+async def idle_cpu(pid: int, seconds: float) -> float:
+    """CPU seconds per second process `pid` spends while nobody sends it anything."""
+    before = cpu_seconds(pid)
+    await asyncio.sleep(seconds)
+    return (cpu_seconds(pid) - before) / seconds if seconds > 0 else 0.0
 
 
 def first_model(url: str, api_key: str | None = None) -> str:
@@ -173,7 +203,8 @@ def first_model(url: str, api_key: str | None = None) -> str:
 
 
 def run(url, model, concurrencies: list[int], requests_per_level: int | None, max_tokens: int,
-        prompt_tokens_hint: int, api_key: str | None, seed: int, warmup: int = 1) -> dict:
+        prompt_tokens_hint: int, api_key: str | None, seed: int, warmup: int = 1,
+        server_pid: int | None = None, idle_s: float = 3.0) -> dict:
     """All levels in order; prompt_tokens_hint is the approximate prompt size in words.
     `warmup` untimed requests go first (the server's first request may compile or load)."""
     model = model or first_model(url, api_key)
@@ -185,22 +216,36 @@ def run(url, model, concurrencies: list[int], requests_per_level: int | None, ma
             return lambda i: make_prompt(base + i, prompt_tokens_hint, seed)
         if warmup > 0:
             await run_level(url, model, 1, warmup, prompts(-warmup), max_tokens, api_key)
+        idle = await idle_cpu(server_pid, idle_s) if server_pid is not None else 0.0
         levels = []
         for c in concurrencies:
             n = requests_per_level or max(4, 2 * c)
-            levels.append(await run_level(url, model, c, n, prompts(offset), max_tokens, api_key))
+            levels.append(await run_level(url, model, c, n, prompts(offset), max_tokens, api_key,
+                                          server_pid=server_pid, idle_cpu_per_s=idle))
+            if server_pid is not None:
+                levels[-1]["server_idle_cpu_ms_per_s"] = 1000 * idle
             offset += n
         return levels
 
     levels = asyncio.run(go())
     return {"url": url, "model": model, "max_tokens": max_tokens,
             "prompt_words": prompt_tokens_hint, "seed": seed, "levels": levels,
-            "summary": {f"c{lv['concurrency']}_output_tok_s": round(lv["output_tok_s"] or 0, 2)
-                        for lv in levels}}
+            "summary": summary(levels)}
+
+
+def summary(levels: list[dict]) -> dict:
+    out = {}
+    for lv in levels:
+        out[f"c{lv['concurrency']}_output_tok_s"] = round(lv["output_tok_s"] or 0, 2)
+        for key in ("server_cpu_ms_per_token", "server_cpu_ms_per_token_above_idle"):
+            if lv.get(key) is not None:
+                out[f"c{lv['concurrency']}_{key}"] = round(lv[key], 4)
+    return out
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    parser.add_argument("--url", default=f"http://{settings.HOST}:{settings.PORT}",
+                        help="server base URL")
     parser.add_argument("--model", help="model name (default: first id of GET /v1/models)")
     parser.add_argument("--concurrency", default="1,4,8", help="comma-separated levels")
     parser.add_argument("--requests", type=int, help="requests per level (default 2*c, min 4)")
@@ -209,13 +254,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=settings.openai_api_key())
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup", type=int, default=1, help="untimed requests first")
+    parser.add_argument("--server-pid", type=int, metavar="PID",
+                        help="also report this process's CPU time per completion token "
+                             "(the frontend's pid for Pantheon)")
     parser.add_argument("--output", help="also write the JSON to this file")
 
 
 def main(args) -> int:
     levels = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
     result = run(args.url, args.model, levels, args.requests, args.max_tokens,
-                 args.prompt_words, args.api_key, args.seed, warmup=args.warmup)
+                 args.prompt_words, args.api_key, args.seed, warmup=args.warmup,
+                 server_pid=args.server_pid)
     text = json.dumps(result, indent=2)
     print(text)
     if args.output:

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import msgpack
 
+from .settings import PREFILL_CHUNK
+
 PROTOCOL = 1
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024      # a prompt of a few million tokens at most
 
@@ -144,6 +146,14 @@ class Tokens:
 
 
 @dataclass(slots=True)
+class Outputs:
+    """Every request's new tokens from one worker step, in one message (vLLM's
+    EngineCoreOutputs): the frontend decodes one message per step, not one per request."""
+
+    outputs: list[Tokens]
+
+
+@dataclass(slots=True)
 class Error:
     """A message could not be handled; `request_id` when it concerned one."""
 
@@ -168,7 +178,7 @@ class Load:
     name: str
     slots: int = 0           # 0: the worker's default
     ctx: int = 0             # 0: the model's trained context, capped by the worker
-    prefill_chunk: int = 128
+    prefill_chunk: int = PREFILL_CHUNK
     quantize: str = "auto"   # common/weight_format.QUANTIZE_MODES
 
 
@@ -177,10 +187,32 @@ class Unload:
     model_id: str
 
 
+SEED_LIMIT = 2**63 - 1
+
+# The one table of sampling ranges: the HTTP edge validates a request against it (its
+# error messages use `what`), the worker checks what arrives against it again.
+# field: (integers only, accepts the value, what it must be). Booleans are never numbers.
+SAMPLING_RANGES = {
+    "temperature": (False, lambda v: 0 <= v <= 2, "a number in [0, 2]"),
+    "top_p": (False, lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    "top_k": (True, lambda v: v >= -1, "an integer >= -1 (0 or -1 = off)"),
+    "min_p": (False, lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+    "presence_penalty": (False, lambda v: -2 <= v <= 2, "a number in [-2, 2]"),
+    "frequency_penalty": (False, lambda v: -2 <= v <= 2, "a number in [-2, 2]"),
+    "repetition_penalty": (False, lambda v: 0 < v <= 10, "a number in (0, 10]"),
+    "seed": (True, lambda v: abs(v) <= SEED_LIMIT,
+             f"an integer with absolute value <= {SEED_LIMIT}"),
+    "repeat_last_n": (True, lambda v: v >= 0, "an integer >= 0"),
+}
+
+
 @dataclass(slots=True)
 class Sampling:
-    temperature: float = 1.0
-    top_k: int = 0
+    """One request's sampling settings: the only declaration of them. The HTTP edge
+    builds it (openai_api), the wire carries it, the worker's sampler reads it."""
+
+    temperature: float = 1.0      # 0 = greedy
+    top_k: int = 0                # 0 (or -1) = off
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
@@ -188,6 +220,18 @@ class Sampling:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     seed: int | None = None
+    repeat_last_n: int = 64       # tokens the repetition penalty looks back on
+
+    def check(self, vocab_size: int) -> "Sampling":
+        """Itself, if every field is in SAMPLING_RANGES and the biased ids are in the
+        vocabulary; ValueError naming the first field that is not."""
+        for name, (_, ok, what) in SAMPLING_RANGES.items():
+            value = getattr(self, name)
+            if value is not None and not ok(value):
+                raise ValueError(f"{name} must be {what}, got {value!r}")
+        if not all(0 <= int(t) < vocab_size for t in self.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab_size})")
+        return self
 
 
 @dataclass(slots=True)
@@ -238,13 +282,14 @@ class AdminReply:
 MESSAGES: dict[str, type] = {
     "hello": Hello, "heartbeat": Heartbeat, "loaded": Loaded, "load_failed": LoadFailed,
     "load_progress": LoadProgress,
-    "unloaded": Unloaded, "tokens": Tokens, "error": Error, "stopping": Stopping,
+    "unloaded": Unloaded, "tokens": Tokens, "outputs": Outputs, "error": Error,
+    "stopping": Stopping,
     "load": Load, "unload": Unload, "generate": Generate, "abort": Abort, "shutdown": Shutdown,
     "ping": Ping,
     "admin_request": AdminRequest, "admin_reply": AdminReply,
 }
 KIND_OF = {cls: kind for kind, cls in MESSAGES.items()}
-NESTED = {Sampling, Resident}
+NESTED = {Sampling, Resident, Tokens}
 
 
 def encode(msg) -> bytes:
@@ -252,17 +297,25 @@ def encode(msg) -> bytes:
     if kind is None:
         raise TypeError(f"{type(msg).__name__} is not a protocol message")
     body = {"v": PROTOCOL, "k": kind}
-    for f in dataclasses.fields(msg):
-        body[f.name] = plain(getattr(msg, f.name))
+    body.update(as_map(msg))
     return msgpack.packb(body, use_bin_type=True)
+
+
+@functools.lru_cache(maxsize=None)
+def field_names(cls) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def as_map(msg) -> dict:
+    return {name: plain(getattr(msg, name)) for name in field_names(type(msg))}
 
 
 def plain(value):
     """A field's value as msgpack takes it: nested messages become maps."""
     if type(value) in NESTED:
-        return dataclasses.asdict(value)
+        return as_map(value)
     if type(value) is list and value and type(value[0]) in NESTED:
-        return [dataclasses.asdict(v) for v in value]
+        return [as_map(v) for v in value]
     return value
 
 
@@ -286,56 +339,75 @@ def decode(data: bytes):
     return build(cls, body)
 
 
+def build(cls, body: dict):
+    return builder(cls)(body)
+
+
 @functools.lru_cache(maxsize=None)
-def layout(cls) -> tuple:
-    """(field, type hint, required) of a message class: resolved once, not per message
-    (typing.get_type_hints costs ~190 us, on the frontend's only event loop)."""
+def builder(cls):
+    """A function body → validated `cls`, planned once per class: its fields' type hints
+    are resolved and turned into checkers here, not per message (typing.get_type_hints
+    costs ~190 us, on the frontend's only event loop)."""
     hints = typing.get_type_hints(cls)
-    return tuple((f.name, hints[f.name], f.default is dataclasses.MISSING
-                  and f.default_factory is dataclasses.MISSING)
+    plan = tuple((f.name, checker(hints[f.name], f"{cls.__name__}.{f.name}"),
+                  f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
                  for f in dataclasses.fields(cls))
 
-
-def build(cls, body: dict):
-    kwargs = {}
-    for name, hint, required in layout(cls):
-        if name not in body:
-            if required:
+    def build_one(body: dict):
+        kwargs = {}
+        for name, check_value, required in plan:
+            if name in body:
+                kwargs[name] = check_value(body[name])
+            elif required:
                 raise ProtocolError(f"{cls.__name__} lacks field {name!r}")
-            continue
-        kwargs[name] = check(body[name], hint, f"{cls.__name__}.{name}")
-    return cls(**kwargs)
+        return cls(**kwargs)
+    return build_one
 
 
-def check(value, hint, where: str):
-    """`value` if it matches the annotation `hint` (recursively), else ProtocolError."""
+def checker(hint, where: str):
+    """A function returning its value if it matches the annotation `hint` (recursively),
+    else raising ProtocolError naming `where`."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
+
+    def refuse(value):
+        raise ProtocolError(f"{where}: expected {getattr(hint, '__name__', hint)}, "
+                            f"got {type(value).__name__}")
     if origin in (typing.Union, types.UnionType):
-        for option in args:
-            try:
-                return check(value, option, where)
-            except ProtocolError:
-                pass
-        raise ProtocolError(f"{where}: unexpected {type(value).__name__}")
+        options = [checker(option, where) for option in args]
+
+        def union(value):
+            for option in options:
+                try:
+                    return option(value)
+                except ProtocolError:
+                    pass
+            raise ProtocolError(f"{where}: unexpected {type(value).__name__}")
+        return union
     if hint is type(None):
-        if value is None:
-            return None
-    elif hint in NESTED:
-        if isinstance(value, dict):
-            return build(hint, value)
-    elif origin is list:
-        if isinstance(value, list):
-            return [check(v, args[0], where) for v in value]
-    elif origin is dict:
-        if isinstance(value, dict):
-            return {check(k, args[0], where): check(v, args[1], where) for k, v in value.items()}
-    elif hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif isinstance(value, hint):
-        return value
-    raise ProtocolError(f"{where}: expected {getattr(hint, '__name__', hint)}, "
-                        f"got {type(value).__name__}")
+        return lambda value: None if value is None else refuse(value)
+    if hint in NESTED:
+        return lambda value: builder(hint)(value) if isinstance(value, dict) else refuse(value)
+    if origin is list:
+        item = checker(args[0], where)
+        if args[0] is int:           # token ids: the hot case, one type test per element
+            def ints(value):
+                if type(value) is not list:
+                    refuse(value)
+                for v in value:
+                    if type(v) is not int:
+                        raise ProtocolError(f"{where}: expected int, got {type(v).__name__}")
+                return value
+            return ints
+        return lambda value: [item(v) for v in value] if isinstance(value, list) \
+            else refuse(value)
+    if origin is dict:
+        key, val = checker(args[0], where), checker(args[1], where)
+        return lambda value: {key(k): val(v) for k, v in value.items()} \
+            if isinstance(value, dict) else refuse(value)
+    if hint is float:
+        return lambda value: float(value) if isinstance(value, (int, float)) \
+            and not isinstance(value, bool) else refuse(value)
+    if hint is int:
+        return lambda value: value if isinstance(value, int) \
+            and not isinstance(value, bool) else refuse(value)
+    return lambda value: value if isinstance(value, hint) else refuse(value)

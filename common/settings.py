@@ -1,11 +1,29 @@
-"""Every environment variable Pantheon reads, read here and nowhere else.
+"""Every environment variable Pantheon reads, read here and nowhere else; and every
+default a flag, a config object or a message field starts from, defined here once.
 
-Each one is documented in the README's configuration table.
+Each variable is documented in the README's configuration table, each default in its
+flag table.
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+# -- defaults ------------------------------------------------------------------------
+HOST = "127.0.0.1"
+PORT = 8000
+WORKER_ADDR = "tcp://127.0.0.1:5570"     # the ZeroMQ socket the frontend binds for workers
+ADMIN_ADDR = "tcp://127.0.0.1:5571"      # the ZeroMQ admin socket
+SLOTS = 8                                # KV slots per replica
+PREFILL_CHUNK = 128                      # prompt tokens per step
+PREFIX_CACHE_MB = 512.0                  # host memory per worker for idle conversations
+QUEUE_DEPTH = 32                         # requests that may wait for a slot, per model
+QUEUE_TIMEOUT_S = 30.0
+MAX_BODY_BYTES = 8 << 20
+WORKER_TIMEOUT_S = 5.0                   # silence (or one step) this long: a worker is slow
+WORKER_LOST_AFTER_S = 60.0               # silence this long: an external worker is lost
+MAX_MODELS = 16                          # resident replicas, all models together
+UNLOAD_TIMEOUT_S = 30.0                  # an unload's drain deadline
 
 
 def cache_dir() -> Path:
@@ -32,7 +50,7 @@ def api_key() -> str | None:
 
 def queue_depth() -> int:
     """Requests that may wait for a slot, per model (`BS_QUEUE_DEPTH`, default 32)."""
-    raw = os.environ.get("BS_QUEUE_DEPTH", "32")
+    raw = os.environ.get("BS_QUEUE_DEPTH", str(QUEUE_DEPTH))
     try:
         depth = int(raw)
     except ValueError:
@@ -49,7 +67,7 @@ def admin_key() -> str | None:
 
 def admin_addr() -> str:
     """Where `pantheon admin` finds the admin socket (`PANTHEON_ADMIN_ADDR`)."""
-    return os.environ.get("PANTHEON_ADMIN_ADDR", "tcp://127.0.0.1:5571")
+    return os.environ.get("PANTHEON_ADMIN_ADDR", ADMIN_ADDR)
 
 
 def openai_api_key() -> str | None:

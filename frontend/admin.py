@@ -24,12 +24,13 @@ import zmq
 import zmq.asyncio
 
 from ..common import protocol as p
+from ..common import settings
 from ..common.model_file import ModelFileError
 from ..common.weight_format import QUANTIZE_MODES
 from .admission import Admission
 from .dies import DieTable, PlacementError
 from .placement import Placer
-from .registry import MAX_ENTRIES, Registry, ReplicaState, open_model
+from .registry import MAX_ENTRIES, Registry, ReplicaState, open_model, same_model
 from .workers import WorkerLost, WorkerPool
 
 log = logging.getLogger("pantheon.frontend.admin")
@@ -148,9 +149,11 @@ class Admin:
         except (ModelFileError, ValueError) as exc:
             raise AdminError(400, str(exc), "path") from exc
         existing = self.registry.models.get(name)
-        if existing and Path(existing.path).resolve() != Path(model.path).resolve():
-            raise AdminError(409, f"{name!r} already serves {existing.path}; a replica must "
-                                  "be the same model file", "name")
+        differs = existing and await asyncio.to_thread(same_model, existing.path, model.path)
+        if differs:
+            raise AdminError(409, f"{name!r} already serves {existing.path}, and {path} is a "
+                                  f"different model ({differs}); a replica must be the same "
+                                  "model", "name")
         # phase 2: place and admit, before any upload
         try:
             die, need = self.die_table.choose(model.path, model.config, dies,
@@ -170,8 +173,10 @@ class Admin:
         try:
             await self.placer.load(self.registry.models[name], replica, worker)
         finally:
+            self.pool.progress_queues.pop(replica.model_id, None)
             if watcher:
                 watcher.cancel()
+                await asyncio.gather(watcher, return_exceptions=True)
         if on_progress and replica.progress[1] and replica.progress != sent[0]:
             await on_progress(replica.model_id, *replica.progress)    # the last step
         if replica.state != ReplicaState.READY:
@@ -180,18 +185,19 @@ class Admin:
         return {"loaded": {"name": name, "die": die, **replica.as_json()}}
 
     async def watch(self, replica, on_progress, sent: list) -> None:
+        """Pass each progress report of the load on, as it arrives."""
+        queue = self.pool.watch_progress(replica.model_id)
         while True:
-            now = self.pool.progress.get(replica.model_id)
-            if now and now != sent[0]:
+            now = await queue.get()
+            if now != sent[0]:
                 sent[0] = now
                 await on_progress(replica.model_id, *now)
-            await asyncio.sleep(0.1)
 
     # -- unload ------------------------------------------------------------------------
     async def unload(self, body: dict) -> dict:
         name = field(body, "name", str, required=True)
         die = field(body, "die", (str, int))
-        timeout_s = field(body, "timeout_s", (int, float), 30.0)
+        timeout_s = field(body, "timeout_s", (int, float), settings.UNLOAD_TIMEOUT_S)
         if timeout_s < 0:
             raise AdminError(400, "timeout_s must be >= 0", "timeout_s")
         model = self.registry.models.get(name)
@@ -206,9 +212,11 @@ class Admin:
             r.state = ReplicaState.UNLOADING          # no new requests from now on
         if not model.ready():
             self.admission.fail_waiters(model, f"model {name!r} was unloaded")
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while any(r.inflight for r in targets) and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.05)
+        try:                # the drain: admission sets `idle` when the last one leaves
+            await asyncio.wait_for(asyncio.gather(*(r.idle.wait() for r in targets)),
+                                   timeout_s)
+        except asyncio.TimeoutError:
+            pass
         aborted = sum(r.inflight for r in targets)
         for r in targets:
             if r.worker is not None and r.worker.alive:

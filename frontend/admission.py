@@ -1,8 +1,10 @@
-"""Admission: a slot now, a place in a FIFO queue, or a clear refusal.
+"""Admission: slots now, a place in a FIFO queue, or a clear refusal.
 
-Per served model, as the spec's D1/D3 describe. Fast path: no one is
-queued, a ready replica has a free slot, and memory pressure is below
-critical. Otherwise the request waits, in order, up to `timeout_s`:
+Per served model, as the spec's D1/D3 describe. Which replica a request
+group goes to is the router's choice (router.py); admission only queues and
+admits. Fast path: no one is queued, the router finds a replica with room for
+the group, and memory pressure is below critical. Otherwise the request waits,
+in order, up to `timeout_s`:
   queue full            → 429 with Retry-After: 5 (503 when pressure is critical)
   waited too long       → 429 with Retry-After: 2
   shutting down         → 503
@@ -13,13 +15,15 @@ Every decision happens before any SSE header is sent.
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict, defaultdict, deque
+from collections import defaultdict, deque
 
 import psutil
 
+from ..common import settings
 from ..common.protocol import CRITICAL, pressure_level
-from .openai_api import APIError
+from .errors import APIError
 from .registry import Replica, ServedModel
+from .router import Router
 
 
 def host_pressure() -> int:
@@ -29,54 +33,40 @@ def host_pressure() -> int:
 
 
 class Admission:
-    AFFINITY_SESSIONS = 10000      # sessions whose replica is remembered (LRU)
-
-    def __init__(self, depth: int = 32, timeout_s: float = 30.0, pressure=host_pressure):
+    def __init__(self, depth: int = settings.QUEUE_DEPTH,
+                 timeout_s: float = settings.QUEUE_TIMEOUT_S, pressure=host_pressure,
+                 router: Router | None = None):
         self.depth, self.timeout_s, self.host_pressure = depth, timeout_s, pressure
+        self.router = router or Router()
         self.queues: dict[str, deque[asyncio.Future]] = defaultdict(deque)
         self.models: dict[str, ServedModel] = {}
-        self.affinity: OrderedDict[str, str] = OrderedDict()    # session → replica id
         self.closed = False
 
     def pressure(self, model: ServedModel) -> int:
         workers = [r.worker.pressure for r in model.ready() if r.worker is not None]
         return max([self.host_pressure()] + workers)
 
-    def free_replica(self, model: ServedModel, session: str | None = None) -> Replica | None:
-        """A ready replica with a free slot: the session's own (its warm prefix lives
-        there) unless that one is saturated, else the one with the fewest in flight.
-        Replicas on a slow worker are left out while another replica can serve."""
-        ready = model.ready()
-        fast = [r for r in ready if r.worker is None or not r.worker.slow]
-        free = [r for r in (fast or ready) if r.inflight < max(r.slots, 1)]
-        home = self.affinity.get(session) if session else None
-        for r in free:
-            if r.model_id == home:
-                return r
-        return min(free, key=lambda r: r.inflight) if free else None
-
-    def take(self, replica: Replica, session: str | None) -> Replica:
-        replica.inflight += 1
-        replica.served += 1
-        if session:
-            self.affinity[session] = replica.model_id
-            self.affinity.move_to_end(session)
-            while len(self.affinity) > self.AFFINITY_SESSIONS:
-                self.affinity.popitem(last=False)
+    def take(self, replica: Replica, session: str | None, n: int) -> Replica:
+        replica.inflight += n
+        replica.served += n
+        replica.idle.clear()
+        self.router.routed(replica, session)
         return replica
 
     def queued(self, model: ServedModel) -> int:
         return len(self.queues[model.name])
 
-    async def acquire(self, model: ServedModel, session: str | None = None) -> Replica:
-        """A replica with a slot reserved for this request (release() gives it back)."""
+    async def acquire(self, model: ServedModel, session: str | None = None,
+                      n: int = 1) -> Replica:
+        """One replica with `n` slots reserved for a request group (release() gives each
+        back)."""
         if self.closed:
             raise shutting_down()
         self.models[model.name] = model
         queue = self.queues[model.name]
-        replica, pressure = self.free_replica(model, session), self.pressure(model)
+        replica, pressure = self.router.pick(model, session, n), self.pressure(model)
         if replica is not None and not queue and pressure < CRITICAL:
-            return self.take(replica, session)
+            return self.take(replica, session, n)
         if all(r.slots == 1 for r in model.ready()) and pressure < CRITICAL:
             raise APIError(429, "a generation is already in progress on this model "
                            "(single-user mode); retry shortly", type="rate_limit_error",
@@ -90,7 +80,7 @@ class Admission:
                            "waiting; retry shortly", type="rate_limit_error",
                            code="queue_full", headers={"Retry-After": "5"})
         fut = asyncio.get_running_loop().create_future()
-        fut.session = session
+        fut.session, fut.n = session, n
         queue.append(fut)
         try:
             return await asyncio.wait_for(fut, self.timeout_s)
@@ -103,7 +93,10 @@ class Admission:
                 queue.remove(fut)
 
     def release(self, model: ServedModel, replica: Replica) -> None:
+        """One choice of a group is over: its slot goes back."""
         replica.inflight -= 1
+        if replica.inflight == 0:
+            replica.idle.set()                    # an unload waiting for the drain goes on
         self.wake(model)
 
     def wake(self, model: ServedModel) -> None:
@@ -113,11 +106,11 @@ class Admission:
             if queue[0].done():                   # timed out or cancelled
                 queue.popleft()
                 continue
-            replica = self.free_replica(model, queue[0].session)
+            replica = self.router.pick(model, queue[0].session, queue[0].n)
             if replica is None or self.pressure(model) >= CRITICAL:
                 return
             fut = queue.popleft()
-            fut.set_result(self.take(replica, fut.session))
+            fut.set_result(self.take(replica, fut.session, fut.n))
 
     def wake_all(self) -> None:
         """Something changed (a replica became ready, pressure dropped): recheck."""

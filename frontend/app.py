@@ -15,7 +15,9 @@ from .admission import Admission
 from .admin import Admin
 from .chat import ChatService, read_body
 from .completions import CompletionService
-from .openai_api import APIError, models_list
+from .errors import APIError
+from .lifecycle import Lifecycle
+from .openai_api import models_list
 from .registry import Registry
 from .workers import WorkerPool
 
@@ -83,8 +85,9 @@ def model_status(model, admission: Admission) -> dict:
 def build_app(registry: Registry, pool: WorkerPool, admission: Admission, admin: Admin,
               api_key: str | None = None, admin_key: str | None = None,
               max_body_bytes: int = 8 << 20, context_cap: bool = True) -> Guard:
-    chat = ChatService(registry, pool, admission, max_body_bytes, context_cap)
-    completions = CompletionService(registry, pool, admission, max_body_bytes)
+    lifecycle = Lifecycle(pool, admission)
+    chat = ChatService(registry, lifecycle, max_body_bytes, context_cap)
+    completions = CompletionService(registry, lifecycle, max_body_bytes)
 
     def admin_route(cmd: str):
         async def handle(request: Request):
@@ -140,8 +143,8 @@ def build_app(registry: Registry, pool: WorkerPool, admission: Admission, admin:
 
     app = Starlette(
         routes=[Route("/", root), Route("/health", health), Route("/v1/models", models),
-                Route("/v1/chat/completions", chat.handle, methods=["POST"]),
-                Route("/v1/completions", completions.handle, methods=["POST"]),
+                Route("/v1/chat/completions", chat, methods=["POST"]),
+                Route("/v1/completions", completions, methods=["POST"]),
                 Route("/admin/models/load", admin_route("load"), methods=["POST"]),
                 Route("/admin/models/unload", admin_route("unload"), methods=["POST"]),
                 Route("/admin/models", admin_route("models")),

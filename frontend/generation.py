@@ -1,9 +1,9 @@
 """One sequence running on one replica: token ids from a worker → text events.
 
 Token ids → incremental detokenizer → emitter (reasoning, content, tool-call
-blocks, stop strings) → events. Both OpenAI endpoints (chat and the legacy
-completions) build their answers from these events; `n` > 1 is several
-Generations side by side.
+blocks, stop strings) → events. Both OpenAI endpoints build their answers from
+these events (openai_api's renderers); `n` > 1 is several Generations side by
+side on one replica (lifecycle.py).
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from ..common import protocol as p
 from .admission import Admission
 from .emitter import Emitter, Event
-from .openai_api import APIError
+from .errors import APIError
 from .registry import Replica, ServedModel
 from .workers import WorkerLost, WorkerPool
 
@@ -26,20 +26,24 @@ class TokenLogprob:
 
 class Generation:
     def __init__(self, pool: WorkerPool, admission: Admission, model: ServedModel,
-                 replica: Replica, prompt: list[int], sampling: dict, max_tokens: int,
+                 replica: Replica, prompt: list[int], sampling: p.Sampling, max_tokens: int,
                  emitter: Emitter, session_id: str | None = None, grammar: str | None = None,
                  logprobs: int = -1):
         self.pool, self.admission, self.model, self.replica = pool, admission, model, replica
         self.prompt, self.max_tokens, self.emitter = prompt, max_tokens, emitter
         self.request_id = pool.new_request_id()
-        self.msg = p.Generate(self.request_id, replica.model_id, prompt, p.Sampling(**sampling),
-                              max_tokens, sorted(model.tokenizer.eot_ids), session_id,
-                              grammar, logprobs)
+        self.msg = p.Generate(self.request_id, replica.model_id, prompt, sampling, max_tokens,
+                              sorted(model.tokenizer.eot_ids), session_id, grammar, logprobs)
         self.detok = model.tokenizer.detokenizer()
-        self.completion_tokens = self.cached_tokens = 0
+        self.cached_tokens = 0
+        self.token_ids: list[int] = []     # every id the worker generated, end token included
         self.finish_reason: str | None = None
         self.logprobs: list[TokenLogprob] = []
         self.stream = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
 
     async def start(self) -> None:
         try:
@@ -62,7 +66,7 @@ class Generation:
                                else "invalid_request_error", code=msg.code)
             self.cached_tokens = msg.cached_tokens
             for i, token in enumerate(msg.tokens):
-                self.completion_tokens += 1
+                self.token_ids.append(token)
                 if i < len(msg.logprobs):
                     lp, top = msg.logprobs[i]
                     self.logprobs.append(TokenLogprob(token, lp, top))
@@ -83,7 +87,7 @@ class Generation:
                 self.finish_reason = "stop" if self.emitter.stopped else msg.finish
 
     def close(self) -> None:
-        """Idempotent: abort the worker's side if unfinished, release the replica."""
+        """Idempotent: abort the worker's side if unfinished, release the replica's slot."""
         if self.replica is None:
             return
         self.admission.release(self.model, self.replica)
@@ -98,29 +102,4 @@ def worker_lost(exc: Exception) -> APIError:
     return APIError(503, str(exc), type="service_unavailable", code="worker_lost")
 
 
-async def start_all(gens: list[Generation]) -> None:
-    """Start every generation, or none: a failure closes the ones already started."""
-    try:
-        for gen in gens:
-            await gen.start()
-    except BaseException:
-        for gen in gens:
-            gen.close()
-        raise
-
-
-async def acquire_all(admission: Admission, model: ServedModel, n: int,
-                      session_id: str | None) -> list[Replica]:
-    """n slots for n parallel sequences; all or nothing."""
-    replicas: list[Replica] = []
-    try:
-        for i in range(n):
-            replicas.append(await admission.acquire(model, session_id if i == 0 else None))
-    except BaseException:
-        for replica in replicas:
-            admission.release(model, replica)
-        raise
-    return replicas
-
-
-__all__ = ["Event", "Generation", "TokenLogprob", "acquire_all", "start_all", "worker_lost"]
+__all__ = ["Event", "Generation", "TokenLogprob", "worker_lost"]

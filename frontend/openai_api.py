@@ -1,5 +1,6 @@
-"""The pure part of the OpenAI chat-completions API: request validation, error objects and
-response / server-sent-event shapes. No I/O here; the HTTP app calls these.
+"""The pure part of the OpenAI API: request validation, response / server-sent-event
+shapes, and the per-endpoint renderers. No I/O here; the request lifecycle
+(lifecycle.py) calls these.
 
 A request body is checked once at the edge and becomes one `ChatRequest`; everything past
 that point can trust its fields. Every rejection is an `APIError` whose message names the
@@ -13,24 +14,14 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from ..common.protocol import SAMPLING_RANGES, Sampling
+from .emitter import joined
+from .errors import APIError
+from .tools import check_tools, parse_tool_calls, tool_call_text
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP = 16
 MAX_N = 16
-SEED_LIMIT = 2**63 - 1
-
-
-class APIError(Exception):
-    """An error that becomes an OpenAI error object with an HTTP status."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type = status, message, type
-        self.param, self.code, self.headers = param, code, headers
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type,
-                          "param": self.param, "code": self.code}}
 
 
 def _bad(param: str | None, message: str, code: str | None = None) -> APIError:
@@ -42,15 +33,7 @@ class GenerationRequest:
     """What both endpoints share: sampling, stop strings, streaming, routing."""
 
     model: str | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0                       # 0 = off
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    logit_bias: dict[int, float] = field(default_factory=dict)
+    sampling: Sampling = field(default_factory=Sampling)
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
@@ -58,6 +41,7 @@ class GenerationRequest:
     session_id: str | None = None
     n: int = 1
     response_format: dict | None = None
+    return_token_ids: bool = False      # vLLM's: token_ids per choice, prompt_token_ids
 
 
 @dataclass(slots=True, kw_only=True)
@@ -82,18 +66,12 @@ class CompletionRequest(GenerationRequest):
     logprobs: int | None = None         # None: off; N: the chosen token's and the top N
 
 
-# name: (integers only, accepts the value, what it must be). Booleans are never numbers.
+# name: (integers only, accepts the value, what it must be): the sampling ranges of the
+# wire's one table, and the fields only the HTTP API has.
 _NUMERIC = {
-    "temperature": (False, lambda v: 0 <= v <= 2, "a number in [0, 2]"),
-    "top_p": (False, lambda v: 0 < v <= 1, "a number in (0, 1]"),
-    "top_k": (True, lambda v: v >= -1, "an integer >= -1 (0 or -1 = off)"),
-    "min_p": (False, lambda v: 0 <= v <= 1, "a number in [0, 1]"),
-    "presence_penalty": (False, lambda v: -2 <= v <= 2, "a number in [-2, 2]"),
-    "frequency_penalty": (False, lambda v: -2 <= v <= 2, "a number in [-2, 2]"),
-    "repetition_penalty": (False, lambda v: 0 < v <= 10, "a number in (0, 10]"),
+    **{name: rule for name, rule in SAMPLING_RANGES.items() if name != "repeat_last_n"},
     "max_tokens": (True, lambda v: v >= 1, "an integer >= 1"),
     "max_completion_tokens": (True, lambda v: v >= 1, "an integer >= 1"),
-    "seed": (True, lambda v: abs(v) <= SEED_LIMIT, f"an integer with absolute value <= {SEED_LIMIT}"),
     "n": (True, lambda v: 1 <= v <= MAX_N, f"an integer in [1, {MAX_N}]"),
     "top_logprobs": (True, lambda v: 0 <= v <= 20, "an integer in [0, 20]"),
 }
@@ -206,16 +184,10 @@ def _logit_bias(value) -> dict[int, float]:
     return out
 
 
-def _tools(value) -> list[dict] | None:
-    if value is None or value == []:
-        return None
-    ok = isinstance(value, list) and all(
-        isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
-        and isinstance(t["function"].get("name"), str) and t["function"]["name"] for t in value)
-    if not ok:
-        raise _bad("tools", 'tools must be a list of {"type": "function", '
-                            '"function": {"name": ...}} objects')
-    return value
+def _tools(tools, tool_choice) -> list[dict] | None:
+    """`tools` after the one check of tools and tool_choice (tools.check_tools)."""
+    check_tools(tools, tool_choice)
+    return tools or None
 
 
 def _optional(body: dict, name: str, kind: type, what: str, prefix: str = ""):
@@ -251,12 +223,14 @@ def _common(data: dict, session_header: str | None) -> dict:
                                   "stream_options.") or False
     session_id = _optional(data, "session_id", str, "a string")
     response_format = _optional(data, "response_format", dict, "an object")
+    return_token_ids = _optional(data, "return_token_ids", bool, "a boolean") or False
     return dict(model=_optional(data, "model", str, "a string"),
-                logit_bias=_logit_bias(data.get("logit_bias")), stop=_stop(data.get("stop")),
+                sampling=Sampling(logit_bias=_logit_bias(data.get("logit_bias")), **sampling),
+                stop=_stop(data.get("stop")),
                 stream=stream, include_usage=include_usage, n=numbers["n"] or 1,
                 user=_optional(data, "user", str, "a string"),
                 session_id=session_id if session_id is not None else (session_header or None),
-                response_format=response_format, **sampling), numbers
+                response_format=response_format, return_token_ids=return_token_ids), numbers
 
 
 def parse_completion_request(body: bytes, session_header: str | None = None) -> CompletionRequest:
@@ -306,22 +280,25 @@ def parse_chat_request(body: bytes, session_header: str | None = None) -> ChatRe
         raise _bad("top_logprobs", "top_logprobs needs logprobs: true")
     max_tokens = numbers["max_completion_tokens"] or numbers["max_tokens"]
     return ChatRequest(messages=messages, max_tokens=max_tokens,
-                       tools=_tools(data.get("tools")), tool_choice=data.get("tool_choice"),
+                       tools=_tools(data.get("tools"), data.get("tool_choice")),
+                       tool_choice=data.get("tool_choice"),
                        logprobs=logprobs, top_logprobs=numbers["top_logprobs"] or 0, **fields)
-
-
-def to_sampling(req: GenerationRequest) -> dict:
-    """The sampling fields, named as the worker's `SamplingParams` names them."""
-    return {"temperature": req.temperature, "top_k": req.top_k, "top_p": req.top_p,
-            "min_p": req.min_p, "repetition_penalty": req.repetition_penalty,
-            "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
-            "logit_bias": dict(req.logit_bias), "seed": req.seed}
 
 
 # ---- responses -------------------------------------------------------------------------
 
-def completion_id() -> str:
-    return "chatcmpl-" + uuid.uuid4().hex
+def completion_id(prefix: str = "chatcmpl") -> str:
+    """A random, unique id: `chatcmpl-…` for chat, `cmpl-…` for text completions."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def context_exceeded(ctx: int, tokens: int, what: str, reply: str, param: str,
+                     why: str = "") -> APIError:
+    """The 400 for a prompt that leaves no room for one token of reply."""
+    tail = f"; {why}. Shorten the conversation." if why else "."
+    return APIError(400, f"This model's maximum context length is {ctx} tokens, but the "
+                    f"{what} came to {tokens} tokens (plus at least 1 for the {reply}){tail}",
+                    param=param, code="context_length_exceeded")
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
@@ -382,3 +359,187 @@ def models_list(names: list[str], created: int, owned_by: str = "pantheon") -> d
     return {"object": "list",
             "data": [{"id": name, "object": "model", "created": created, "owned_by": owned_by}
                      for name in names]}
+
+
+# ---- renderers: what differs between the endpoints ---------------------------------------
+#
+# The lifecycle drives a renderer with each choice's text events as they settle; it
+# returns the JSON objects to send (a chunk, or the whole response). A choice is a
+# `Generation` (generation.py): its emitted text, `finish_reason`, `token_ids`,
+# `logprobs`, `prompt` and counts.
+
+def logprob_entry(tok, token_id: int, logprob: float) -> dict:
+    text = tok.token_str(token_id)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(tok, items) -> dict:
+    return {"content": [logprob_entry(tok, it.token, it.logprob) | {
+        "top_logprobs": [logprob_entry(tok, t, lp) for t, lp in it.top]} for it in items]}
+
+
+def legacy_logprobs(tok, items, offset: int) -> dict:
+    """OpenAI's completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
+    tokens, offsets = [], []
+    for it in items:
+        offsets.append(offset)
+        text = tok.token_str(it.token)
+        tokens.append(text)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": [it.logprob for it in items],
+            "top_logprobs": [{tok.token_str(t): lp for t, lp in it.top} for it in items],
+            "text_offset": offsets}
+
+
+def counts(gens) -> tuple[int, int, int]:
+    """(prompt, completion, cached) tokens of a request's choices together."""
+    return len(gens[0].prompt), sum(g.completion_tokens for g in gens), gens[0].cached_tokens
+
+
+class Renderer:
+    """What both endpoints share: ids, what each choice has been sent so far (logprobs,
+    token ids), usage."""
+
+    object = ""
+
+    def __init__(self, rid: str, created: int, model: str, tokenizer, req: GenerationRequest,
+                 n_choices: int):
+        self.rid, self.created, self.model, self.tok, self.req = rid, created, model, tokenizer, req
+        self.sent_lp = [0] * n_choices
+        self.sent_ids = [0] * n_choices
+
+    def head(self, obj: str) -> dict:
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
+
+    def new_logprobs(self, i: int, gen) -> list:
+        items, self.sent_lp[i] = gen.logprobs[self.sent_lp[i]:], len(gen.logprobs)
+        return items
+
+    def new_ids(self, i: int, gen, choice: dict) -> dict:
+        """`choice` with the token ids generated since its last chunk (return_token_ids)."""
+        if self.req.return_token_ids:
+            choice["token_ids"], self.sent_ids[i] = gen.token_ids[self.sent_ids[i]:], \
+                len(gen.token_ids)
+        return choice
+
+    def usage(self, gens) -> dict:
+        return self.head(self.object) | {"choices": [], "usage": usage(*counts(gens))}
+
+
+class ChatRenderer(Renderer):
+    object = "chat.completion.chunk"
+
+    def __init__(self, rid, created, model, tokenizer, req: ChatRequest, n_choices: int,
+                 capped: bool = False):
+        super().__init__(rid, created, model, tokenizer, req, n_choices)
+        self.capped = capped
+        self.calls = [0] * n_choices            # tool-call deltas sent per choice
+
+    def chunk(self, i: int, gen, delta: dict, finish=None) -> dict:
+        logprobs = chat_logprobs(self.tok, self.new_logprobs(i, gen)) if self.req.logprobs \
+            else None
+        choice = self.new_ids(i, gen, {"index": i, "delta": delta, "logprobs": logprobs,
+                                       "finish_reason": finish})
+        body = self.head(self.object) | {"choices": [choice]}
+        if self.capped:
+            body["context_capped"] = True
+        return body
+
+    def opening(self, gens) -> list[dict]:
+        out = [self.chunk(i, g, {"role": "assistant", "content": ""}) for i, g in enumerate(gens)]
+        if self.req.return_token_ids:           # vLLM: the prompt's ids in the first chunk
+            out[0]["prompt_token_ids"] = list(gens[0].prompt)
+        return out
+
+    def event(self, i: int, gen, event) -> dict:
+        if event.kind == "reasoning":
+            return self.chunk(i, gen, {"reasoning_content": event.text, "reasoning": event.text})
+        if event.kind == "tool" and (parsed := parse_tool_calls([event.text], self.req.tools)):
+            deltas = []
+            for call in parsed:
+                deltas.append({"index": self.calls[i], **call})
+                self.calls[i] += 1
+            return self.chunk(i, gen, {"tool_calls": deltas})
+        text = event.text if event.kind == "content" else tool_call_text(event.text)
+        return self.chunk(i, gen, {"content": text})
+
+    def closing(self, i: int, gen) -> dict:
+        finish = "tool_calls" if self.calls[i] and gen.finish_reason == "stop" \
+            else gen.finish_reason
+        return self.chunk(i, gen, {}, finish)
+
+    def whole(self, gens, results) -> dict:
+        choices = [self.choice(i, gen, events) for i, (gen, events)
+                   in enumerate(zip(gens, results))]
+        body = chat_response(self.rid, self.created, self.model, choices,
+                             usage(*counts(gens)))
+        if self.req.return_token_ids:
+            body["prompt_token_ids"] = list(gens[0].prompt)
+        if self.capped:
+            body["context_capped"] = True
+        return body
+
+    def choice(self, index: int, gen, events) -> dict:
+        parts = joined(events)
+        content, calls = parts["content"], []
+        for block in parts["tools"]:
+            parsed = parse_tool_calls([block], self.req.tools)
+            if parsed:
+                calls += parsed
+            else:                                # malformed: the raw text, as content
+                content += tool_call_text(block)
+        finish = "tool_calls" if calls and gen.finish_reason == "stop" else gen.finish_reason
+        out = chat_choice(index, content if content or not calls else None, finish,
+                          parts["reasoning"], calls,
+                          chat_logprobs(self.tok, gen.logprobs) if self.req.logprobs else None)
+        if self.req.return_token_ids:
+            out["token_ids"] = list(gen.token_ids)
+        return out
+
+
+class CompletionRenderer(Renderer):
+    """/v1/completions: choice k answers prompt k // n; `echo` puts the prompt first."""
+
+    object = "text_completion"
+
+    def __init__(self, rid, created, model, tokenizer, req: CompletionRequest, n_choices: int,
+                 echoes: list[str]):
+        super().__init__(rid, created, model, tokenizer, req, n_choices)
+        self.echoes = echoes
+        self.offset = [len(e) for e in echoes]   # text_offset of the next logprob
+
+    def chunk(self, k: int, gen, text: str, finish=None, first=False) -> dict:
+        logprobs = None
+        if self.req.logprobs is not None:
+            logprobs = legacy_logprobs(self.tok, self.new_logprobs(k, gen), self.offset[k])
+            self.offset[k] += sum(len(t) for t in logprobs["tokens"])
+        choice = self.new_ids(k, gen, {"index": k, "text": text, "logprobs": logprobs,
+                                       "finish_reason": finish})
+        if first and self.req.return_token_ids:
+            choice["prompt_token_ids"] = list(gen.prompt)
+        return self.head(self.object) | {"choices": [choice]}
+
+    def opening(self, gens) -> list[dict]:
+        if not self.req.return_token_ids:
+            return [self.chunk(k, g, e) for k, (g, e) in enumerate(zip(gens, self.echoes)) if e]
+        return [self.chunk(k, g, e, first=True) for k, (g, e) in enumerate(zip(gens, self.echoes))]
+
+    def event(self, k: int, gen, event) -> dict:
+        return self.chunk(k, gen, event.text)
+
+    def closing(self, k: int, gen) -> dict:
+        return self.chunk(k, gen, "", gen.finish_reason)
+
+    def whole(self, gens, results) -> dict:
+        choices = []
+        for k, (gen, events) in enumerate(zip(gens, results)):
+            choice = {"index": k, "text": self.echoes[k] + joined(events)["content"],
+                      "finish_reason": gen.finish_reason,
+                      "logprobs": legacy_logprobs(self.tok, gen.logprobs, len(self.echoes[k]))
+                      if self.req.logprobs is not None else None}
+            if self.req.return_token_ids:
+                choice["prompt_token_ids"] = list(gen.prompt)
+                choice["token_ids"] = list(gen.token_ids)
+            choices.append(choice)
+        return self.head("text_completion") | {"choices": choices,
+                                               "usage": usage(*counts(gens))}

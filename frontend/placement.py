@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from pathlib import Path
 
 from ..common import protocol as p
+from ..common import settings
 from .dies import DieTable, PlacementError
-from .registry import Registry, Replica, ReplicaState, ServedModel
+from .registry import Registry, Replica, ReplicaState, ServedModel, same_model
 from .workers import LoadError, WorkerInfo, WorkerLost, WorkerPool
 
 log = logging.getLogger("pantheon.frontend.placement")
@@ -25,16 +25,17 @@ log = logging.getLogger("pantheon.frontend.placement")
 
 class Placer:
     def __init__(self, registry: Registry, pool: WorkerPool, dies: DieTable, slots: int = 0,
-                 ctx: int = 0, prefill_chunk: int = 128, expected_dies: list[str] | None = None,
+                 ctx: int = 0, prefill_chunk: int = settings.PREFILL_CHUNK, expected_dies: list[str] | None = None,
                  grace_s: float = 60.0, quantize: str = "auto"):
         self.registry, self.pool, self.dies = registry, pool, dies
         self.slots, self.ctx, self.prefill_chunk = slots, ctx, prefill_chunk
         self.quantize = quantize
         # auto-placement waits (up to grace_s) for every die we spawned, to spread models
         self.expected = set(expected_dies or [])
-        asyncio.get_running_loop().call_later(grace_s, self.stop_waiting)
+        self.grace = asyncio.get_running_loop().call_later(grace_s, self.stop_waiting)
         self.upload_lock = asyncio.Lock()
         self.tasks: set[asyncio.Task] = set()
+        self.change = asyncio.Event()         # set when a replica becomes ready or fails
         pool.on_join.append(self.joined)
         pool.on_lost.append(self.lost)
 
@@ -62,7 +63,7 @@ class Placer:
                 continue
             if (replica.die not in (None, worker.die)
                     or replica.state not in (ReplicaState.PLACED, ReplicaState.FAILED)
-                    or not same_file(model.path, held.path)
+                    or same_model(replica.path or model.path, held.path) is not None
                     or replica.want_slots not in (0, held.slots)
                     or replica.want_ctx not in (0, held.ctx)):
                 return False
@@ -73,6 +74,7 @@ class Placer:
             log.info("%s is still resident on die %s: kept, not reloaded", held.model_id,
                      worker.die)
             self.pool.changed()
+            self.change.set()
             return True
         return False
 
@@ -108,6 +110,7 @@ class Placer:
             except PlacementError as exc:
                 replica.state, replica.error = ReplicaState.FAILED, str(exc)
                 log.error("cannot place %s: %s", model.name, exc)
+                self.change.set()
                 continue
             self.start_load(model, replica, live[replica.die])
 
@@ -122,7 +125,8 @@ class Placer:
                     raise WorkerLost("worker gone before its turn to load")
                 log.info("loading %s (%s) on die %s", model.name, replica.model_id, worker.die)
                 loaded = await self.pool.load(worker, p.Load(
-                    replica.model_id, model.path, model.name, replica.want_slots or self.slots,
+                    replica.model_id, replica.path or model.path, model.name,
+                    replica.want_slots or self.slots,
                     replica.want_ctx or self.ctx, self.prefill_chunk,
                     replica.want_quantize or self.quantize))
         except LoadError as exc:
@@ -135,11 +139,13 @@ class Placer:
             return
         finally:
             replica.progress = self.pool.progress.pop(replica.model_id, replica.progress)
+            self.change.set()
         replica.state, replica.worker = ReplicaState.READY, worker
         replica.loads += 1
         replica.reserved = loaded.weight_bytes + loaded.kv_bytes     # the real figure now
         replica.slots, replica.ctx, replica.error = loaded.slots, loaded.ctx, ""
         self.pool.changed()                       # queued requests may start now
+        self.change.set()
         log.info("%s ready on die %s: %d slots x %d ctx, loaded in %.1f s", model.name,
                  worker.die, loaded.slots, loaded.ctx, loaded.load_s)
 
@@ -153,9 +159,15 @@ class Placer:
         return all(r.state in (ReplicaState.READY, ReplicaState.FAILED)
                    for _, r in self.registry.replicas())
 
+    async def wait_settled(self) -> None:
+        """Return once settled(): woken by each load's end, not by polling."""
+        while not self.settled():
+            self.change.clear()
+            await self.change.wait()
 
-def same_file(a: str, b: str) -> bool:
-    try:
-        return Path(a).resolve() == Path(b).resolve()
-    except OSError:
-        return False
+    async def close(self) -> None:
+        """Cancel the loads in flight and the placement timer (shutdown)."""
+        self.grace.cancel()
+        for task in list(self.tasks):
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)

@@ -1,4 +1,4 @@
-"""Served models, their replicas on workers, and routing a request to one.
+"""Served models and their replicas on workers (router.py picks one per request).
 
 A *served model* is a name clients use; it has a tokenizer and a chat
 template (read from the model file, without weights) and one or more
@@ -8,21 +8,25 @@ away is loaded again when a worker for that die comes back.
 """
 from __future__ import annotations
 
+import asyncio
+import functools
+import hashlib
 import itertools
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..common import settings
 from ..common.chat_template import ChatTemplate
 from ..common.model_file import ModelConfig, ModelFileError, check_tensors, read_config
 from ..common.weight_format import READABLE, tensor_list, unreadable
 from ..common.tokenizer import Tokenizer, open_tokenizer
-from .openai_api import APIError
+from .errors import APIError
 
 log = logging.getLogger("pantheon.frontend.registry")
 
 
-MAX_ENTRIES = 16           # resident replicas, all models together (the spec's MR_MAX_MODELS)
+MAX_ENTRIES = settings.MAX_MODELS   # resident replicas, all models (the spec's MR_MAX_MODELS)
 
 
 class ReplicaState:
@@ -31,6 +35,12 @@ class ReplicaState:
     READY = "ready"          # takes requests
     UNLOADING = "unloading"  # takes no new requests; draining, then gone
     FAILED = "failed"        # the load failed; `error` says why
+
+
+def idle_event() -> asyncio.Event:
+    event = asyncio.Event()
+    event.set()
+    return event
 
 
 @dataclass
@@ -50,6 +60,10 @@ class Replica:
     progress: tuple[int, int] = (0, 0)
     served: int = 0                # requests routed here, for the record
     loads: int = 0                 # uploads that completed (a kept replica adds none)
+    path: str = ""                 # its own file (a copy of the model's); "": the model's
+    idle: asyncio.Event = field(default_factory=lambda: idle_event(), repr=False,
+                                compare=False)   # set while nothing is in flight
+
 
     def as_json(self) -> dict:
         return {"id": self.model_id, "die": self.die, "state": self.state,
@@ -95,15 +109,58 @@ def open_model(path: str, name: str | None, created: int) -> ServedModel:
     return ServedModel(name or Path(path).stem, str(path), config, tokenizer, template, created)
 
 
+HEAD_BYTES = 4 << 20      # a GGUF's header, metadata and tensor table, and more
+
+
+@functools.lru_cache(maxsize=64)
+def _fingerprint(path: str, stamp: tuple) -> tuple[int, str]:
+    """(bytes, sha256 of the head of every file) of a model file or folder."""
+    root = Path(path)
+    files = sorted(f for f in root.iterdir() if f.is_file()) if root.is_dir() else [root]
+    digest, size = hashlib.sha256(), 0
+    for f in files:
+        n = f.stat().st_size
+        size += n
+        digest.update(f"{f.name if root.is_dir() else ''}:{n}:".encode())
+        with open(f, "rb") as fh:
+            digest.update(fh.read(HEAD_BYTES))
+    return size, digest.hexdigest()
+
+
+def fingerprint(path: str) -> tuple[int, str]:
+    real = Path(path).resolve()
+    st = real.stat()
+    return _fingerprint(str(real), (st.st_size, st.st_mtime_ns))
+
+
+def same_model(a: str, b: str) -> str | None:
+    """None when the two paths hold the same model: the same file (through a symlink, or
+    the same resolved path), or files of the same size whose heads (header, metadata,
+    tensor table, first tensors) are byte-identical; else what differs."""
+    try:
+        if Path(a).resolve() == Path(b).resolve():
+            return None
+        (size_a, head_a), (size_b, head_b) = fingerprint(a), fingerprint(b)
+    except OSError as exc:
+        return f"cannot read it: {exc}"
+    if size_a != size_b:
+        return f"{size_b:,} bytes against {size_a:,}"
+    if head_a != head_b:
+        return "the same size, but different header or tensor data"
+    return None
+
+
 class Registry:
     def __init__(self):
         self.models: dict[str, ServedModel] = {}
         self.ids = itertools.count(1)
 
     def add(self, model: ServedModel, die: str | None) -> Replica:
-        """A new replica of `model` (a new served name, or one more copy of it)."""
+        """A new replica of `model` (a new served name, or one more copy of it, whose file
+        may be another path to the same model: see same_model)."""
         served = self.models.setdefault(model.name, model)
-        replica = Replica(f"{model.name}#{next(self.ids)}", die)
+        replica = Replica(f"{model.name}#{next(self.ids)}", die,
+                          path="" if served is model else model.path)
         served.replicas.append(replica)
         return replica
 

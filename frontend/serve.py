@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import uvicorn
 import zmq
 
+from ..common import settings
 from .admission import Admission
 from .admin import Admin, AdminSocket
 from .app import build_app
@@ -23,28 +24,34 @@ from .workers import WorkerPool
 log = logging.getLogger("pantheon.frontend")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ServeConfig:
+    """Everything `pantheon serve` runs with; built by name, defaults from settings."""
+
     models: list[tuple[str, str | None]]          # (path, served name or None)
-    host: str = "127.0.0.1"
-    port: int = 8000
-    worker_addr: str = "tcp://127.0.0.1:5570"
+    host: str = settings.HOST
+    port: int = settings.PORT
+    worker_addr: str = settings.WORKER_ADDR
     spawn: list[str] = field(default_factory=lambda: ["cpu"])   # [] = --no-spawn
-    slots: int = 8
+    slots: int = settings.SLOTS
     ctx: int = 0
     api_key: str | None = None
-    max_body_bytes: int = 8 << 20
-    worker_timeout_s: float = 5.0        # silence (or a step) this long: the worker is slow
-    prefill_chunk: int = 128
-    prefix_cache_mb: float = 512
-    queue_depth: int = 32
-    queue_timeout_s: float = 30.0
-    admin_addr: str = "tcp://127.0.0.1:5571"
+    max_body_bytes: int = settings.MAX_BODY_BYTES
+    worker_timeout_s: float = settings.WORKER_TIMEOUT_S     # silence (or a step): slow
+    prefill_chunk: int = settings.PREFILL_CHUNK
+    prefix_cache_mb: float = settings.PREFIX_CACHE_MB
+    queue_depth: int = settings.QUEUE_DEPTH
+    queue_timeout_s: float = settings.QUEUE_TIMEOUT_S
+    admin_addr: str = settings.ADMIN_ADDR
     admin_key: str | None = None
-    max_models: int = 16
+    max_models: int = settings.MAX_MODELS
     context_cap: bool = True
-    worker_lost_after_s: float = 60.0    # silence this long: an external worker is lost
+    worker_lost_after_s: float = settings.WORKER_LOST_AFTER_S   # silence: external one lost
     quantize: str = "auto"
+
+    def __post_init__(self):
+        if self.worker_lost_after_s < self.worker_timeout_s:
+            raise ValueError("--worker-lost-after must be at least --worker-timeout")
 
 
 async def serve(cfg: ServeConfig) -> int:
@@ -86,8 +93,10 @@ async def serve(cfg: ServeConfig) -> int:
     finally:
         for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         admin_socket.close()
         admission.close()
+        await placer.close()
         await supervisor.stop()
         await pool.close()
     return 0 if server.started else 1
@@ -115,8 +124,7 @@ def bind(what: str, address: str, make):
 async def announce_when_ready(cfg: ServeConfig, placer: Placer, registry: Registry,
                               addr: str) -> None:
     log.info("workers connect to %s; admin socket at %s", addr, cfg.admin_addr)
-    while not placer.settled():
-        await asyncio.sleep(0.1)
+    await placer.wait_settled()
     names = ", ".join(m.name for m in registry.ready_models()) or "none"
     failed = [f"{m.name} ({r.error})" for m, r in registry.replicas() if r.error]
     print(f"Pantheon ready at http://{cfg.host}:{cfg.port} (models: {names})", flush=True)
@@ -132,8 +140,7 @@ FULL_LOGITS_REFUSED = (
 
 def main(args) -> int:
     from ..common.default_model import DEFAULT_NAME, default_model_path
-    from ..common.settings import gpu_full_logits
-    if gpu_full_logits():
+    if settings.gpu_full_logits():
         raise RuntimeError(FULL_LOGITS_REFUSED)
     paths, names = args.model, list(args.name or [])
     if not paths:
@@ -143,13 +150,14 @@ def main(args) -> int:
         raise ValueError("more --name than --model flags")
     models = [(path, names[i] if i < len(names) else None) for i, path in enumerate(paths)]
     spawn = [] if args.no_spawn else [d.strip() for d in args.spawn_workers.split(",") if d.strip()]
-    from ..common.settings import queue_depth
-    cfg = ServeConfig(models, args.host, args.port, args.worker_addr, spawn, args.slots,
-                      args.ctx, args.api_key, args.max_body_bytes, args.worker_timeout,
-                      args.prefill_chunk, args.prefix_cache_mb,
-                      args.queue_depth if args.queue_depth is not None else queue_depth(),
-                      args.queue_timeout, args.admin_addr, args.admin_key, args.max_models,
-                      not args.no_context_cap, worker_lost_after_s=args.worker_lost_after, quantize=args.quantize)
-    if cfg.worker_lost_after_s < cfg.worker_timeout_s:
-        raise ValueError("--worker-lost-after must be at least --worker-timeout")
+    cfg = ServeConfig(
+        models=models, host=args.host, port=args.port, worker_addr=args.worker_addr,
+        spawn=spawn, slots=args.slots, ctx=args.ctx, api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes, worker_timeout_s=args.worker_timeout,
+        prefill_chunk=args.prefill_chunk, prefix_cache_mb=args.prefix_cache_mb,
+        queue_depth=args.queue_depth if args.queue_depth is not None else settings.queue_depth(),
+        queue_timeout_s=args.queue_timeout, admin_addr=args.admin_addr,
+        admin_key=args.admin_key, max_models=args.max_models,
+        context_cap=not args.no_context_cap, worker_lost_after_s=args.worker_lost_after,
+        quantize=args.quantize)
     return asyncio.run(serve(cfg))

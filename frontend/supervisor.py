@@ -13,6 +13,7 @@ import sys
 import psutil
 
 from ..common import protocol as p
+from ..common import settings
 from .workers import WorkerPool
 
 log = logging.getLogger("pantheon.frontend.supervisor")
@@ -39,7 +40,7 @@ def core_sets(dies: list[str]) -> dict[str, list[int]]:
 
 
 class Supervisor:
-    def __init__(self, dies: list[str], frontend_addr: str, pool: WorkerPool, slots: int = 8,
+    def __init__(self, dies: list[str], frontend_addr: str, pool: WorkerPool, slots: int = settings.SLOTS,
                  extra_args: list[str] | None = None):
         self.dies, self.addr, self.pool, self.slots = dies, frontend_addr, pool, slots
         self.cores = core_sets(dies)

@@ -16,7 +16,8 @@ import json
 import re
 import secrets
 
-from .openai_api import APIError
+from .emitter import END_TOOL, TOOL
+from .errors import APIError
 
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _CHOICES = ("none", "auto", "required")
@@ -42,17 +43,17 @@ def check_tools(tools, tool_choice) -> None:
     the edge (prompt rewriting, grammar building) has to defend against odd shapes."""
     names: list[str] = []
     if tools is not None:
-        if not isinstance(tools, list):
-            raise _bad("tools", "tools must be a list of function tools")
+        if not isinstance(tools, list) or not all(
+                isinstance(t, dict) and t.get("type") == "function"
+                and isinstance(t.get("function"), dict)
+                and isinstance(t["function"].get("name"), str) and t["function"]["name"]
+                for t in tools):
+            raise _bad("tools", 'tools must be a list of {"type": "function", '
+                                '"function": {"name": ...}} objects')
         for i, tool in enumerate(tools):
-            where = f"tools[{i}]"
-            if not isinstance(tool, dict) or tool.get("type") != "function":
-                raise _bad(f"{where}.type", f'{where} must be an object with type "function"')
-            fn = tool.get("function")
-            if not isinstance(fn, dict):
-                raise _bad(f"{where}.function", f"{where}.function must be an object")
-            name = fn.get("name")
-            if not isinstance(name, str) or not _NAME.fullmatch(name):
+            where, fn = f"tools[{i}]", tool["function"]
+            name = fn["name"]
+            if not _NAME.fullmatch(name):
                 raise _bad(f"{where}.function.name", f"{where}.function.name must be 1-64 "
                                                      "characters of a-z, A-Z, 0-9, _ or -")
             if name in names:  # a call names its function; two of one name are ambiguous
@@ -107,12 +108,15 @@ def _tools_block(tools: list[dict], tool_choice) -> str:
 
 
 def _text(content) -> str:
-    """Content as a string: None is empty, text parts are joined as the template would."""
-    if content is None:
-        return ""
-    if isinstance(content, list):
-        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return str(content)
+    """Content as a string: the edge (openai_api) already flattened text parts into one
+    string; an assistant turn with only tool calls has None."""
+    return content or ""
+
+
+def tool_call_text(inner: str) -> str:
+    """A `<tool_call>` block around `inner`, as the Hermes convention writes it (the
+    history of past calls, and a malformed block handed back as plain content)."""
+    return f"{TOOL}{inner}{END_TOOL}"
 
 
 def _call_block(call: dict) -> str:
@@ -125,7 +129,7 @@ def _call_block(call: dict) -> str:
         except ValueError:
             pass  # keep the string: the history says what it says
     body = json.dumps({"name": fn.get("name"), "arguments": args}, ensure_ascii=False)
-    return f"<tool_call>\n{body}\n</tool_call>"
+    return tool_call_text(f"\n{body}\n")
 
 
 def prepare_conversation(messages: list[dict], tools: list[dict] | None, tool_choice,

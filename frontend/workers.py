@@ -124,6 +124,7 @@ class WorkerPool:
         self.streams: dict[str, RequestStream] = {}
         self.loads: dict[str, asyncio.Future] = {}
         self.progress: dict[str, tuple[int, int]] = {}   # model id → (done, total) layers
+        self.progress_queues: dict[str, asyncio.Queue] = {}   # loads someone watches
         self.unloads: dict[str, asyncio.Future] = {}
         self.on_join: list[Callable[[WorkerInfo], None]] = []
         self.on_lost: list[Callable[[WorkerInfo], None]] = []
@@ -131,16 +132,17 @@ class WorkerPool:
         self.ids = itertools.count()
         self.id_prefix = secrets.token_hex(3)   # ids stay unique across frontend restarts
         self.tasks: list[asyncio.Task] = []
-        self.pending: set[asyncio.Task] = set()         # fire-and-forget sends, referenced
+        self.pending: set[asyncio.Task] = set()   # fire-and-forget sends and aborts: owned
 
     def start(self) -> None:
         self.tasks = [asyncio.create_task(self.receive_loop(), name="zmq-receive"),
                       asyncio.create_task(self.liveness_loop(), name="worker-liveness")]
 
     async def close(self) -> None:
-        for task in self.tasks:
+        tasks = self.tasks + list(self.pending)
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self.sock.close(0)
 
     # -- sending -----------------------------------------------------------------------
@@ -187,7 +189,16 @@ class WorkerPool:
     def abort_soon(self, request_id: str) -> None:
         """abort() from code that cannot await (a cancelled stream's cleanup)."""
         if request_id in self.streams:
-            asyncio.get_running_loop().create_task(self.abort(request_id))
+            self.own(asyncio.ensure_future(self.abort(request_id)))
+
+    def own(self, task: asyncio.Task) -> None:
+        """Keep a reference to a task nobody awaits, until it ends (cancelled on close)."""
+        self.pending.add(task)
+        task.add_done_callback(self.pending.discard)
+
+    def watch_progress(self, model_id: str) -> asyncio.Queue:
+        """A queue of this load's (done, total) as its worker reports them."""
+        return self.progress_queues.setdefault(model_id, asyncio.Queue())
 
     async def load(self, worker: WorkerInfo, msg: p.Load, timeout: float = 1800) -> p.Loaded:
         fut = self.waiter(worker)
@@ -246,6 +257,9 @@ class WorkerPool:
             worker.heartbeat, worker.beat_at = msg, now
             self.check_slow(worker, now)
             self.changed()
+        elif isinstance(msg, p.Outputs):
+            for tokens in msg.outputs:
+                self.deliver(tokens.request_id, tokens)
         elif isinstance(msg, p.Tokens):
             self.deliver(msg.request_id, msg)
         elif isinstance(msg, p.Error):
@@ -257,6 +271,8 @@ class WorkerPool:
             self.resolve(self.loads, msg.model_id, msg)
         elif isinstance(msg, p.LoadProgress):
             self.progress[msg.model_id] = (msg.done, msg.total)
+            if msg.model_id in self.progress_queues:
+                self.progress_queues[msg.model_id].put_nowait((msg.done, msg.total))
         elif isinstance(msg, p.LoadFailed):
             fut = self.loads.get(msg.model_id)
             if fut is not None and not fut.done():
@@ -300,8 +316,7 @@ class WorkerPool:
     def spawn_send(self, ident: bytes, msg) -> None:
         task = asyncio.ensure_future(self.sock.send_multipart([ident, p.encode(msg)]))
         task.add_done_callback(lambda t: t.cancelled() or t.exception())   # a gone peer
-        self.pending.add(task)
-        task.add_done_callback(self.pending.discard)
+        self.own(task)
 
     def changed(self) -> None:
         for callback in self.on_change:

@@ -120,8 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=cmd_run)
 
     serve = sub.add_parser("serve", help="the OpenAI-compatible server (frontend + workers)")
-    serve.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--host", default=settings.HOST, help="HTTP bind address")
+    serve.add_argument("--port", type=int, default=settings.PORT)
     serve.add_argument("--model", action="append", metavar="PATH",
                        help="GGUF file or Hugging Face folder; repeatable (default: SmolLM2)")
     serve.add_argument("--name", action="append", metavar="NAME",
@@ -130,18 +130,18 @@ def build_parser() -> argparse.ArgumentParser:
                        help="dies to spawn workers for: cpu, CUDA numbers, e.g. cpu,0,1")
     serve.add_argument("--no-spawn", action="store_true",
                        help="spawn nothing; wait for externally supervised workers")
-    serve.add_argument("--worker-addr", default="tcp://127.0.0.1:5570",
+    serve.add_argument("--worker-addr", default=settings.WORKER_ADDR,
                        help="ZeroMQ address the frontend binds for workers")
-    serve.add_argument("--slots", type=int, default=8,
+    serve.add_argument("--slots", type=int, default=settings.SLOTS,
                        help="KV slots per model replica (1: single-user mode)")
-    serve.add_argument("--prefill-chunk", type=int, default=128,
+    serve.add_argument("--prefill-chunk", type=int, default=settings.PREFILL_CHUNK,
                        help="prompt tokens per step; bounds a decode stall to one chunk")
-    serve.add_argument("--prefix-cache-mb", type=float, default=512,
+    serve.add_argument("--prefix-cache-mb", type=float, default=settings.PREFIX_CACHE_MB,
                        help="per worker: host memory for KV states of idle conversations")
     serve.add_argument("--queue-depth", type=int, default=None,
                        help="requests that may wait for a slot per model (env BS_QUEUE_DEPTH, "
-                            "default 32)")
-    serve.add_argument("--queue-timeout", type=float, default=30.0,
+                            f"default {settings.QUEUE_DEPTH})")
+    serve.add_argument("--queue-timeout", type=float, default=settings.QUEUE_TIMEOUT_S,
                        help="seconds a request may wait for a slot before a 429")
     serve.add_argument("--ctx", type=int, default=0,
                        help="context per slot (default: the model's, at most 4096)")
@@ -149,10 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--admin-key", help="key for /admin/ routes and the admin socket "
                        "(env PANTHEON_ADMIN_KEY; default: the API key guards /admin/)")
     serve.add_argument("--admin-addr", help="ZeroMQ admin socket to bind "
-                       "(env PANTHEON_ADMIN_ADDR, default tcp://127.0.0.1:5571)")
-    serve.add_argument("--max-models", type=int, default=16,
+                       f"(env PANTHEON_ADMIN_ADDR, default {settings.ADMIN_ADDR})")
+    serve.add_argument("--max-models", type=int, default=settings.MAX_MODELS,
                        help="resident replicas at most (the spec's MR_MAX_MODELS)")
-    serve.add_argument("--max-body-bytes", type=int, default=8 << 20)
+    serve.add_argument("--max-body-bytes", type=int, default=settings.MAX_BODY_BYTES)
     serve.add_argument("--no-context-cap", action="store_true",
                        help="refuse (400) a conversation longer than the context instead of "
                             "dropping its oldest turns")
@@ -160,18 +160,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help="weights in memory: auto (GGUF blocks as stored, float tensors "
                             "as stored), none (dense fp32, the exact reference), q8_0 or q4 "
                             "(float tensors quantized at load)")
-    serve.add_argument("--worker-timeout", type=float, default=5.0,
+    serve.add_argument("--worker-timeout", type=float, default=settings.WORKER_TIMEOUT_S,
                        help="seconds of silence (or of one step) after which a worker is "
                             "slow: it keeps its requests and gets new ones only when no "
                             "other replica can serve")
-    serve.add_argument("--worker-lost-after", type=float, default=60.0,
+    serve.add_argument("--worker-lost-after", type=float,
+                       default=settings.WORKER_LOST_AFTER_S,
                        help="seconds of silence after which an external worker is lost "
                             "(spawned workers are lost only when their process exits)")
     serve.set_defaults(func=cmd_serve)
 
     admin = sub.add_parser("admin", help="load, unload and inspect models on a running server")
     admin.add_argument("--addr", help="admin socket (env PANTHEON_ADMIN_ADDR, default "
-                       "tcp://127.0.0.1:5571)")
+                       f"{settings.ADMIN_ADDR})")
     admin.add_argument("--key", help="admin key (env PANTHEON_ADMIN_KEY)")
     admin.add_argument("--timeout", type=float, default=1800, help="seconds to wait for the answer")
     admin_sub = admin.add_subparsers(dest="admin_command", required=True)
@@ -184,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     unload = admin_sub.add_parser("unload", help="unload every replica of a name, or one die's")
     unload.add_argument("name")
     unload.add_argument("--die")
-    unload.add_argument("--timeout-s", type=float, default=30.0,
+    unload.add_argument("--timeout-s", type=float, default=settings.UNLOAD_TIMEOUT_S,
                         help="drain deadline before in-flight requests are aborted")
     for cmd in ("dies", "models", "status"):
         admin_sub.add_parser(cmd, help=f"show {cmd}")
@@ -192,11 +193,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     worker = sub.add_parser("worker", help="one worker process for one die")
     worker.add_argument("--die", default="cpu", help="cpu (or cpu:N) or a CUDA device number")
-    worker.add_argument("--frontend", default="tcp://127.0.0.1:5570",
+    worker.add_argument("--frontend", default=settings.WORKER_ADDR,
                         help="the frontend's ZeroMQ address")
-    worker.add_argument("--slots", type=int, default=8, help="default KV slots per model")
+    worker.add_argument("--slots", type=int, default=settings.SLOTS,
+                        help="default KV slots per model")
     worker.add_argument("--cores", type=core_list, help="pin to these CPU cores, e.g. 0,1")
-    worker.add_argument("--prefix-cache-mb", type=float, default=512,
+    worker.add_argument("--prefix-cache-mb", type=float, default=settings.PREFIX_CACHE_MB,
                         help="host memory for KV states of idle conversations (0: off)")
     worker.add_argument("--budget-mb", type=float,
                         help="memory models may use on this die (default: all of it)")

@@ -108,6 +108,49 @@ def test_a_replica_under_the_same_name_shares_the_load(fleet):
     assert len(smol["replicas"]) == 2 and all(r["served"] > 0 for r in smol["replicas"])
 
 
+def test_n_choices_of_a_request_go_to_one_replica(fleet):
+    """With two replicas of the name, the four choices of one request still land on one
+    worker, which prefills the prompt once and forks it (its scheduler's WAIT slots)."""
+    def served():
+        (smol,) = [m for m in admin(fleet, "models").json()["models"] if m["name"] == NAME]
+        assert len(smol["replicas"]) == 2
+        return {r["id"]: r["served"] for r in smol["replicas"]}
+    before = served()
+    for seed in range(2):
+        r = fleet.client().chat.completions.create(
+            model=NAME, n=4, max_tokens=4, seed=seed, logit_bias=NO_EOS,
+            messages=[{"role": "user", "content": f"Name a colour ({seed})."}])
+        assert len(r.choices) == 4 and r.usage.completion_tokens == 16
+        after = served()
+        assert sorted(after[k] - before[k] for k in after) == [0, 4]
+        before = after
+
+
+def test_replicas_are_known_by_content_not_by_path(fleet):
+    """The same file through a symlink, or a byte-identical copy elsewhere, is one more
+    replica of the name; another model under a taken name is a 409 saying what differs."""
+    folder = Path(fleet.tiny).parent
+    link, copy = folder / "link.gguf", folder / "copy" / "tiny.gguf"
+    link.symlink_to(fleet.tiny)
+    copy.parent.mkdir()
+    copy.write_bytes(Path(fleet.tiny).read_bytes())
+    (tiny,) = [m for m in admin(fleet, "models").json()["models"] if m["name"] == "tiny"]
+    other = next(d["die"] for d in admin(fleet, "dies").json()["dies"]
+                 if d["die"] != tiny["replicas"][0]["die"])
+    for path in (link, copy):
+        r = admin(fleet, "load", {"path": str(path), "name": "tiny", "dies": [other]})
+        assert r.status_code == 200, r.text
+        (tiny,) = [m for m in admin(fleet, "models").json()["models"] if m["name"] == "tiny"]
+        assert len(tiny["replicas"]) == 2 and all(x["state"] == "ready" for x in tiny["replicas"])
+        assert fleet.client().completions.create(model="tiny", prompt="a", max_tokens=2).usage
+        assert admin(fleet, "unload", {"name": "tiny", "die": other}).status_code == 200
+    different = tm.write_gguf("llama", folder / "other.gguf")
+    r = admin(fleet, "load", {"path": str(different), "name": "tiny"})
+    assert r.status_code == 409, r.text
+    message = r.json()["error"]["message"]
+    assert "different model" in message and ("bytes against" in message or "header" in message)
+
+
 @pytest.mark.parametrize("body, status", [
     ({"name": "x"}, 400),                                          # no path
     ({"path": "/no/such/model.gguf"}, 404),

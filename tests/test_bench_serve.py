@@ -173,3 +173,21 @@ def test_cli_arguments_and_output(url, tmp_path, capsys):
     printed = json.loads(capsys.readouterr().out)
     assert printed == json.loads(out_file.read_text())
     assert printed["levels"][0]["requests"] == 4 and fake.count == 4
+
+
+def test_server_cpu_per_token_is_read_from_the_server_process(url):
+    import os
+    fake.reset()
+    result = serve.run(url, None, [2], 4, 16, 20, None, seed=0, warmup=0,
+                       server_pid=os.getpid(), idle_s=0.2)   # the fake server: our thread
+    (lv,) = result["levels"]
+    assert lv["server_cpu_s"] > 0 and lv["server_cpu_ms_per_token"] == pytest.approx(
+        1000 * lv["server_cpu_s"] / lv["completion_tokens"])
+    assert lv["server_idle_cpu_ms_per_s"] >= 0
+    assert lv["server_cpu_ms_per_token_above_idle"] == pytest.approx(
+        lv["server_cpu_ms_per_token"]
+        - lv["server_idle_cpu_ms_per_s"] * lv["wall_s"] / lv["completion_tokens"])
+    assert {"c2_server_cpu_ms_per_token", "c2_server_cpu_ms_per_token_above_idle"} <= set(
+        result["summary"])
+    plain = serve.run(url, None, [2], 4, 16, 20, None, seed=0, warmup=0)
+    assert "server_cpu_s" not in plain["levels"][0]

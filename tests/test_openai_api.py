@@ -2,9 +2,11 @@ import json
 
 import pytest
 
+from pantheon.common.protocol import Sampling
+
 from pantheon.frontend.openai_api import (
     APIError, ChatRequest, chat_choice, chat_chunk, chat_response, completion_id, models_list,
-    parse_chat_request, parse_completion_request, sse, sse_error, to_sampling, usage,
+    parse_chat_request, parse_completion_request, sse, sse_error, usage,
     usage_chunk,
 )
 
@@ -155,9 +157,10 @@ def test_bad_completion_requests(extra, param):
 def test_minimal_request_defaults():
     req = parse_chat_request(body())
     assert req == ChatRequest(model=None, messages=USER, max_tokens=None)
-    assert to_sampling(req) == {
-        "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
-        "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": {}, "seed": None}
+    assert req.sampling == Sampling(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
+                                    repetition_penalty=1.0, presence_penalty=0.0,
+                                    frequency_penalty=0.0, logit_bias={}, seed=None)
+    assert req.return_token_ids is False
 
 
 def test_full_request_normalized():
@@ -169,17 +172,17 @@ def test_full_request_normalized():
         max_completion_tokens=20, some_future_field={"x": 1}, tool_choice="auto"))
     assert req.model == "smol"
     assert req.max_tokens == 20                       # max_completion_tokens wins
-    assert req.top_k == 0                             # -1 means off
+    assert req.sampling.top_k == 0                    # -1 means off
     assert req.stop == ["END"]
-    assert req.logit_bias == {15: -100.0, 7: 2.5}
+    assert req.sampling.logit_bias == {15: -100.0, 7: 2.5}
     assert req.stream and req.include_usage
     assert req.user == "u1" and req.tool_choice == "auto"
-    sampling = to_sampling(req)
-    assert sampling["temperature"] == 0.0 and isinstance(sampling["temperature"], float)
-    assert isinstance(sampling["presence_penalty"], float)
-    assert sampling["seed"] == -(2**63 - 1)
-    assert list(sampling) == ["temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                              "presence_penalty", "frequency_penalty", "logit_bias", "seed"]
+    sampling = req.sampling                            # the wire's own type, validated once
+    assert isinstance(sampling, Sampling)
+    assert sampling.temperature == 0.0 and isinstance(sampling.temperature, float)
+    assert isinstance(sampling.presence_penalty, float)
+    assert sampling.seed == -(2**63 - 1)
+    assert sampling.check(vocab_size=100) is sampling
 
 
 def test_content_parts_flattened_and_roles():
@@ -210,13 +213,13 @@ def test_tool_round_trip_messages():
 def test_stop_list_and_nulls_mean_absent():
     req = parse_chat_request(body(stop=["a", "b"], temperature=None, stream=None,
                                   stream_options=None, tools=[], seed=None, model=None))
-    assert req.stop == ["a", "b"] and req.temperature == 1.0 and req.stream is False
-    assert req.tools is None and req.seed is None
+    assert req.stop == ["a", "b"] and req.sampling.temperature == 1.0 and req.stream is False
+    assert req.tools is None and req.sampling.seed is None
 
 
 def test_ints_accepted_where_floats_expected():
     req = parse_chat_request(body(temperature=2, top_p=1, min_p=0))
-    assert (req.temperature, req.top_p, req.min_p) == (2.0, 1.0, 0.0)
+    assert (req.sampling.temperature, req.sampling.top_p, req.sampling.min_p) == (2.0, 1.0, 0.0)
 
 
 def test_session_id_body_then_header():

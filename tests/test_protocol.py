@@ -33,6 +33,10 @@ SAMPLES = [
                128, stop_ids=[2], session_id="s"),
     p.Generate("r3", "m-1", [1], p.Sampling(0.0), 8, grammar='{"grammars": []}', logprobs=2),
     p.Tokens("r3", [5], logprobs=[[-0.5, [[5, -0.5], [7, -1.25]]]]),
+    p.Outputs([]),
+    p.Outputs([p.Tokens("r1", [7]), p.Tokens("r2", [], finish="stop", prompt_tokens=3,
+                                             completion_tokens=9, cached_tokens=1),
+               p.Tokens("r3", [5], logprobs=[[-0.5, [[5, -0.5]]]])]),
     p.Abort("r1"),
     p.Shutdown(),
     p.AdminRequest("load", {"path": "/m.gguf", "dies": ["cpu:1"], "ctx": 512}, "tok"),
@@ -71,6 +75,9 @@ def raw(**body):
     (raw(k="abort", request_id=5), "Abort.request_id: expected str"),
     (raw(k="tokens", request_id="x", tokens=[1, "2"]), "Tokens.tokens"),
     (raw(k="tokens", request_id="x", tokens=[True]), "Tokens.tokens"),
+    (raw(k="outputs", outputs=[{"request_id": "x", "tokens": ["1"]}]), "Tokens.tokens"),
+    (raw(k="outputs", outputs=[{"tokens": [1]}]), "lacks field 'request_id'"),
+    (raw(k="outputs", outputs={"x": 1}), "Outputs.outputs"),
     (raw(k="generate", request_id="r", model_id="m", prompt=[1], sampling=[], max_tokens=1),
      "Generate.sampling"),
     (raw(k="generate", request_id="r", model_id="m", prompt=[1],
@@ -96,3 +103,16 @@ def test_size_limit(monkeypatch):
 def test_encode_refuses_foreign_objects():
     with pytest.raises(TypeError):
         p.encode({"k": "abort"})
+
+
+def test_a_step_of_eight_requests_decodes_in_one_message_cheaply():
+    import time
+    msg = p.Outputs([p.Tokens(f"req-ab-{i}", [1000 + i], prompt_tokens=40,
+                              completion_tokens=i) for i in range(8)])
+    data = p.encode(msg)
+    assert p.decode(data) == msg
+    t0 = time.perf_counter()
+    for _ in range(2000):
+        p.decode(data)
+    per_message = (time.perf_counter() - t0) / 2000
+    assert per_message < 200e-6          # ~25 us here; a decode per field lookup was ~190 us

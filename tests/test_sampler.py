@@ -393,7 +393,7 @@ def test_a_seeded_row_is_independent_of_its_neighbours():
 
 @pytest.mark.parametrize("bad, message", [
     (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"), (dict(min_p=2.0), "min_p"), (dict(top_k=-1), "top_k"),
+    (dict(top_p=1.5), "top_p"), (dict(min_p=2.0), "min_p"), (dict(top_k=-2), "top_k"),
     (dict(repetition_penalty=0.0), "repetition_penalty"),
     (dict(logit_bias={V + 1: 1.0}), "logit_bias"),
 ])

@@ -20,17 +20,27 @@ class FakeFrontend:
         self.port = free_port()
         self.sock.bind(f"tcp://127.0.0.1:{self.port}")
         self.ident = None
+        self.pending = []          # Tokens of an Outputs message not yet returned
+        self.kinds = set()         # message types seen
 
     def recv(self, kind=None, timeout=30.0):
-        """The next message (of `kind`, skipping heartbeats), decoded."""
+        """The next message (of `kind`, skipping heartbeats), decoded; a step's Outputs
+        come out as its Tokens, one by one."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if not self.sock.poll(200):
-                continue
-            ident, data = self.sock.recv_multipart()
-            if not ident.endswith(p.HEARTBEAT_SUFFIX):     # heartbeats have their own socket
-                self.ident = ident
-            msg = p.decode(data)
+            if self.pending:
+                msg = self.pending.pop(0)
+            else:
+                if not self.sock.poll(200):
+                    continue
+                ident, data = self.sock.recv_multipart()
+                if not ident.endswith(p.HEARTBEAT_SUFFIX):   # heartbeats have their own socket
+                    self.ident = ident
+                msg = p.decode(data)
+                self.kinds.add(type(msg))
+                if isinstance(msg, p.Outputs):
+                    self.pending += msg.outputs
+                    continue
             if kind is None and isinstance(msg, p.Heartbeat):
                 continue
             if kind is None or isinstance(msg, kind):
@@ -85,6 +95,7 @@ def test_load_generate_abort_unload_shutdown(worker):
         tokens += msg.tokens
         finish = msg.finish
     assert finish == "length" and len(tokens) == 5 and msg.completion_tokens == 5
+    assert p.Outputs in fe.kinds                  # a step's tokens travel in one message
     assert tokens[0] == int(tm.load_golden("llama")[0][-1].argmax())
     # bad requests are refused per request
     fe.send(p.Generate("r2", "tiny", [1, 999], greedy, 5))
@@ -134,7 +145,7 @@ def test_heartbeats_go_on_through_a_stalled_step(tmp_path):
                 steps.append(msg.step_s)
                 idents.add(ident)
                 assert msg.pid == proc.pid
-            elif isinstance(msg, p.Tokens):
+            elif isinstance(msg, (p.Tokens, p.Outputs)):
                 break
         assert max(steps) > 3.0                # beats kept coming while the step slept
         assert len([s for s in steps if s > 1.0]) >= 4

@@ -1,7 +1,7 @@
 """`pantheon worker`: one process per die, driven by the frontend over ZeroMQ.
 
 The loop: receive messages → admit waiting requests → one scheduler step per
-resident model → send the new tokens. Nothing heavy but the step runs on it:
+resident model → send the new tokens (one Outputs message per step). Nothing heavy but the step runs on it:
 model loads run in a thread (the engine is handed back to the loop only when
 it is loaded and warm), and so does the preparation of a constrained request
 (the grammar's tokenizer is built right after its model loads, each request's
@@ -36,7 +36,6 @@ from ..common import protocol as p
 from ..common import settings
 from .device import Device, open_device
 from .engine import Engine, load_engine
-from .sampler import SamplingParams
 from .scheduler import Request
 
 log = logging.getLogger("pantheon.worker")
@@ -104,7 +103,7 @@ class Heartbeats(threading.Thread):
 
 
 class Worker:
-    def __init__(self, device: Device, frontend: str, die: str, slots: int = 8,
+    def __init__(self, device: Device, frontend: str, die: str, slots: int = settings.SLOTS,
                  prefix_cache_bytes: int = 0, parent_pid: int = 0, budget: int = 0):
         self.device, self.die, self.slots = device, die, slots
         self.parent_pid = parent_pid     # spawned by a frontend: live and die with it
@@ -254,8 +253,7 @@ class Worker:
             return
         sched = replica.engine.scheduler
         try:
-            params = SamplingParams(**{f: getattr(msg.sampling, f) for f in
-                                       msg.sampling.__slots__}).check(replica.engine.cfg.vocab_size)
+            params = msg.sampling.check(replica.engine.cfg.vocab_size)
             if not msg.prompt or len(msg.prompt) >= sched.ctx:
                 raise ValueError(f"prompt of {len(msg.prompt)} tokens does not fit the "
                                  f"context of {sched.ctx}")
@@ -408,8 +406,10 @@ class Worker:
         for out in outputs:
             if out.finish:
                 self.owner.pop(out.request_id, None)
-            self.send(p.Tokens(out.request_id, out.tokens, out.finish, out.prompt_tokens,
-                               out.completion_tokens, out.cached_tokens, out.logprobs))
+        if outputs:             # one message per step, whatever the batch size
+            self.send(p.Outputs([p.Tokens(o.request_id, o.tokens, o.finish, o.prompt_tokens,
+                                          o.completion_tokens, o.cached_tokens, o.logprobs)
+                                 for o in outputs]))
 
 
 def pin_cores(cores: list[int] | None) -> None:

@@ -28,43 +28,16 @@ temperature → top_k → top_p → min_p → draw.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
 
 import numpy as np
+
+from ..common.protocol import Sampling
 
 F32 = np.float32
 
 
-@dataclass(slots=True)
-class SamplingParams:
-    """One request's sampling settings; validated by `check()`."""
-
-    temperature: float = 1.0      # 0 = greedy
-    top_k: int = 0                # 0 = off
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    repeat_last_n: int = 64
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    seed: int | None = None
-
-    def check(self, vocab_size: int) -> "SamplingParams":
-        rules = [
-            (self.temperature >= 0, "temperature must be >= 0"),
-            (self.top_k >= 0, "top_k must be >= 0"),
-            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
-            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
-            (self.repeat_last_n >= 0, "repeat_last_n must be >= 0"),
-            (all(0 <= int(t) < vocab_size for t in self.logit_bias),
-             f"logit_bias token ids must be in [0, {vocab_size})"),
-        ]
-        for ok, message in rules:
-            if not ok:
-                raise ValueError(message)
-        return self
+# One request's sampling settings: the wire's own declaration, checked by `check()`.
+SamplingParams = Sampling
 
 
 class SequenceSampler:

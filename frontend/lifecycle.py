@@ -1,0 +1,167 @@
+"""One request's life, the same for chat and text completions:
+
+    admission (slots for the whole group, on one replica) → start every choice
+    → stream SSE chunks, or collect and answer once → release
+
+all inside one `try/finally` this module owns, so a choice's slot is released and
+an unfinished worker sequence aborted whatever ends the request: the last token, an
+error, a client that disconnects (its watcher cancels the work), a server shutdown.
+The endpoints (chat.py, completions.py) only prepare a `Job`; what their answers look
+like is their renderer's business (openai_api).
+
+Everything that can be refused is refused before the first byte is sent: a rejected
+stream is a clean HTTP error; a failure after that is an SSE `error` event, then
+`[DONE]`.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from ..common import protocol as p
+from .admission import Admission
+from .emitter import Emitter
+from .errors import APIError
+from .generation import Generation
+from .openai_api import sse, sse_error
+from .registry import ServedModel
+from .workers import WorkerPool
+
+SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"),
+               (b"cache-control", b"no-cache")]
+
+
+@dataclass
+class Choice:
+    """One sequence of a request, ready to start."""
+
+    prompt: list[int]
+    sampling: p.Sampling
+    max_tokens: int
+    emitter: Emitter
+    grammar: str | None = None
+    logprobs: int = -1
+
+
+@dataclass
+class Job:
+    """A validated request: its model, its choices (one replica runs them all), how to
+    answer. `session` goes with the first choice (the one whose KV stays warm)."""
+
+    model: ServedModel
+    choices: list[Choice]
+    stream: bool
+    renderer: object                   # openai_api.ChatRenderer | CompletionRenderer
+    session: str | None = None
+    include_usage: bool = False
+    headers: dict = field(default_factory=dict)
+
+
+class Lifecycle:
+    def __init__(self, pool: WorkerPool, admission: Admission):
+        self.pool, self.admission = pool, admission
+
+    async def run(self, request: Request, send, job: Job) -> None:
+        """Answer `job` on `send` (ASGI); APIError before the first byte is sent."""
+        model, n = job.model, len(job.choices)
+        replica = await self.admission.acquire(model, job.session, n)
+        gens: list[Generation] = []
+        try:
+            for i, c in enumerate(job.choices):
+                gens.append(Generation(self.pool, self.admission, model, replica, c.prompt,
+                                       c.sampling, c.max_tokens, c.emitter,
+                                       job.session if i == 0 else None, c.grammar, c.logprobs))
+            for gen in gens:
+                await gen.start()
+            if job.stream:
+                await send({"type": "http.response.start", "status": 200,
+                            "headers": SSE_HEADERS})
+                await until_disconnect(request, self.stream(send, job, gens))
+                await send({"type": "http.response.body", "body": b""})
+                return
+            results = await until_disconnect(request, asyncio.gather(
+                *(collect(g) for g in gens)))
+            response = Response(status_code=499) if results is None else \
+                JSONResponse(job.renderer.whole(gens, results))
+            await response(request.scope, request.receive, send)
+        finally:
+            for _ in range(n - len(gens)):          # slots of choices never built
+                self.admission.release(model, replica)
+            for gen in gens:
+                gen.close()           # releases its slot; aborts the worker's if unfinished
+
+    async def stream(self, send, job: Job, gens: list[Generation]) -> None:
+        renderer = job.renderer
+
+        async def out(data: bytes) -> None:
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+        try:
+            for body in renderer.opening(gens):
+                await out(sse(body))
+            async for i, event in choice_events(gens):
+                await out(sse(renderer.event(i, gens[i], event) if event is not None
+                              else renderer.closing(i, gens[i])))
+            if job.include_usage:
+                await out(sse(renderer.usage(gens)))
+        except APIError as exc:
+            await out(sse_error(exc))
+        await out(sse("[DONE]"))
+
+
+async def collect(gen: Generation) -> list:
+    return [event async for event in gen.events()]
+
+
+async def choice_events(gens: list[Generation]):
+    """(choice index, event) from every generation as they come; (i, None) when i ends.
+    One choice is read directly; several through a task each, cancelled on the way out."""
+    if len(gens) == 1:
+        async for event in gens[0].events():
+            yield 0, event
+        yield 0, None
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, gen):
+        try:
+            async for event in gen.events():
+                queue.put_nowait((i, event))
+            queue.put_nowait((i, None))
+        except Exception as exc:
+            queue.put_nowait((i, exc))
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        for _ in range(len(gens)):
+            while True:
+                i, item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield i, item
+                if item is None:
+                    break
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def until_disconnect(request: Request, work):
+    """Run `work`; None if the client disconnects first (the work is cancelled)."""
+    task = asyncio.ensure_future(work)
+
+    async def left():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    watcher = asyncio.ensure_future(left())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task in done:
+        return task.result()
+    await asyncio.gather(task, return_exceptions=True)
+    return None

@@ -154,36 +154,20 @@ def _weights(m: QMatrix) -> tuple:
 _local = threading.local()
 
 
-def _scratch(batch: int, cols: int) -> tuple:
-    """This thread's buffers for x quantized (int16 values, scales, sums) and pointers."""
-    key = (batch, cols)
+def _scratch(batch: int, cols: int, scale_block: int) -> tuple:
+    """Pointers to this thread's buffers for x quantized to int16: values, a scale per
+    `scale_block` (32 for the blocked kinds, 256 for the K-quants), sums per 32."""
+    key = (batch, cols, scale_block)
     bufs = getattr(_local, "bufs", None)
     if bufs is None:
         bufs = _local.bufs = {}
     if key not in bufs:
         if len(bufs) > 64:
             bufs.clear()
-        xq = np.empty((batch, cols), dtype=np.int16)
-        xd = np.empty((batch, cols // 32), dtype=F32)
-        xs = np.empty_like(xd)
-        bufs[key] = (xq, xd, xs, _ptr(xq), _ptr(xd), _ptr(xs))
-    return bufs[key][3:]
-
-
-def _scratch_k(batch: int, cols: int) -> tuple:
-    """This thread's buffers for x quantized per 256 (int16 values, scales, sums per 32)
-    and their pointers."""
-    key = ("k", batch, cols)
-    bufs = getattr(_local, "bufs", None)
-    if bufs is None:
-        bufs = _local.bufs = {}
-    if key not in bufs:
-        if len(bufs) > 64:
-            bufs.clear()
-        xq = np.empty((batch, cols), dtype=np.int16)
-        xd = np.empty((batch, cols // 256), dtype=F32)
-        xs = np.empty((batch, cols // 32), dtype=F32)
-        bufs[key] = (xq, xd, xs) + tuple(_ptr(a) for a in (xq, xd, xs))
+        arrays = (np.empty((batch, cols), dtype=np.int16),
+                  np.empty((batch, cols // scale_block), dtype=F32),
+                  np.empty((batch, cols // 32), dtype=F32))
+        bufs[key] = arrays + tuple(_ptr(a) for a in arrays)
     return bufs[key][3:]
 
 
@@ -227,13 +211,13 @@ def matmul(x: np.ndarray, m: QMatrix, path: str = "auto") -> np.ndarray:
     batch = x.shape[0]
     out = np.empty((batch, m.rows), dtype=F32)
     if m.kind in K_BYTES and path != "tile" and batch <= GEMV_MAX_ROWS and HAS_INT_PATH[0]:
-        xq, xd, xs = _scratch_k(batch, m.cols)
+        xq, xd, xs = _scratch(batch, m.cols, 256)
         lib.pn_quantize_xk(_ptr(x), batch, m.cols, xq, xd, xs)
         lib.pn_gemv_k(code, qs, m.rows, m.cols, xq, xd, xs, batch, _ptr(out))
         return out
     if path in ("auto", "i8") and batch <= GEMV_MAX_ROWS and m.kind in ("q4", "q8") \
             and HAS_INT_PATH[0] and m.cols // m.bs <= MAX_RUNS:
-        xq, xd, xs = _scratch(batch, m.cols)
+        xq, xd, xs = _scratch(batch, m.cols, 32)
         lib.pn_quantize_x(_ptr(x), batch, m.cols, xq, xd, xs)
         lib.pn_gemv_i8(code, qs, sc, mn, m.rows, m.cols, bs, xq, xd, xs, batch, _ptr(out))
         return out

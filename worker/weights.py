@@ -357,6 +357,9 @@ class Loader:
                      for n in names]
             if all(p is not None for p in parts):
                 parts = [qm.stack(parts)] if qm.stackable(parts) else [qm.owned(p) for p in parts]
+                if isinstance(self.src, GGUFSource) and len(names) > 1:
+                    for n in names:         # the copies read the file's pages back in
+                        self.src.release(self.src.tensors[n])
                 parts = [p.to(xp) if xp is not np else p for p in parts]
                 return parts[0] if len(parts) == 1 else parts
         return transposed(xp, self.src, names, self.device, self.device.weight_dtype)

@@ -20,8 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...common.arch.stack import GatedAttention
-from ..sequence_state import KVState
-from .attention import attend_batch
+from .attention import AttentionLayer, attend_batch
 from .ops import linear, rms_norm, rope, sigmoid
 
 
@@ -44,19 +43,10 @@ def load_gated_attention(ld, p: str, spec: GatedAttention, d_model: int) -> Gate
         wo=ld.proj([p + "attn_output.weight"], [shapes[p + "attn_output.weight"]]))
 
 
-class GatedAttentionLayer:
-    """One gated-attention layer: its weights, its KV state and its forward."""
+class GatedAttentionLayer(AttentionLayer):
+    """One gated-attention layer: attention's state and set-up, its own projections."""
 
     load = staticmethod(load_gated_attention)
-
-    def __init__(self, spec: GatedAttention, w: GatedAttentionWeights, state: KVState,
-                 rope_table, eps: float):
-        self.spec, self.w, self.state, self.rope, self.eps = spec, w, state, rope_table, eps
-        self.qd, self.kvd = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
-
-    @staticmethod
-    def new_state(spec: GatedAttention, n_slots: int, ctx: int, xp, dtype) -> KVState:
-        return KVState(n_slots, spec.n_kv_heads, ctx, spec.head_dim, xp, dtype)
 
     def __call__(self, h, batch):
         """h [T, D] (normed) → [T, D], caching this step's k, v."""

@@ -24,6 +24,7 @@ WORKER_TIMEOUT_S = 5.0                   # silence (or one step) this long: a wo
 WORKER_LOST_AFTER_S = 60.0               # silence this long: an external worker is lost
 MAX_MODELS = 16                          # resident replicas, all models together
 UNLOAD_TIMEOUT_S = 30.0                  # an unload's drain deadline
+SHUTDOWN_TIMEOUT_S = 30.0                # SIGTERM: how long requests may run on
 
 
 def cache_dir() -> Path:
@@ -95,6 +96,16 @@ def test_stall(die: str) -> tuple[int, float] | None:
     except ValueError:
         raise ValueError(f"PANTHEON_TEST_STALL must be STEP:SECONDS[@DIE], not {raw!r}") from None
     return stall if not only or only == die else None
+
+
+def test_load_stall() -> float:
+    """A test hook (`PANTHEON_TEST_LOAD_STALL=SECONDS`): a worker's model load sleeps
+    SECONDS before it starts, so that a test can act while a load is under way."""
+    raw = os.environ.get("PANTHEON_TEST_LOAD_STALL")
+    try:
+        return float(raw) if raw else 0.0
+    except ValueError:
+        raise ValueError(f"PANTHEON_TEST_LOAD_STALL must be seconds, not {raw!r}") from None
 
 
 def c_compiler() -> str:

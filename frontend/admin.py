@@ -36,7 +36,8 @@ from .workers import WorkerLost, WorkerPool
 log = logging.getLogger("pantheon.frontend.admin")
 
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 409: "conflict_error",
-               507: "insufficient_storage", 500: "server_error", 401: "authentication_error"}
+               507: "insufficient_storage", 500: "server_error", 401: "authentication_error",
+               503: "service_unavailable"}
 
 
 class AdminError(Exception):
@@ -66,6 +67,14 @@ class Admin:
         self.registry, self.pool, self.placer = registry, pool, placer
         self.die_table, self.admission, self.max_entries = dies, admission, max_entries
         self.loading: set[str] = set()
+        self.load_tasks: set[asyncio.Task] = set()
+        self.draining = False
+
+    def drain(self) -> None:
+        """The server is shutting down: refuse new loads, cancel those under way."""
+        self.draining = True
+        for task in list(self.load_tasks):
+            task.cancel()
 
     async def call(self, cmd: str, args: dict, on_progress=None) -> tuple[int, dict]:
         """Run one command; (status, JSON body), errors included."""
@@ -131,11 +140,21 @@ class Admin:
         if self.registry.count() + len(self.loading) >= self.max_entries:
             raise AdminError(507, f"the model table is full ({self.max_entries} replicas); "
                                   "unload one first")
+        if self.draining:
+            raise AdminError(503, "the server is shutting down: no new loads")
         self.loading.add(name)
+        task = asyncio.ensure_future(self.place_and_upload(path, name, dies, ctx, slots,
+                                                           on_progress, quantize))
+        self.load_tasks.add(task)
         try:
-            return await self.place_and_upload(path, name, dies, ctx, slots, on_progress,
-                                               quantize)
+            return await task
+        except asyncio.CancelledError:
+            if self.draining and task.cancelled():
+                raise AdminError(503, f"the load of {name!r} was cancelled: the server is "
+                                      "shutting down") from None
+            raise
         finally:
+            self.load_tasks.discard(task)
             self.loading.discard(name)
 
     async def place_and_upload(self, path, name, dies, ctx, slots, on_progress,
@@ -172,6 +191,9 @@ class Admin:
             if on_progress else None
         try:
             await self.placer.load(self.registry.models[name], replica, worker)
+        except asyncio.CancelledError:
+            self.registry.remove(self.registry.models.get(name, model), replica)
+            raise
         finally:
             self.pool.progress_queues.pop(replica.model_id, None)
             if watcher:

@@ -7,7 +7,7 @@ the group, and memory pressure is below critical. Otherwise the request waits,
 in order, up to `timeout_s`:
   queue full            → 429 with Retry-After: 5 (503 when pressure is critical)
   waited too long       → 429 with Retry-After: 2
-  shutting down         → 503
+  shutting down         → 503 with Retry-After (a drain: queued ones still run)
 A model in single-user mode (every replica has one slot) never queues: a
 second concurrent request gets an immediate 429, as in the spec.
 Every decision happens before any SSE header is sent.
@@ -21,6 +21,7 @@ import psutil
 
 from ..common import settings
 from ..common.protocol import CRITICAL, pressure_level
+from .drain import shutting_down
 from .errors import APIError
 from .registry import Replica, ServedModel
 from .router import Router
@@ -40,6 +41,7 @@ class Admission:
         self.router = router or Router()
         self.queues: dict[str, deque[asyncio.Future]] = defaultdict(deque)
         self.models: dict[str, ServedModel] = {}
+        self.draining = False          # no new requests; the queued ones still get slots
         self.closed = False
 
     def pressure(self, model: ServedModel) -> int:
@@ -60,7 +62,7 @@ class Admission:
                       n: int = 1) -> Replica:
         """One replica with `n` slots reserved for a request group (release() gives each
         back)."""
-        if self.closed:
+        if self.closed or self.draining:
             raise shutting_down()
         self.models[model.name] = model
         queue = self.queues[model.name]
@@ -126,7 +128,11 @@ class Admission:
                 fut.set_exception(APIError(503, message, type="service_unavailable",
                                            code="model_unloaded"))
 
+    def drain(self) -> None:
+        self.draining = True
+
     def close(self) -> None:
+        """Shutting down: every queued request gets a 503 now."""
         self.closed = True
         for queue in self.queues.values():
             while queue:
@@ -134,7 +140,3 @@ class Admission:
                 if not fut.done():
                     fut.set_exception(shutting_down())
 
-
-def shutting_down() -> APIError:
-    return APIError(503, "the server is shutting down", type="service_unavailable",
-                    code="shutting_down")

@@ -15,6 +15,7 @@ from .admission import Admission
 from .admin import Admin
 from .chat import ChatService, read_body
 from .completions import CompletionService
+from .drain import Drain
 from .errors import APIError
 from .lifecycle import Lifecycle
 from .openai_api import models_list
@@ -82,10 +83,11 @@ def model_status(model, admission: Admission) -> dict:
                          for r in model.replicas]}
 
 
-def build_app(registry: Registry, pool: WorkerPool, admission: Admission, admin: Admin,
+def build_app(registry: Registry, lifecycle: Lifecycle, admin: Admin,
               api_key: str | None = None, admin_key: str | None = None,
-              max_body_bytes: int = 8 << 20, context_cap: bool = True) -> Guard:
-    lifecycle = Lifecycle(pool, admission)
+              max_body_bytes: int = 8 << 20, context_cap: bool = True,
+              drain: Drain | None = None) -> Guard:
+    pool, admission = lifecycle.pool, lifecycle.admission
     chat = ChatService(registry, lifecycle, max_body_bytes, context_cap)
     completions = CompletionService(registry, lifecycle, max_body_bytes)
 
@@ -108,6 +110,9 @@ def build_app(registry: Registry, pool: WorkerPool, admission: Admission, admin:
         return JSONResponse({"service": "pantheon", "status": "ok"})
 
     async def health(request: Request):
+        if drain is not None and drain.draining:
+            return JSONResponse({"status": "draining", "running": lifecycle.running},
+                                status_code=503, headers={"Retry-After": "5"})
         ready = registry.ready_models()
         if not ready:
             err = APIError(503, "no model is ready", type="service_unavailable",

@@ -40,6 +40,7 @@ class Generation:
         self.finish_reason: str | None = None
         self.logprobs: list[TokenLogprob] = []
         self.stream = None
+        self.failure: Exception | None = None    # set by fail()
 
     @property
     def completion_tokens(self) -> int:
@@ -51,6 +52,8 @@ class Generation:
         except WorkerLost as exc:
             self.close()
             raise worker_lost(exc) from exc
+        if self.failure is not None:              # failed while the request was sent
+            self.stream.queue.put_nowait(self.failure)
 
     async def events(self):
         """Events to send, as they settle; sets finish_reason at the end."""
@@ -85,6 +88,12 @@ class Generation:
                 for event in self.emitter.push(self.detok.flush()) + self.emitter.finish():
                     yield event
                 self.finish_reason = "stop" if self.emitter.stopped else msg.finish
+
+    def fail(self, error: Exception) -> None:
+        """End this generation with `error` (raised from events()) wherever it is."""
+        self.failure = error
+        if self.stream is not None and self.finish_reason is None:
+            self.stream.queue.put_nowait(error)
 
     def close(self) -> None:
         """Idempotent: abort the worker's side if unfinished, release the replica's slot."""

@@ -63,9 +63,26 @@ class Job:
 class Lifecycle:
     def __init__(self, pool: WorkerPool, admission: Admission):
         self.pool, self.admission = pool, admission
+        self.running = 0                      # requests inside run(): queued or generating
+        self.generations: set[Generation] = set()
+        self.on_end: list = []                # called after each request (the drain)
+
+    def stop_all(self, error: Exception) -> None:
+        """End every running generation with `error` (a drain's deadline)."""
+        for gen in list(self.generations):
+            gen.fail(error)
 
     async def run(self, request: Request, send, job: Job) -> None:
         """Answer `job` on `send` (ASGI); APIError before the first byte is sent."""
+        self.running += 1
+        try:
+            await self.answer(request, send, job)
+        finally:
+            self.running -= 1
+            for callback in self.on_end:
+                callback()
+
+    async def answer(self, request: Request, send, job: Job) -> None:
         model, n = job.model, len(job.choices)
         replica = await self.admission.acquire(model, job.session, n)
         gens: list[Generation] = []
@@ -74,6 +91,7 @@ class Lifecycle:
                 gens.append(Generation(self.pool, self.admission, model, replica, c.prompt,
                                        c.sampling, c.max_tokens, c.emitter,
                                        job.session if i == 0 else None, c.grammar, c.logprobs))
+            self.generations.update(gens)
             for gen in gens:
                 await gen.start()
             if job.stream:
@@ -92,6 +110,7 @@ class Lifecycle:
                 self.admission.release(model, replica)
             for gen in gens:
                 gen.close()           # releases its slot; aborts the worker's if unfinished
+                self.generations.discard(gen)
 
     async def stream(self, send, job: Job, gens: list[Generation]) -> None:
         renderer = job.renderer

@@ -16,6 +16,8 @@ from .admission import Admission
 from .admin import Admin, AdminSocket
 from .app import build_app
 from .dies import DieTable
+from .drain import Drain, DrainingServer, shutting_down
+from .lifecycle import Lifecycle
 from .placement import Placer
 from .registry import Registry, open_model
 from .supervisor import Supervisor, die_names
@@ -48,10 +50,13 @@ class ServeConfig:
     context_cap: bool = True
     worker_lost_after_s: float = settings.WORKER_LOST_AFTER_S   # silence: external one lost
     quantize: str = "auto"
+    shutdown_timeout_s: float = settings.SHUTDOWN_TIMEOUT_S
 
     def __post_init__(self):
         if self.worker_lost_after_s < self.worker_timeout_s:
             raise ValueError("--worker-lost-after must be at least --worker-timeout")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError("--shutdown-timeout must be >= 0")
 
 
 async def serve(cfg: ServeConfig) -> int:
@@ -78,10 +83,13 @@ async def serve(cfg: ServeConfig) -> int:
     except RuntimeError:
         await pool.close()
         raise
-    app = build_app(registry, pool, admission, admin, cfg.api_key, cfg.admin_key,
-                    cfg.max_body_bytes, cfg.context_cap)
-    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, lifespan="off",
-                                           log_level="warning", timeout_graceful_shutdown=5))
+    lifecycle = Lifecycle(pool, admission)
+    drain = drain_for(cfg, lifecycle, admission, admin)
+    app = build_app(registry, lifecycle, admin, cfg.api_key, cfg.admin_key,
+                    cfg.max_body_bytes, cfg.context_cap, drain)
+    server = DrainingServer(uvicorn.Config(app, host=cfg.host, port=cfg.port, lifespan="off",
+                                           log_level="warning", timeout_graceful_shutdown=5),
+                            drain)
     pool.start()
     supervisor = Supervisor(dies, addr, pool, cfg.slots,
                             ["--prefix-cache-mb", str(cfg.prefix_cache_mb)])
@@ -91,6 +99,8 @@ async def serve(cfg: ServeConfig) -> int:
     try:
         await server.serve(sockets=[http])
     finally:
+        if drain.task is not None:
+            drain.task.cancel()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -100,6 +110,19 @@ async def serve(cfg: ServeConfig) -> int:
         await supervisor.stop()
         await pool.close()
     return 0 if server.started else 1
+
+
+def drain_for(cfg: ServeConfig, lifecycle: Lifecycle, admission: Admission,
+              admin: Admin) -> Drain:
+    """The drain of this server: busy while any request runs or waits; at its deadline
+    the queued ones get a 503 and the running ones an error."""
+    def stop_rest() -> None:
+        admission.close()
+        lifecycle.stop_all(shutting_down("the server shut down before this request ended"))
+    drain = Drain(cfg.shutdown_timeout_s, lambda: lifecycle.running, stop_rest)
+    drain.on_start += [admission.drain, admin.drain]
+    lifecycle.on_end.append(drain.changed)
+    return drain
 
 
 def http_socket(host: str, port: int) -> socket.socket:
@@ -159,5 +182,5 @@ def main(args) -> int:
         queue_timeout_s=args.queue_timeout, admin_addr=args.admin_addr,
         admin_key=args.admin_key, max_models=args.max_models,
         context_cap=not args.no_context_cap, worker_lost_after_s=args.worker_lost_after,
-        quantize=args.quantize)
+        quantize=args.quantize, shutdown_timeout_s=args.shutdown_timeout)
     return asyncio.run(serve(cfg))

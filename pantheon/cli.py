@@ -160,6 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="weights in memory: auto (GGUF blocks as stored, float tensors "
                             "as stored), none (dense fp32, the exact reference), q8_0 or q4 "
                             "(float tensors quantized at load)")
+    serve.add_argument("--shutdown-timeout", type=float, default=settings.SHUTDOWN_TIMEOUT_S,
+                       metavar="S", help="on SIGTERM/SIGINT, seconds that running and queued "
+                       "requests may take to finish before they are ended (a second signal "
+                       "skips the wait)")
     serve.add_argument("--worker-timeout", type=float, default=settings.WORKER_TIMEOUT_S,
                        help="seconds of silence (or of one step) after which a worker is "
                             "slow: it keeps its requests and gets new ones only when no "

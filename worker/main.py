@@ -340,6 +340,9 @@ class Worker:
     # -- loads --------------------------------------------------------------------------
     def load_thread(self, msg: p.Load) -> None:
         try:
+            if stall := settings.test_load_stall():
+                log.warning("test hook: stalling the load of %s for %.1f s", msg.model_id, stall)
+                time.sleep(stall)
             if self.device.kind == "cuda":
                 self.device.xp.cuda.Device(self.device.index).use()
             def progress(done, total):
@@ -424,7 +427,10 @@ def main(args) -> int:
                     prefix_cache_bytes=int(args.prefix_cache_mb * (1 << 20)),
                     parent_pid=args.parent_pid or 0,
                     budget=int((args.budget_mb or 0) * (1 << 20)))
-    signal.signal(signal.SIGTERM, lambda *_: worker.stop())
+    signal.signal(signal.SIGTERM, lambda *_: worker.stop())    # after this step
+    if args.parent_pid:
+        # a Ctrl-C reaches the whole process group: the frontend drains, then stops us
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     log.info("worker for die %s (%s) connecting to %s", args.die, device.name, args.frontend)
     worker.run()
     return 0

@@ -76,6 +76,22 @@ class Hello:
 
 
 @dataclass(slots=True)
+class ReplicaLoad:
+    """One resident replica's load, as a heartbeat reports it."""
+
+    model_id: str
+    busy: int                # slots running a sequence
+    slots: int
+    kv_tokens: int           # KV positions those sequences hold
+    kv_capacity: int         # slots x ctx
+
+
+# Upper edges (seconds) of the worker's step-time histogram; a last bucket holds the rest.
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
+                0.75, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass(slots=True)
 class Heartbeat:
     """Liveness and load, sent every HEARTBEAT_S by a thread of its own (and from a
     socket of its own, whose identity is the worker's plus HEARTBEAT_SUFFIX), so a step
@@ -90,6 +106,10 @@ class Heartbeat:
     pressure: int            # 0 ok, 1 elevated, 2 high, 3 critical
     pid: int = 0
     step_s: float = 0.0      # age of the step (or other loop work) in progress; 0: idle
+    replicas: list[ReplicaLoad] = field(default_factory=list)
+    # steps since the worker started, per STEP_BUCKETS bucket (not cumulative), + 1 more
+    step_counts: list[int] = field(default_factory=list)
+    step_sum: float = 0.0    # seconds of all those steps
 
 
 HEARTBEAT_S = 0.5
@@ -245,6 +265,7 @@ class Generate:
     session_id: str | None = None
     grammar: str | None = None       # llguidance grammar the output must follow
     logprobs: int = -1               # -1: none; N >= 0: the chosen token's and the top N
+    trace: str = ""                  # the client's request id (X-Request-Id), for logs
 
 
 @dataclass(slots=True)
@@ -289,7 +310,7 @@ MESSAGES: dict[str, type] = {
     "admin_request": AdminRequest, "admin_reply": AdminReply,
 }
 KIND_OF = {cls: kind for kind, cls in MESSAGES.items()}
-NESTED = {Sampling, Resident, Tokens}
+NESTED = {Sampling, Resident, Tokens, ReplicaLoad}
 
 
 def encode(msg) -> bytes:

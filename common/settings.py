@@ -25,6 +25,7 @@ WORKER_LOST_AFTER_S = 60.0               # silence this long: an external worker
 MAX_MODELS = 16                          # resident replicas, all models together
 UNLOAD_TIMEOUT_S = 30.0                  # an unload's drain deadline
 SHUTDOWN_TIMEOUT_S = 30.0                # SIGTERM: how long requests may run on
+ASYNC_POLL_US = 500                      # a GPU worker's longest sleep polling its step
 
 
 def cache_dir() -> Path:
@@ -44,6 +45,11 @@ def log_level() -> str:
     return os.environ.get("PANTHEON_LOG_LEVEL", "INFO").upper()
 
 
+def log_format() -> str:
+    """`text` or `json` (`PANTHEON_LOG_FORMAT`, default text; `--log-format` wins)."""
+    return os.environ.get("PANTHEON_LOG_FORMAT", "") or "text"
+
+
 def api_key() -> str | None:
     """The key every non-public HTTP route requires (`PANTHEON_API_KEY`; `--api-key` wins)."""
     return os.environ.get("PANTHEON_API_KEY") or None
@@ -59,6 +65,79 @@ def queue_depth() -> int:
     if depth < 0:
         raise ValueError("BS_QUEUE_DEPTH must be >= 0")
     return depth
+
+
+def env_int(name: str, default: int, low: int) -> int:
+    raw = os.environ.get(name, "")
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a whole number, not {raw!r}") from None
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, not {value}")
+    return value
+
+
+def prefill_chunk() -> int:
+    """Prompt tokens per step (`QWEN35_BS_PREFILL_CHUNK`, default 128; `--prefill-chunk`
+    wins). The spec's `QWEN35_BS_PREFILL_BATCH=0` (token-by-token prefill) means 1."""
+    batch = os.environ.get("QWEN35_BS_PREFILL_BATCH", "")
+    if batch not in ("", "0", "1"):
+        raise ValueError(f"QWEN35_BS_PREFILL_BATCH must be 0 or 1, not {batch!r}")
+    chunk = env_int("QWEN35_BS_PREFILL_CHUNK", PREFILL_CHUNK, 1)
+    return 1 if batch == "0" else chunk
+
+
+def batch_slots() -> None:
+    """The spec's `QWEN35_BATCH_SLOTS` switch (unset: single-user; 1: 8 batched slots).
+    Pantheon always batches (`--slots`, default 8; `--slots 1` is single-user mode), so
+    unset, 0 and 1 all leave the slot count alone; anything else is refused."""
+    raw = os.environ.get("QWEN35_BATCH_SLOTS", "")
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"QWEN35_BATCH_SLOTS={raw!r}: the original server's switch takes 0 "
+                         "or 1 and Pantheon always batches; set the slots per replica with "
+                         "--slots N (1 = single-user mode)")
+
+
+def bs_stats() -> bool:
+    """`QWEN35_BS_STATS=1`: a worker prints one line of timing per step to stderr."""
+    return os.environ.get("QWEN35_BS_STATS", "") == "1"
+
+
+def async_poll_us() -> int:
+    """`PN_ASYNC_POLL_US` (default 500): the longest a GPU worker sleeps between polls of
+    the step it has queued on the device, instead of spinning a host core on it."""
+    return env_int("PN_ASYNC_POLL_US", ASYNC_POLL_US, 0)
+
+
+def refused_knobs() -> list[str]:
+    """Why each of the spec's variables set here cannot be honoured (empty: all fine)."""
+    refused = []
+    if os.environ.get("QWEN35_BS_DRIVER_SAMPLE", "") == "0":
+        refused.append("QWEN35_BS_DRIVER_SAMPLE=0 asks for the legacy lockstep sampling "
+                       "outside the step; Pantheon always samples in the worker, on the die: "
+                       "unset the variable")
+    if os.environ.get("QWEN35_KV_Q4", "") not in ("", "0"):
+        refused.append("QWEN35_KV_Q4 asks admission to count the KV cache at 4 bits; Pantheon "
+                       "holds it at the die's float precision and counts it at that size (what "
+                       "QWEN35_KV_Q4=0 means): unset the variable or set it to 0")
+    if gpu_full_logits():
+        refused.append(FULL_LOGITS_REFUSED)
+    try:
+        batch_slots()
+        prefill_chunk()
+        async_poll_us()
+    except ValueError as exc:
+        refused.append(str(exc))
+    return refused
+
+
+FULL_LOGITS_REFUSED = (
+    "QWEN35_GPU_FULL_LOGITS is set, but Pantheon samples on the die: copying full-vocabulary "
+    "logits to the host every step (8 rows x 151,936 x 4 B) caps a K80's ~0.4 GB/s host "
+    "link, so only sampled ids and logprobs cross it; unset the variable")
 
 
 def admin_key() -> str | None:

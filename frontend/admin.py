@@ -63,8 +63,9 @@ def field(body: dict, name: str, kind, default=None, required=False):
 
 class Admin:
     def __init__(self, registry: Registry, pool: WorkerPool, placer: Placer, dies: DieTable,
-                 admission: Admission, max_entries: int = MAX_ENTRIES):
+                 admission: Admission, max_entries: int = MAX_ENTRIES, metrics=None):
         self.registry, self.pool, self.placer = registry, pool, placer
+        self.metrics = metrics                  # metrics.Metrics: unloads
         self.die_table, self.admission, self.max_entries = dies, admission, max_entries
         self.loading: set[str] = set()
         self.load_tasks: set[asyncio.Task] = set()
@@ -79,7 +80,7 @@ class Admin:
     async def call(self, cmd: str, args: dict, on_progress=None) -> tuple[int, dict]:
         """Run one command; (status, JSON body), errors included."""
         handlers = {"load": self.load, "unload": self.unload, "dies": self.dies,
-                    "models": self.models, "status": self.status}
+                    "models": self.models, "status": self.status, "top": self.top}
         if cmd not in handlers:
             return 400, AdminError(400, f"unknown command {cmd!r}; one of "
                                         f"{', '.join(handlers)}").body()
@@ -114,6 +115,35 @@ class Admin:
                 "replicas": self.registry.count(), "max_replicas": self.max_entries,
                 "ready": [m.name for m in self.registry.ready_models()],
                 "workers": len(self.pool.live()), "loading": sorted(self.loading)}
+
+    def top(self, args=None) -> dict:
+        """What `pantheon admin top` shows: dies, and per model slots, queue, tok/s and
+        TTFT over the last minute (from heartbeats and the frontend's own counts)."""
+        now = time.monotonic()
+        loads = {x.model_id: x for w in self.pool.live() if w.heartbeat
+                 for x in w.heartbeat.replicas}
+        dies = []
+        for d in self.die_table.snapshot():
+            held = [r for _, r in self.registry.replicas()
+                    if r.die == d.die and r.state == ReplicaState.READY]
+            dies.append({"die": d.die, "state": d.worker["state"], "pid": d.worker["pid"],
+                         "busy": sum(loads[r.model_id].busy for r in held
+                                     if r.model_id in loads),
+                         "slots": sum(r.slots for r in held),
+                         "used_bytes": d.reserved, "budget_bytes": d.budget,
+                         "step_s": d.worker["step_s"]})
+        models = []
+        for model in self.registry.models.values():
+            ready = model.ready()
+            window = self.metrics.window.summary(model.name, now) if self.metrics else {}
+            models.append({"name": model.name, "replicas": len(ready),
+                           "replicas_total": len(model.replicas),
+                           "busy": sum(loads[r.model_id].busy for r in ready
+                                       if r.model_id in loads),
+                           "slots": sum(r.slots for r in ready),
+                           "running": sum(r.inflight for r in model.replicas),
+                           "queued": self.admission.queued(model), **window})
+        return {"dies": dies, "models": models, "draining": self.draining}
 
     # -- load --------------------------------------------------------------------------
     async def load(self, body: dict, on_progress=None) -> dict:
@@ -247,6 +277,8 @@ class Admin:
                 except (WorkerLost, asyncio.TimeoutError) as exc:
                     log.warning("unloading %s: %s", r.model_id, exc)
             self.registry.remove(model, r)
+            if self.metrics is not None:
+                self.metrics.unloads.labels(name).inc()
         log.info("unloaded %s (%d replica(s), %d request(s) aborted)", name, len(targets),
                  aborted)
         return {"unloaded": [{"id": r.model_id, "die": r.die} for r in targets],

@@ -4,13 +4,17 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import re
+import secrets
+import time
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ..common import logs
 from .admission import Admission
 from .admin import Admin
 from .chat import ChatService, read_body
@@ -18,17 +22,76 @@ from .completions import CompletionService
 from .drain import Drain
 from .errors import APIError
 from .lifecycle import Lifecycle
+from .metrics import CONTENT_TYPE
 from .openai_api import models_list
 from .registry import Registry
 from .workers import WorkerPool
 
 log = logging.getLogger("pantheon.frontend.app")
+access_log = logging.getLogger("pantheon.access")
 
-PUBLIC_PATHS = frozenset({"/", "/health"})      # everything else needs the API key
+PUBLIC_PATHS = frozenset({"/", "/health", "/metrics"})   # the rest needs the API key
+QUIET_PATHS = frozenset({"/health", "/metrics"})   # polled: their access lines are DEBUG
 CORS_HEADERS = [(b"access-control-allow-origin", b"*"),
                 (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
                 (b"access-control-allow-headers",
-                 b"Authorization, Content-Type, X-Session-Id")]
+                 b"Authorization, Content-Type, X-Session-Id, X-Request-Id"),
+                (b"access-control-expose-headers", b"X-Request-Id")]
+REQUEST_ID = re.compile(rb"[\x21-\x7e]{1,128}")        # visible ASCII, as a client sends
+
+
+class RequestLog:
+    """ASGI middleware, outermost: the request id, and one access-log line per request.
+
+    An incoming `X-Request-Id` (else a new one) is echoed in the response headers, set
+    as the log context of everything this request logs, and carried to the worker. The
+    access line says method, route, status, model, tokens, TTFT and total time; the
+    prompt only with `--log-prompts`.
+    """
+
+    def __init__(self, app, log_prompts: bool = False):
+        self.app, self.log_prompts = app, log_prompts
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = time.monotonic()
+        given = dict(scope["headers"]).get(b"x-request-id")
+        if given is not None and not REQUEST_ID.fullmatch(given):
+            err = APIError(400, "X-Request-Id must be 1 to 128 visible ASCII characters",
+                           param="X-Request-Id")
+            return await Guard.reply(send, 400, err.body(), CORS_HEADERS[:1])
+        rid = given.decode() if given is not None else f"req-{secrets.token_hex(8)}"
+        info = scope.setdefault("pantheon", {})
+        info.update(request_id=rid, arrived=started, log_prompts=self.log_prompts)
+        status = [0]
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+                message["headers"] = list(message.get("headers", [])) + [
+                    (b"x-request-id", rid.encode())]
+            await send(message)
+        token = logs.request_id.set(rid)
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            self.access(scope, info, status[0] or 500, time.monotonic() - started)
+            logs.request_id.reset(token)
+
+    @staticmethod
+    def access(scope, info: dict, status: int, seconds: float) -> None:
+        level = logging.DEBUG if scope["path"] in QUIET_PATHS else logging.INFO
+        if not access_log.isEnabledFor(level):
+            return
+        fields = {"method": scope["method"], "route": scope["path"], "status": status}
+        for key in ("model", "prompt_tokens", "completion_tokens", "cached_tokens", "ttft_s"):
+            if key in info:
+                fields[key] = info[key]
+        fields["total_s"] = round(seconds, 4)
+        if "prompt" in info:
+            fields["prompt"] = info["prompt"]
+        access_log.log(level, "request", extra={"fields": fields})
 
 
 class Guard:
@@ -38,10 +101,12 @@ class Guard:
     every other non-public route takes the API key.
     """
 
-    def __init__(self, app, api_key: str | None, admin_key: str | None = None):
+    def __init__(self, app, api_key: str | None, admin_key: str | None = None,
+                 metrics_auth: bool = False):
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.admin_key = admin_key.encode() if admin_key else None
+        self.public = PUBLIC_PATHS - {"/metrics"} if metrics_auth else PUBLIC_PATHS
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -50,7 +115,7 @@ class Guard:
             return await self.reply(send, 200, {}, CORS_HEADERS)
         key = (self.admin_key or self.api_key) if scope["path"].startswith("/admin/") \
             else self.api_key
-        if key and scope["path"] not in PUBLIC_PATHS and not self.authorized(scope, key):
+        if key and scope["path"] not in self.public and not self.authorized(scope, key):
             err = APIError(401, "invalid or missing key: send 'Authorization: Bearer KEY'",
                            code="invalid_api_key")
             return await self.reply(send, 401, err.body(), [(b"www-authenticate", b"Bearer")])
@@ -86,8 +151,9 @@ def model_status(model, admission: Admission) -> dict:
 def build_app(registry: Registry, lifecycle: Lifecycle, admin: Admin,
               api_key: str | None = None, admin_key: str | None = None,
               max_body_bytes: int = 8 << 20, context_cap: bool = True,
-              drain: Drain | None = None) -> Guard:
-    pool, admission = lifecycle.pool, lifecycle.admission
+              drain: Drain | None = None, metrics_auth: bool = False,
+              log_prompts: bool = False) -> RequestLog:
+    pool, admission, metrics = lifecycle.pool, lifecycle.admission, lifecycle.metrics
     chat = ChatService(registry, lifecycle, max_body_bytes, context_cap)
     completions = CompletionService(registry, lifecycle, max_body_bytes)
 
@@ -123,6 +189,9 @@ def build_app(registry: Registry, lifecycle: Lifecycle, admin: Admin,
                              "replicas": [model_status(m, admission)
                                           for m in registry.models.values()]})
 
+    async def prometheus(request: Request):
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
     async def models(request: Request):
         ready = registry.ready_models()
         return JSONResponse(models_list([m.name for m in ready], 0) | {
@@ -147,7 +216,8 @@ def build_app(registry: Registry, lifecycle: Lifecycle, admin: Admin,
         return JSONResponse(err.body(), status_code=500)
 
     app = Starlette(
-        routes=[Route("/", root), Route("/health", health), Route("/v1/models", models),
+        routes=[Route("/", root), Route("/health", health), Route("/metrics", prometheus),
+                Route("/v1/models", models),
                 Route("/v1/chat/completions", chat, methods=["POST"]),
                 Route("/v1/completions", completions, methods=["POST"]),
                 Route("/admin/models/load", admin_route("load"), methods=["POST"]),
@@ -157,4 +227,4 @@ def build_app(registry: Registry, lifecycle: Lifecycle, admin: Admin,
                 Route("/admin/status", admin_route("status"))],
         exception_handlers={APIError: api_error, HTTPException: http_error,
                             Exception: server_error})
-    return Guard(app, api_key, admin_key)
+    return RequestLog(Guard(app, api_key, admin_key, metrics_auth), log_prompts)

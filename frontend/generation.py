@@ -7,6 +7,7 @@ side on one replica (lifecycle.py).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from ..common import protocol as p
@@ -28,12 +29,14 @@ class Generation:
     def __init__(self, pool: WorkerPool, admission: Admission, model: ServedModel,
                  replica: Replica, prompt: list[int], sampling: p.Sampling, max_tokens: int,
                  emitter: Emitter, session_id: str | None = None, grammar: str | None = None,
-                 logprobs: int = -1):
+                 logprobs: int = -1, figures=None, arrived: float | None = None,
+                 trace: str = ""):
         self.pool, self.admission, self.model, self.replica = pool, admission, model, replica
         self.prompt, self.max_tokens, self.emitter = prompt, max_tokens, emitter
         self.request_id = pool.new_request_id()
         self.msg = p.Generate(self.request_id, replica.model_id, prompt, sampling, max_tokens,
-                              sorted(model.tokenizer.eot_ids), session_id, grammar, logprobs)
+                              sorted(model.tokenizer.eot_ids), session_id, grammar, logprobs,
+                              trace)
         self.detok = model.tokenizer.detokenizer()
         self.cached_tokens = 0
         self.token_ids: list[int] = []     # every id the worker generated, end token included
@@ -41,6 +44,10 @@ class Generation:
         self.logprobs: list[TokenLogprob] = []
         self.stream = None
         self.failure: Exception | None = None    # set by fail()
+        # metrics.ModelMetrics; `arrived` (the request's) when this sequence reports TTFT
+        self.figures, self.arrived = figures, arrived
+        self.first_at: float | None = None
+        self.last_at = 0.0
 
     @property
     def completion_tokens(self) -> int:
@@ -68,6 +75,8 @@ class Generation:
                 raise APIError(status, msg.message, type="server_error" if status == 500
                                else "invalid_request_error", code=msg.code)
             self.cached_tokens = msg.cached_tokens
+            if msg.tokens and self.figures is not None:
+                self.timed(len(msg.tokens))
             for i, token in enumerate(msg.tokens):
                 self.token_ids.append(token)
                 if i < len(msg.logprobs):
@@ -88,6 +97,18 @@ class Generation:
                 for event in self.emitter.push(self.detok.flush()) + self.emitter.finish():
                     yield event
                 self.finish_reason = "stop" if self.emitter.stopped else msg.finish
+
+    def timed(self, n: int) -> None:
+        """`n` tokens arrived now: TTFT (the first time) or an inter-token gap."""
+        now = time.monotonic()
+        if self.first_at is None:
+            self.first_at = now
+            if self.arrived is not None:
+                self.figures.first_token(now - self.arrived, now)
+        else:
+            self.figures.itl.observe((now - self.last_at) / n)
+        self.last_at = now
+        self.figures.tokens(n, now)
 
     def fail(self, error: Exception) -> None:
         """End this generation with `error` (raised from events()) wherever it is."""

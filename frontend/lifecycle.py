@@ -16,6 +16,7 @@ stream is a clean HTTP error; a failure after that is an SSE `error` event, then
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 from starlette.requests import Request
@@ -26,6 +27,7 @@ from .admission import Admission
 from .emitter import Emitter
 from .errors import APIError
 from .generation import Generation
+from .metrics import Metrics, ModelMetrics
 from .openai_api import sse, sse_error
 from .registry import ServedModel
 from .workers import WorkerPool
@@ -58,11 +60,13 @@ class Job:
     session: str | None = None
     include_usage: bool = False
     headers: dict = field(default_factory=dict)
+    error: APIError | None = None      # what ended a stream after its first byte
 
 
 class Lifecycle:
-    def __init__(self, pool: WorkerPool, admission: Admission):
+    def __init__(self, pool: WorkerPool, admission: Admission, metrics: Metrics | None = None):
         self.pool, self.admission = pool, admission
+        self.metrics = metrics or Metrics()
         self.running = 0                      # requests inside run(): queued or generating
         self.generations: set[Generation] = set()
         self.on_end: list = []                # called after each request (the drain)
@@ -84,13 +88,25 @@ class Lifecycle:
 
     async def answer(self, request: Request, send, job: Job) -> None:
         model, n = job.model, len(job.choices)
-        replica = await self.admission.acquire(model, job.session, n)
+        info = request.scope.setdefault("pantheon", {})     # for the access log
+        arrived = info.setdefault("arrived", time.monotonic())
+        info["model"] = model.name
+        figures = self.metrics.for_model(model.name)
+        asked = time.monotonic()
+        try:
+            replica = await self.admission.acquire(model, job.session, n)
+        except APIError as exc:
+            figures.rejected(exc.status, exc.code)
+            raise
+        figures.queue.observe(time.monotonic() - asked)
         gens: list[Generation] = []
         try:
             for i, c in enumerate(job.choices):
                 gens.append(Generation(self.pool, self.admission, model, replica, c.prompt,
                                        c.sampling, c.max_tokens, c.emitter,
-                                       job.session if i == 0 else None, c.grammar, c.logprobs))
+                                       job.session if i == 0 else None, c.grammar, c.logprobs,
+                                       figures, arrived if i == 0 else None,
+                                       info.get("request_id", "")))
             self.generations.update(gens)
             for gen in gens:
                 await gen.start()
@@ -105,12 +121,16 @@ class Lifecycle:
             response = Response(status_code=499) if results is None else \
                 JSONResponse(job.renderer.whole(gens, results))
             await response(request.scope, request.receive, send)
+        except APIError as exc:
+            job.error = exc
+            raise
         finally:
             for _ in range(n - len(gens)):          # slots of choices never built
                 self.admission.release(model, replica)
             for gen in gens:
                 gen.close()           # releases its slot; aborts the worker's if unfinished
                 self.generations.discard(gen)
+            report(figures, info, job, gens, arrived)
 
     async def stream(self, send, job: Job, gens: list[Generation]) -> None:
         renderer = job.renderer
@@ -126,8 +146,30 @@ class Lifecycle:
             if job.include_usage:
                 await out(sse(renderer.usage(gens)))
         except APIError as exc:
+            job.error = exc
             await out(sse_error(exc))
         await out(sse("[DONE]"))
+
+
+def report(figures: ModelMetrics, info: dict, job: Job, gens: list[Generation],
+           arrived: float) -> None:
+    """A request is over: its figures, for /metrics and for the access log."""
+    now = time.monotonic()
+    figures.e2e.observe(now - arrived)
+    prompt = len(gens[0].prompt) if gens else 0
+    cached = sum(g.cached_tokens for g in gens)
+    completion = sum(g.completion_tokens for g in gens)
+    info.update(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached)
+    if gens and gens[0].first_at is not None:
+        info["ttft_s"] = round(gens[0].first_at - arrived, 4)
+    if info.get("log_prompts") and gens:
+        info["prompt"] = job.model.tokenizer.decode(gens[0].prompt)
+    reasons = [g.finish_reason for g in gens if g.finish_reason]
+    if job.error is not None:
+        figures.failed(job.error.code)
+    elif len(reasons) < len(gens):
+        figures.failed("cancelled")              # the client went away
+    figures.finished(prompt, cached, reasons)
 
 
 async def collect(gen: Generation) -> list:

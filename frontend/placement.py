@@ -26,8 +26,9 @@ log = logging.getLogger("pantheon.frontend.placement")
 class Placer:
     def __init__(self, registry: Registry, pool: WorkerPool, dies: DieTable, slots: int = 0,
                  ctx: int = 0, prefill_chunk: int = settings.PREFILL_CHUNK, expected_dies: list[str] | None = None,
-                 grace_s: float = 60.0, quantize: str = "auto"):
+                 grace_s: float = 60.0, quantize: str = "auto", metrics=None):
         self.registry, self.pool, self.dies = registry, pool, dies
+        self.metrics = metrics                # metrics.Metrics: loads by outcome, seconds
         self.slots, self.ctx, self.prefill_chunk = slots, ctx, prefill_chunk
         self.quantize = quantize
         # auto-placement waits (up to grace_s) for every die we spawned, to spread models
@@ -132,10 +133,12 @@ class Placer:
         except LoadError as exc:
             replica.state, replica.error = ReplicaState.FAILED, str(exc)
             log.error("loading %s on die %s failed: %s", model.name, worker.die, exc)
+            self.count(model.name, "failed")
             return
         except (WorkerLost, asyncio.TimeoutError) as exc:
             replica.state, replica.error = ReplicaState.PLACED, str(exc)
             log.warning("loading %s on die %s interrupted: %s", model.name, worker.die, exc)
+            self.count(model.name, "interrupted")
             return
         finally:
             replica.progress = self.pool.progress.pop(replica.model_id, replica.progress)
@@ -148,6 +151,13 @@ class Placer:
         self.change.set()
         log.info("%s ready on die %s: %d slots x %d ctx, loaded in %.1f s", model.name,
                  worker.die, loaded.slots, loaded.ctx, loaded.load_s)
+        self.count(model.name, "loaded", loaded.load_s)
+
+    def count(self, name: str, outcome: str, seconds: float | None = None) -> None:
+        if self.metrics is not None:
+            self.metrics.loads.labels(name, outcome).inc()
+            if seconds is not None:
+                self.metrics.load_seconds.labels(name).observe(seconds)
 
     def spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)

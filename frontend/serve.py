@@ -18,6 +18,7 @@ from .app import build_app
 from .dies import DieTable
 from .drain import Drain, DrainingServer, shutting_down
 from .lifecycle import Lifecycle
+from .metrics import Metrics
 from .placement import Placer
 from .registry import Registry, open_model
 from .supervisor import Supervisor, die_names
@@ -51,12 +52,18 @@ class ServeConfig:
     worker_lost_after_s: float = settings.WORKER_LOST_AFTER_S   # silence: external one lost
     quantize: str = "auto"
     shutdown_timeout_s: float = settings.SHUTDOWN_TIMEOUT_S
+    metrics_auth: bool = False                 # /metrics takes the API key
+    log_format: str = "text"
+    log_prompts: bool = False
 
     def __post_init__(self):
         if self.worker_lost_after_s < self.worker_timeout_s:
             raise ValueError("--worker-lost-after must be at least --worker-timeout")
         if self.shutdown_timeout_s < 0:
             raise ValueError("--shutdown-timeout must be >= 0")
+        if self.metrics_auth and not self.api_key:
+            raise ValueError("--metrics-auth protects /metrics with the API key: set one "
+                             "(--api-key or PANTHEON_API_KEY)")
 
 
 async def serve(cfg: ServeConfig) -> int:
@@ -71,11 +78,12 @@ async def serve(cfg: ServeConfig) -> int:
     addr = pool.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
     dies = die_names(cfg.spawn)
     die_table = DieTable(registry, pool, cfg.slots)
+    metrics = Metrics()
     placer = Placer(registry, pool, die_table, cfg.slots, cfg.ctx, cfg.prefill_chunk,
-                    expected_dies=dies, quantize=cfg.quantize)
+                    expected_dies=dies, quantize=cfg.quantize, metrics=metrics)
     admission = Admission(cfg.queue_depth, cfg.queue_timeout_s)
     pool.on_change.append(admission.wake_all)
-    admin = Admin(registry, pool, placer, die_table, admission, cfg.max_models)
+    admin = Admin(registry, pool, placer, die_table, admission, cfg.max_models, metrics)
     try:
         admin_socket = bind("admin", cfg.admin_addr,
                             lambda: AdminSocket(admin, cfg.admin_addr, cfg.admin_key))
@@ -83,16 +91,19 @@ async def serve(cfg: ServeConfig) -> int:
     except RuntimeError:
         await pool.close()
         raise
-    lifecycle = Lifecycle(pool, admission)
+    lifecycle = Lifecycle(pool, admission, metrics)
     drain = drain_for(cfg, lifecycle, admission, admin)
+    metrics.watch(registry, pool, admission, lifecycle, drain)
     app = build_app(registry, lifecycle, admin, cfg.api_key, cfg.admin_key,
-                    cfg.max_body_bytes, cfg.context_cap, drain)
+                    cfg.max_body_bytes, cfg.context_cap, drain, cfg.metrics_auth,
+                    cfg.log_prompts)
     server = DrainingServer(uvicorn.Config(app, host=cfg.host, port=cfg.port, lifespan="off",
                                            log_level="warning", timeout_graceful_shutdown=5),
                             drain)
     pool.start()
     supervisor = Supervisor(dies, addr, pool, cfg.slots,
-                            ["--prefix-cache-mb", str(cfg.prefix_cache_mb)])
+                            ["--prefix-cache-mb", str(cfg.prefix_cache_mb),
+                             "--log-format", cfg.log_format])
     supervisor.start()
     tasks = [asyncio.create_task(admin_socket.serve(), name="admin-socket"),
              asyncio.create_task(announce_when_ready(cfg, placer, registry, addr))]
@@ -155,16 +166,10 @@ async def announce_when_ready(cfg: ServeConfig, placer: Placer, registry: Regist
         print(f"failed to load: {'; '.join(failed)}", file=sys.stderr, flush=True)
 
 
-FULL_LOGITS_REFUSED = (
-    "QWEN35_GPU_FULL_LOGITS is set, but Pantheon samples on the die: copying full-vocabulary "
-    "logits to the host every step (8 rows x 151,936 x 4 B) caps a K80's ~0.4 GB/s host "
-    "link, so only sampled ids and logprobs cross it; unset the variable")
-
-
 def main(args) -> int:
     from ..common.default_model import DEFAULT_NAME, default_model_path
-    if settings.gpu_full_logits():
-        raise RuntimeError(FULL_LOGITS_REFUSED)
+    if refused := settings.refused_knobs():
+        raise RuntimeError("; ".join(refused))
     paths, names = args.model, list(args.name or [])
     if not paths:
         paths = [str(default_model_path(log=lambda m: print(m, file=sys.stderr)))]
@@ -177,10 +182,13 @@ def main(args) -> int:
         models=models, host=args.host, port=args.port, worker_addr=args.worker_addr,
         spawn=spawn, slots=args.slots, ctx=args.ctx, api_key=args.api_key,
         max_body_bytes=args.max_body_bytes, worker_timeout_s=args.worker_timeout,
-        prefill_chunk=args.prefill_chunk, prefix_cache_mb=args.prefix_cache_mb,
+        prefill_chunk=args.prefill_chunk if args.prefill_chunk is not None
+        else settings.prefill_chunk(), prefix_cache_mb=args.prefix_cache_mb,
         queue_depth=args.queue_depth if args.queue_depth is not None else settings.queue_depth(),
         queue_timeout_s=args.queue_timeout, admin_addr=args.admin_addr,
         admin_key=args.admin_key, max_models=args.max_models,
         context_cap=not args.no_context_cap, worker_lost_after_s=args.worker_lost_after,
-        quantize=args.quantize, shutdown_timeout_s=args.shutdown_timeout)
+        quantize=args.quantize, shutdown_timeout_s=args.shutdown_timeout,
+        metrics_auth=args.metrics_auth, log_format=args.log_format or settings.log_format(),
+        log_prompts=args.log_prompts)
     return asyncio.run(serve(cfg))

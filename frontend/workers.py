@@ -121,6 +121,7 @@ class WorkerPool:
         self.spawned_pids: set[int] = set()             # kept by the supervisor
         self.strangers: set[bytes] = set()              # unknown peers already logged
         self.workers: dict[bytes, WorkerInfo] = {}
+        self.joins: dict[str, int] = {}                 # die → worker processes that joined
         self.streams: dict[str, RequestStream] = {}
         self.loads: dict[str, asyncio.Future] = {}
         self.progress: dict[str, tuple[int, int]] = {}   # model id → (done, total) layers
@@ -297,6 +298,7 @@ class WorkerPool:
                 self.lose(other, f"replaced by a new worker (pid {msg.pid})")
         info = WorkerInfo(ident, msg, now, spawned=msg.pid in self.spawned_pids)
         self.workers[ident] = info
+        self.joins[msg.die] = self.joins.get(msg.die, 0) + 1
         self.strangers.discard(ident + p.HEARTBEAT_SUFFIX)
         log.info("worker joined: die %s (%s, %s), pid %d%s", msg.die, msg.kind,
                  msg.device_name, msg.pid,

@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 
-from pantheon.common import settings
+from pantheon.common import logs, settings
 from pantheon.common.weight_format import QUANTIZE_MODES as QUANTIZE_CHOICES
 
 
@@ -72,10 +72,10 @@ def cmd_serve(args) -> int:
 
 
 def cmd_admin(args) -> int:
-    from pantheon.frontend.admin_cli import main
+    from pantheon.frontend import admin_cli, admin_top
     args.addr = args.addr or settings.admin_addr()
     args.key = args.key or settings.admin_key()
-    return main(args)
+    return (admin_top if args.admin_command == "top" else admin_cli).main(args)
 
 
 def cmd_worker(args) -> int:
@@ -134,8 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="ZeroMQ address the frontend binds for workers")
     serve.add_argument("--slots", type=int, default=settings.SLOTS,
                        help="KV slots per model replica (1: single-user mode)")
-    serve.add_argument("--prefill-chunk", type=int, default=settings.PREFILL_CHUNK,
-                       help="prompt tokens per step; bounds a decode stall to one chunk")
+    serve.add_argument("--prefill-chunk", type=int, default=None,
+                       help="prompt tokens per step; bounds a decode stall to one chunk "
+                       "(default 128, or QWEN35_BS_PREFILL_CHUNK)")
     serve.add_argument("--prefix-cache-mb", type=float, default=settings.PREFIX_CACHE_MB,
                        help="per worker: host memory for KV states of idle conversations")
     serve.add_argument("--queue-depth", type=int, default=None,
@@ -164,6 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
                        metavar="S", help="on SIGTERM/SIGINT, seconds that running and queued "
                        "requests may take to finish before they are ended (a second signal "
                        "skips the wait)")
+    serve.add_argument("--metrics-auth", action="store_true",
+                       help="GET /metrics takes the API key (default: public, like /health)")
+    serve.add_argument("--log-format", choices=["text", "json"],
+                       help="log lines as text or one JSON object each (env PANTHEON_LOG_FORMAT)")
+    serve.add_argument("--log-prompts", action="store_true",
+                       help="put each request's prompt text in its access-log line")
     serve.add_argument("--worker-timeout", type=float, default=settings.WORKER_TIMEOUT_S,
                        help="seconds of silence (or of one step) after which a worker is "
                             "slow: it keeps its requests and gets new ones only when no "
@@ -191,6 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
     unload.add_argument("--die")
     unload.add_argument("--timeout-s", type=float, default=settings.UNLOAD_TIMEOUT_S,
                         help="drain deadline before in-flight requests are aborted")
+    top = admin_sub.add_parser("top", help="a live view of dies, slots, queues, tok/s and "
+                               "TTFT (q quits; one snapshot through a pipe)")
+    top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    top.add_argument("--once", action="store_true", help="print one snapshot and exit")
     for cmd in ("dies", "models", "status"):
         admin_sub.add_parser(cmd, help=f"show {cmd}")
     admin.set_defaults(func=cmd_admin)
@@ -206,6 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="host memory for KV states of idle conversations (0: off)")
     worker.add_argument("--budget-mb", type=float,
                         help="memory models may use on this die (default: all of it)")
+    worker.add_argument("--log-format", choices=["text", "json"],
+                        help="log lines as text or one JSON object each (env PANTHEON_LOG_FORMAT)")
     worker.add_argument("--parent-pid", type=int,
                         help="exit when this process (the spawning frontend) is gone")
     worker.set_defaults(func=cmd_worker)
@@ -240,10 +253,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=settings.log_level(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)    # one line per request is noise
     try:
+        logs.setup(settings.log_level(),
+                   getattr(args, "log_format", None) or settings.log_format())
+        logging.getLogger("httpx").setLevel(logging.WARNING)   # one line per request: noise
         return args.func(args) or 0
     except KeyboardInterrupt:
         return 130

@@ -118,3 +118,48 @@ def test_serve_refuses_to_ship_full_logits_to_the_host(value):
     assert "QWEN35_GPU_FULL_LOGITS" in proc.stderr and "samples on the die" in proc.stderr
     assert "full-vocabulary logits" in proc.stderr and "K80" in proc.stderr
     assert "Traceback" not in proc.stderr and "ready" not in proc.stdout
+
+
+@pytest.mark.parametrize("command", [["serve", "--port", "0"], ["worker", "--frontend",
+                                                                "tcp://127.0.0.1:1"]])
+@pytest.mark.parametrize("env,says", [
+    ({"QWEN35_BS_DRIVER_SAMPLE": "0"}, "always samples in the worker"),
+    ({"QWEN35_KV_Q4": "1"}, "QWEN35_KV_Q4=0 means"),
+    ({"QWEN35_BATCH_SLOTS": "8"}, "--slots N"),
+    ({"QWEN35_BS_PREFILL_CHUNK": "lots"}, "QWEN35_BS_PREFILL_CHUNK must be a whole number"),
+    ({"QWEN35_BS_PREFILL_BATCH": "2"}, "QWEN35_BS_PREFILL_BATCH must be 0 or 1"),
+    ({"PN_ASYNC_POLL_US": "-5"}, "PN_ASYNC_POLL_US must be >= 0"),
+    ({"PANTHEON_LOG_FORMAT": "xml"}, "log format must be one of text, json"),
+])
+def test_the_specs_variables_that_cannot_be_honoured_are_refused(command, env, says):
+    proc = pantheon(*command, env=env, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert says in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_metrics_auth_needs_an_api_key():
+    proc = pantheon("serve", "--port", "0", "--metrics-auth", timeout=60)
+    assert proc.returncode == 1
+    assert "--metrics-auth" in proc.stderr and "--api-key" in proc.stderr
+
+
+def test_the_specs_variables_map_onto_flags(monkeypatch):
+    from pantheon.common import settings
+    for name in ("QWEN35_BS_PREFILL_CHUNK", "QWEN35_BS_PREFILL_BATCH", "QWEN35_BATCH_SLOTS",
+                 "QWEN35_BS_DRIVER_SAMPLE", "QWEN35_KV_Q4", "PN_ASYNC_POLL_US"):
+        monkeypatch.delenv(name, raising=False)
+    assert settings.prefill_chunk() == settings.PREFILL_CHUNK
+    monkeypatch.setenv("QWEN35_BS_PREFILL_CHUNK", "64")
+    assert settings.prefill_chunk() == 64
+    monkeypatch.setenv("QWEN35_BS_PREFILL_BATCH", "0")          # token by token
+    assert settings.prefill_chunk() == 1
+    assert settings.async_poll_us() == 500
+    monkeypatch.setenv("PN_ASYNC_POLL_US", "50")
+    assert settings.async_poll_us() == 50
+    for fine in ("", "0", "1"):
+        monkeypatch.setenv("QWEN35_BATCH_SLOTS", fine)
+        monkeypatch.setenv("QWEN35_BS_DRIVER_SAMPLE", fine if fine != "0" else "1")
+        monkeypatch.setenv("QWEN35_KV_Q4", "0" if fine else "")
+        assert settings.refused_knobs() == []
+    monkeypatch.setenv("QWEN35_BS_STATS", "1")
+    assert settings.bs_stats()

@@ -170,3 +170,6 @@ def test_a_worker_given_sigterm_says_so_and_its_stream_fails_fast():
         r = httpx.post(srv.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 3},
                        timeout=60)
         assert r.status_code == 200
+        metrics = httpx.get(srv.url + "/metrics", timeout=10).text
+        assert 'pantheon:worker_restarts_total{die="cpu"} 1.0' in metrics
+        assert 'pantheon:worker_up{die="cpu"} 1.0' in metrics

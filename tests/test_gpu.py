@@ -120,3 +120,15 @@ def test_smollm2_greedy_through_the_scheduler_on_gpu_fp32():
         for out in sched.step():
             got.setdefault(int(out.request_id), []).extend(out.tokens)
     assert [got[i] for i in range(len(cases))] == [c["greedy_ids_fp32ref"] for c in cases]
+
+
+def test_settle_waits_for_queued_work_by_polling():
+    """PN_ASYNC_POLL_US: the step's kernels are done when settle() returns."""
+    import cupy
+    die = cuda_device(0)
+    x = cupy.arange(1 << 24, dtype=cupy.float32)
+    y = (x * 2).sum()                                  # queued, not waited for
+    after = cupy.cuda.Event(block=False, disable_timing=True)
+    after.record()
+    die.settle()
+    assert after.done and float(y) == float(x.sum()) * 2

@@ -6,9 +6,12 @@ CuPy is imported lazily: a CPU host never needs it installed.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import numpy as np
+
+from ..common import settings
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +29,7 @@ class Device:
     xp: object           # numpy or cupy
     name: str
     weight_dtype: object  # fp32 on the CPU, fp16 (default) or fp32 on a GPU
+    poll_us: int = field(default_factory=settings.async_poll_us)   # PN_ASYNC_POLL_US
 
     @property
     def die_id(self) -> str:
@@ -39,6 +43,16 @@ class Device:
         if self.xp is not np:
             self.xp.cuda.get_current_stream().synchronize()
 
+    def settle(self) -> None:
+        """Wait for the work queued on this die without spinning a host core on it (a
+        blocking copy may spin: eight GPU workers on two cores would starve each other).
+        Polls an event, sleeping at most `poll_us` between polls."""
+        if self.xp is np:
+            return
+        event = self.xp.cuda.Event(block=False, disable_timing=True)
+        event.record()
+        wait_polled(lambda: event.done, self.poll_us)
+
     def memory(self) -> tuple[int, int]:
         """(total, free) bytes of the die's memory (host RAM for the CPU die)."""
         if self.xp is np:
@@ -47,6 +61,17 @@ class Device:
             return vm.total, vm.available
         free, total = self.xp.cuda.runtime.memGetInfo()
         return total, free
+
+
+def wait_polled(done, max_sleep_us: int, first_us: float = 10.0) -> int:
+    """Call `done()` until it is true, sleeping between calls: first `first_us`, doubling
+    up to `max_sleep_us` (0: only yield). Returns the number of polls."""
+    polls, sleep_us = 1, min(first_us, max_sleep_us)
+    while not done():
+        time.sleep(sleep_us * 1e-6)
+        sleep_us = min(sleep_us * 2, max_sleep_us)
+        polls += 1
+    return polls
 
 
 def cpu_device() -> Device:

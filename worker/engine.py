@@ -85,7 +85,7 @@ def load_engine(path: str | Path, die: str | Device = "cpu", n_slots: int = 8,
                            reader=reader)
     del reader                       # the parsed metadata is not kept for the replica's life
     model = Model(cfg, weights, device.xp, n_slots, ctx, kv_dtype=device.weight_dtype)
-    engine = Engine(cfg, device, model, None, 0.0, Sampler(device.xp))
+    engine = Engine(cfg, device, model, None, 0.0, Sampler(device.xp, device.settle))
     cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
     engine.scheduler = Scheduler(engine.logits, n_slots, ctx, prefill_chunk, model.state, cache,
                                  sample=engine.sample)

@@ -17,11 +17,13 @@ a peer sends can end this loop except Shutdown.
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import queue
 import secrets
 import signal
+import sys
 import threading
 import time
 from collections import deque
@@ -129,9 +131,13 @@ class Worker:
         os.set_blocking(self.waker_w, False)
         # what the heartbeat thread reports: replaced whole by the loop, read as is
         self.busy_since: float | None = None
-        self.load_figures = (0, 0, *device.memory())  # active, waiting, total, free
-        self.next_figures = 0.0
+        self.load_figures = (0, 0, *device.memory(), [])  # active, waiting, total, free,
+        self.next_figures = 0.0                              # [ReplicaLoad]
         self.steps = 0
+        self.step_counts = [0] * (len(p.STEP_BUCKETS) + 1)   # step times, per bucket
+        self.step_sum = 0.0
+        self.bs_stats = settings.bs_stats()                  # QWEN35_BS_STATS=1: a line each
+        self.traces: dict[str, str] = {}                     # request id → client's id
         self.stall = settings.test_stall(die)
         self.heartbeats = Heartbeats(self, frontend, ident)
 
@@ -150,22 +156,29 @@ class Worker:
 
     def beat(self) -> p.Heartbeat:
         """This moment's heartbeat (called by the heartbeat thread)."""
-        active, waiting, total, free = self.load_figures
+        active, waiting, total, free, replicas = self.load_figures
         host = psutil.virtual_memory()
         level = max(p.pressure_level(free, total),
                     p.pressure_level(host.available, host.total))
         since = self.busy_since
         step_s = time.monotonic() - since if since is not None else 0.0
         return p.Heartbeat(self.die, active, waiting, total, free, host.available, level,
-                           os.getpid(), step_s)
+                           os.getpid(), step_s, replicas, list(self.step_counts),
+                           self.step_sum)
 
     def refresh_figures(self) -> None:
         if time.monotonic() < self.next_figures:
             return
         active = sum(r.engine.scheduler.active() for r in self.replicas.values())
         waiting = sum(len(r.waiting) for r in self.replicas.values()) + len(self.preparing)
-        self.load_figures = (active, waiting, *self.device.memory())
+        loads = [replica_load(r) for r in self.replicas.values()]
+        self.load_figures = (active, waiting, *self.device.memory(), loads)
         self.next_figures = time.monotonic() + p.HEARTBEAT_S / 2
+
+    def request_log(self, level: int, request_id: str, fmt: str, *args) -> None:
+        """A log line about one request, carrying the client's id (X-Request-Id)."""
+        log.log(level, "request %s: " + fmt, request_id, *args,
+                extra={"request_id": self.traces.get(request_id) or request_id})
 
     def wake(self) -> None:
         """Make the loop's poll return now (from any thread)."""
@@ -261,8 +274,15 @@ class Worker:
                                          for t in msg.prompt):
                 raise ValueError("max_tokens must be >= 1 and token ids within the vocabulary")
         except (TypeError, ValueError) as exc:
+            self.traces[msg.request_id] = msg.trace
+            self.request_log(logging.INFO, msg.request_id, "refused: %s", exc)
+            self.traces.pop(msg.request_id, None)
             self.send(p.Error(str(exc), code="bad_request", request_id=msg.request_id))
             return
+        self.traces[msg.request_id] = msg.trace
+        if log.isEnabledFor(logging.DEBUG):
+            self.request_log(logging.DEBUG, msg.request_id, "queued on %s: prompt %d, "
+                             "max_tokens %d", msg.model_id, len(msg.prompt), msg.max_tokens)
         request = Request(msg.request_id, msg.prompt, params, msg.max_tokens,
                           frozenset(msg.stop_ids), msg.session_id, None, min(msg.logprobs, 20))
         self.owner[msg.request_id] = replica
@@ -286,6 +306,8 @@ class Worker:
                 request.constraint = future.result()
             except Exception as exc:
                 self.owner.pop(req_id, None)
+                self.request_log(logging.INFO, req_id, "invalid grammar: %s", exc)
+                self.traces.pop(req_id, None)
                 self.send(p.Error(f"invalid grammar: {exc}", code="bad_request",
                                   request_id=req_id))
                 continue
@@ -296,6 +318,10 @@ class Worker:
         if replica is None:
             return                                  # already finished: nothing to do
         out = replica.engine.scheduler.abort(msg.request_id)
+        if log.isEnabledFor(logging.DEBUG):
+            self.request_log(logging.DEBUG, msg.request_id, "aborted after %d token(s)",
+                             out.completion_tokens if out else 0)
+        self.traces.pop(msg.request_id, None)
         if out is None:                             # still waiting for a slot or its grammar
             replica.waiting = deque(r for r in replica.waiting if r.id != msg.request_id)
             self.preparing.pop(msg.request_id, None)
@@ -318,6 +344,7 @@ class Worker:
             for req_id in [r for r, rep in self.owner.items() if rep is replica]:
                 self.owner.pop(req_id)
                 self.preparing.pop(req_id, None)
+                self.traces.pop(req_id, None)
                 self.send(p.Tokens(req_id, [], "abort"))
         self.send(p.Unloaded(msg.model_id))
 
@@ -395,24 +422,47 @@ class Worker:
         if self.stall and self.steps == self.stall[0]:
             log.warning("test hook: stalling step %d for %.1f s", *self.stall)
             time.sleep(self.stall[1])
+        sched = replica.engine.scheduler
+        started = time.perf_counter()
         try:
-            outputs = replica.engine.scheduler.step()
+            outputs = sched.step()
         except Exception as exc:  # a failed step fails its requests, not the worker
             log.exception("step failed on %s", replica.model_id)
-            sched = replica.engine.scheduler
             for req_id in list(sched.by_id):
                 sched.abort(req_id)
                 self.owner.pop(req_id, None)
+                self.request_log(logging.WARNING, req_id, "failed: %s", exc)
+                self.traces.pop(req_id, None)
                 self.send(p.Error(f"generation failed: {exc}", code="internal",
                                   request_id=req_id))
             return
+        seconds = time.perf_counter() - started
+        self.step_counts[bisect.bisect_left(p.STEP_BUCKETS, seconds)] += 1
+        self.step_sum += seconds
+        if self.bs_stats:
+            n_decode, n_prompt = sched.last_step
+            print(f"[bs_stats] die={self.die} model={replica.model_id} step={self.steps} "
+                  f"batch={n_decode + (n_prompt > 0)} decode={n_decode} prefill={n_prompt} "
+                  f"active={sched.active()} ms={seconds * 1e3:.2f}", file=sys.stderr, flush=True)
         for out in outputs:
             if out.finish:
                 self.owner.pop(out.request_id, None)
+                if log.isEnabledFor(logging.DEBUG):
+                    self.request_log(logging.DEBUG, out.request_id, "finished (%s): prompt %d, "
+                                     "completion %d, cached %d", out.finish, out.prompt_tokens,
+                                     out.completion_tokens, out.cached_tokens)
+                self.traces.pop(out.request_id, None)
         if outputs:             # one message per step, whatever the batch size
             self.send(p.Outputs([p.Tokens(o.request_id, o.tokens, o.finish, o.prompt_tokens,
                                           o.completion_tokens, o.cached_tokens, o.logprobs)
                                  for o in outputs]))
+
+
+def replica_load(replica: Replica) -> p.ReplicaLoad:
+    sched = replica.engine.scheduler
+    busy = [s for s in sched.slots if s.request is not None]
+    return p.ReplicaLoad(replica.model_id, len(busy), len(sched.slots),
+                         sum(s.cached for s in busy), len(sched.slots) * sched.ctx)
 
 
 def pin_cores(cores: list[int] | None) -> None:
@@ -421,6 +471,8 @@ def pin_cores(cores: list[int] | None) -> None:
 
 
 def main(args) -> int:
+    if refused := settings.refused_knobs():
+        raise RuntimeError("; ".join(refused))
     pin_cores(args.cores)
     device = open_device(args.die.split(":")[0])
     worker = Worker(device, args.frontend, args.die, slots=args.slots,

@@ -72,9 +72,10 @@ class SequenceSampler:
 class Sampler:
     """Samples the rows of a step where their logits are: `xp` is numpy or cupy."""
 
-    def __init__(self, xp):
+    def __init__(self, xp, settle=None):
         self.xp = xp
         self.host = np.asarray if xp is np else xp.asnumpy
+        self.settle = settle        # waits for the die's queued work (Device.settle)
 
     def sample(self, logits, seqs: list[SequenceSampler]) -> list[tuple[int, list | None]]:
         """(token, logprobs entry or None) for each row of logits [B, V] float32 and its
@@ -92,6 +93,8 @@ class Sampler:
             tops = [seqs[i].logprobs for i in asked]
             for i, entry in zip(asked, self.logprobs(raw, tokens[asked], tops)):
                 entries[i] = entry
+        if self.settle is not None:
+            self.settle()           # the step's kernels are done: the copy will not wait
         picks = self.host(tokens).tolist()
         for seq, token in zip(seqs, picks):
             seq.accept(token)

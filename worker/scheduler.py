@@ -164,6 +164,7 @@ class Scheduler:
         self.slots = [Slot(i) for i in range(n_slots)]
         self.by_id: dict[str, Slot] = {}
         self.uses = itertools.count(1)
+        self.last_step = (0, 0)
 
     # -- the owner's operations ------------------------------------------------
     def free_slots(self) -> int:
@@ -312,6 +313,7 @@ class Scheduler:
         sampled = [slot for (slot, _), span in zip(plan, spans) if span.logits]
         picks = self.sample(logits, [slot.sampler for slot in sampled]) if sampled else []
         n_decode = sum(slot.state is SlotState.DECODE for slot, _ in plan)
+        self.last_step = (n_decode, len(tokens) - n_decode)   # (decode rows, prompt tokens)
         self.pacer.record(self.clock() - started, n_decode, len(tokens) - n_decode)
         for slot, n in plan:
             slot.history += slot.feed[:n]

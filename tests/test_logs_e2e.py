@@ -1,0 +1,71 @@
+"""Request ids end to end, access lines, JSON logs, and no prompt text unless asked."""
+import json
+import time
+
+import httpx
+import pytest
+
+from cluster import Server
+from pantheon.common.default_model import cached_path
+
+pytestmark = pytest.mark.skipif(not cached_path().exists(), reason="default model not fetched")
+
+SECRET = "purple elephant"
+CHAT = {"model": "m", "messages": [{"role": "user", "content": f"Describe a {SECRET}."}],
+        "max_tokens": 4}
+
+
+def whole_log(srv: Server, until: str = "") -> str:
+    """The server's whole log, once it holds `until` (access lines follow the reply)."""
+    deadline = time.monotonic() + 10
+    while True:
+        with open(srv.log.name, errors="replace") as fh:
+            text = fh.read()
+        if until in text or time.monotonic() > deadline:
+            return text
+        time.sleep(0.1)
+
+
+def test_request_ids_reach_the_worker_and_json_lines_carry_them():
+    env = {"PANTHEON_LOG_FORMAT": "json", "PANTHEON_LOG_LEVEL": "DEBUG"}
+    with Server(env=env) as srv:
+        r = httpx.post(srv.url + "/v1/chat/completions", json=CHAT,
+                       headers={"X-Request-Id": "trace-42"}, timeout=60)
+        assert r.status_code == 200 and r.headers["x-request-id"] == "trace-42"
+        with httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=60,
+                          json={**CHAT, "stream": True}) as s:
+            made = s.headers["x-request-id"]
+            assert made.startswith("req-") and len(made) > 8
+            s.read()
+        bad = httpx.post(srv.url + "/v1/chat/completions", json=CHAT,
+                         headers={"X-Request-Id": "x" * 200}, timeout=30)
+        assert bad.status_code == 400 and "X-Request-Id" in bad.json()["error"]["message"]
+        ok = httpx.post(srv.url + "/v1/chat/completions", json=CHAT, timeout=60)
+        assert ok.status_code == 200                 # nothing was disturbed
+        log = whole_log(srv, '"request_id": "%s", "method"' % ok.headers["x-request-id"])
+        records = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+        assert len(records) > 10
+        assert all({"ts", "level", "logger", "message"} <= set(r) for r in records)
+        mine = [r for r in records if r.get("request_id") == "trace-42"]
+        access = [r for r in mine if r["logger"] == "pantheon.access"]
+        assert len(access) == 1
+        line = access[0]
+        assert line["method"] == "POST" and line["route"] == "/v1/chat/completions"
+        assert line["status"] == 200 and line["model"] == "SmolLM2-135M-Instruct"
+        assert line["prompt_tokens"] > 5 and line["completion_tokens"] == 4
+        assert line["cached_tokens"] >= 0 and 0 < line["ttft_s"] <= line["total_s"]
+        worker = [r["message"] for r in mine if r["logger"] == "pantheon.worker"]
+        assert any("queued on" in m for m in worker) and any("finished" in m for m in worker)
+        assert any(r.get("request_id") == made and r["logger"] == "pantheon.access"
+                   for r in records)
+        assert SECRET not in log
+
+
+def test_log_prompts_puts_the_prompt_in_the_access_line():
+    with Server("--log-prompts") as srv:
+        r = httpx.post(srv.url + "/v1/chat/completions", json=CHAT,
+                       headers={"X-Request-Id": "trace-7"}, timeout=60)
+        assert r.status_code == 200
+        (line,) = [x for x in whole_log(srv, "[trace-7]").splitlines()
+                   if "pantheon.access [trace-7]" in x]
+        assert SECRET in line and "status=200" in line and "completion_tokens=4" in line

@@ -21,6 +21,8 @@ and no two share a long prefix. Prints one JSON object; per level:
                 (server_idle_cpu_ms_per_s, sampled before the first level, times the
                 level's wall time): on a slow or contended host, few tokens a second
                 make the idle timers' share of the raw figure large
+  scrapes / scrape_ms  with --scrape-metrics S: GET {url}/metrics every S seconds during
+                the level (a Prometheus scraper beside the load), and its mean time
 completion_tokens come from the usage chunk, else from counting content chunks.
 """
 from __future__ import annotations
@@ -134,7 +136,7 @@ def cpu_seconds(pid: int | None) -> float | None:
 
 async def run_level(url, model, concurrency, requests, prompt_fn, max_tokens,
                     api_key=None, timeout=300, server_pid: int | None = None,
-                    idle_cpu_per_s: float = 0.0) -> dict:
+                    idle_cpu_per_s: float = 0.0, scrape_s: float = 0.0) -> dict:
     """`concurrency` clients drain a queue of `requests` requests; prompt_fn(i) -> user text."""
     url = url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -160,10 +162,16 @@ async def run_level(url, model, concurrency, requests, prompt_fn, max_tokens,
                     res = {"error": "timeout"}
                 results.append(res)
 
+        scrapes: list[float] = []
+        scraper = asyncio.ensure_future(scrape(url, headers, scrape_s, scrapes)) \
+            if scrape_s > 0 else None
         cpu0, t0 = cpu_seconds(server_pid), time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
         cpu = cpu_seconds(server_pid) - cpu0 if server_pid is not None else None
+        if scraper is not None:
+            scraper.cancel()
+            await asyncio.gather(scraper, return_exceptions=True)
 
     ok = [r for r in results if r["error"] is None]
     errors = [r["error"] for r in results if r["error"] is not None]
@@ -180,12 +188,25 @@ async def run_level(url, model, concurrency, requests, prompt_fn, max_tokens,
         "output_tok_s": tokens / wall if wall > 0 else None,
         "request_s": _pct([r["latency"] for r in ok]),
         "wall_s": wall,
+        **({"scrapes": len(scrapes), "scrape_ms": 1000 * sum(scrapes) / len(scrapes)
+            if scrapes else None} if scrape_s > 0 else {}),
         **({"server_cpu_s": cpu, "server_cpu_ms_per_token":
             1000 * cpu / tokens if tokens else None,
             "server_cpu_ms_per_token_above_idle":
             1000 * (cpu - idle_cpu_per_s * wall) / tokens if tokens else None}
            if cpu is not None else {}),
     }
+
+
+async def scrape(url: str, headers: dict, every_s: float, times: list[float]) -> None:
+    """GET /metrics every `every_s` seconds until cancelled; each one's seconds."""
+    async with httpx.AsyncClient(timeout=30) as client:
+        while True:
+            t0 = time.perf_counter()
+            r = await client.get(url + "/metrics", headers=headers)
+            r.raise_for_status()
+            times.append(time.perf_counter() - t0)
+            await asyncio.sleep(every_s)
 
 
 async def idle_cpu(pid: int, seconds: float) -> float:
@@ -204,7 +225,7 @@ def first_model(url: str, api_key: str | None = None) -> str:
 
 def run(url, model, concurrencies: list[int], requests_per_level: int | None, max_tokens: int,
         prompt_tokens_hint: int, api_key: str | None, seed: int, warmup: int = 1,
-        server_pid: int | None = None, idle_s: float = 3.0) -> dict:
+        server_pid: int | None = None, idle_s: float = 3.0, scrape_s: float = 0.0) -> dict:
     """All levels in order; prompt_tokens_hint is the approximate prompt size in words.
     `warmup` untimed requests go first (the server's first request may compile or load)."""
     model = model or first_model(url, api_key)
@@ -221,7 +242,8 @@ def run(url, model, concurrencies: list[int], requests_per_level: int | None, ma
         for c in concurrencies:
             n = requests_per_level or max(4, 2 * c)
             levels.append(await run_level(url, model, c, n, prompts(offset), max_tokens, api_key,
-                                          server_pid=server_pid, idle_cpu_per_s=idle))
+                                          server_pid=server_pid, idle_cpu_per_s=idle,
+                                          scrape_s=scrape_s))
             if server_pid is not None:
                 levels[-1]["server_idle_cpu_ms_per_s"] = 1000 * idle
             offset += n
@@ -257,6 +279,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server-pid", type=int, metavar="PID",
                         help="also report this process's CPU time per completion token "
                              "(the frontend's pid for Pantheon)")
+    parser.add_argument("--scrape-metrics", type=float, default=0.0, metavar="S",
+                        help="GET /metrics every S seconds during each level")
     parser.add_argument("--output", help="also write the JSON to this file")
 
 
@@ -264,7 +288,7 @@ def main(args) -> int:
     levels = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
     result = run(args.url, args.model, levels, args.requests, args.max_tokens,
                  args.prompt_words, args.api_key, args.seed, warmup=args.warmup,
-                 server_pid=args.server_pid)
+                 server_pid=args.server_pid, scrape_s=args.scrape_metrics)
     text = json.dumps(result, indent=2)
     print(text)
     if args.output:

@@ -224,7 +224,8 @@ def build_app(registry: Registry, lifecycle: Lifecycle, admin: Admin,
                 Route("/admin/models/unload", admin_route("unload"), methods=["POST"]),
                 Route("/admin/models", admin_route("models")),
                 Route("/admin/dies", admin_route("dies")),
-                Route("/admin/status", admin_route("status"))],
+                Route("/admin/status", admin_route("status")),
+                Route("/admin/top", admin_route("top"))],
         exception_handlers={APIError: api_error, HTTPException: http_error,
                             Exception: server_error})
     return RequestLog(Guard(app, api_key, admin_key, metrics_auth), log_prompts)

@@ -9,7 +9,7 @@ import time
 import pytest
 import uvicorn
 from starlette.applications import Starlette
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
 from pantheon.bench import serve
@@ -76,6 +76,14 @@ async def completions(request):
     return StreamingResponse(stream(), media_type="text/event-stream")
 
 
+SCRAPED = []
+
+
+async def metrics(request):
+    SCRAPED.append(time.monotonic())
+    return PlainTextResponse("pantheon:draining 0.0\n")
+
+
 async def models(request):
     return JSONResponse({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
 
@@ -83,7 +91,7 @@ async def models(request):
 @pytest.fixture(scope="module")
 def url():
     app = Starlette(routes=[Route("/v1/chat/completions", completions, methods=["POST"]),
-                            Route("/v1/models", models)])
+                            Route("/v1/models", models), Route("/metrics", metrics)])
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -105,6 +113,16 @@ def level(url, concurrency, requests, **mode):
     out = asyncio.run(serve.run_level(url, "fake-model", concurrency, requests,
                                       lambda i: serve.make_prompt(i, 40, 0), max_tokens=16))
     return out, fake.max_active
+
+
+def test_metrics_are_scraped_beside_the_load(url):
+    fake.reset()
+    SCRAPED.clear()
+    out = asyncio.run(serve.run_level(url, "fake-model", 2, 6,
+                                      lambda i: serve.make_prompt(i, 40, 0), max_tokens=16,
+                                      scrape_s=0.01))
+    assert out["errors"] == 0 and out["scrapes"] == len(SCRAPED) >= 1
+    assert out["scrape_ms"] > 0
 
 
 def test_structure_tokens_and_concurrency(url):

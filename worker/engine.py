@@ -45,8 +45,11 @@ class Engine:
         return self.sampler.sample(logits, seqs)
 
     def warm_up(self) -> None:
-        """One tiny forward and a sample down every path, so the first request does not pay
-        for lazy set-up (CuPy compiles each kernel on its first use)."""
+        """A short prefill, one decode forward and a sample down every path, so the first
+        request does not pay for lazy set-up (CuPy compiles each kernel on its first use;
+        the CPU's many-row path allocates its tiles and wakes its BLAS threads)."""
+        n = max(1, min(32, self.model.ctx - 1))        # a prefill's many-row path too
+        self.logits(np.zeros(n, dtype=np.int64), [Span(0, 0, n)])
         logits = self.logits(np.zeros(1, dtype=np.int64), [Span(0, 0, 1)])
         rows = [SequenceSampler(SamplingParams(temperature=0, logit_bias={0: 1.0},
                                                repetition_penalty=1.1, presence_penalty=0.1),

@@ -70,10 +70,16 @@ def gone(procs: list[psutil.Process]) -> bool:
 def test_sigterm_finishes_running_and_queued_streams_and_refuses_new_requests():
     with Server("--slots", "2", "--ctx", "512", "--shutdown-timeout", "120") as srv:
         workers = srv.workers()
-        streams = [Stream(srv, 60) for _ in range(3)]    # two run, the third waits
+        streams = [Stream(srv, 150) for _ in range(3)]   # two run, the third waits
         for s in streams:
             s.start()
         streams[0].first.wait(60)
+        waiting = 'vllm:num_requests_waiting{model_name="SmolLM2-135M-Instruct"} 1.0'
+        deadline = time.monotonic() + 30
+        while waiting not in httpx.get(srv.url + "/metrics").text:
+            assert time.monotonic() < deadline, ("the third stream never waited",
+                                                 [x.status for x in streams], srv.logs())
+            time.sleep(0.05)
         srv.proc.send_signal(signal.SIGTERM)
         assert wait_draining(srv)["status"] == "draining"
         refused = httpx.post(srv.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 2},
@@ -81,10 +87,16 @@ def test_sigterm_finishes_running_and_queued_streams_and_refuses_new_requests():
         assert refused.status_code == 503, refused.text
         assert refused.json()["error"]["code"] == "shutting_down"
         assert int(refused.headers["retry-after"]) > 0
+        metrics = httpx.get(srv.url + "/metrics", timeout=10).text
+        assert "pantheon:draining 1.0" in metrics
+        rejected = [line for line in metrics.splitlines()
+                    if line.startswith("pantheon:requests_rejected_total")]
+        assert rejected == ['pantheon:requests_rejected_total{model_name="SmolLM2-135M-'
+                            'Instruct",reason="shutting_down",status="503"} 1.0'], rejected
         for s in streams:
             s.join(120)
             assert s.status == 200 and s.error() is None, s.events[-3:]
-            assert s.usage()["completion_tokens"] == 60
+            assert s.usage()["completion_tokens"] == 150
             assert s.events[-1] == "[DONE]"
         assert srv.proc.wait(60) == 0, srv.logs()
         assert gone(workers), "a worker outlived its frontend"

@@ -60,10 +60,10 @@ def test_every_family_moves_after_real_requests(tmp_path):
             value(before, "pantheon:die_memory_used_bytes", die="cpu")
 
         # a conversation of two turns: the second finds the first in the prefix cache
-        first = chat(srv, HELLO, 8, headers={"X-Session-Id": "s1"}).json()
+        first = chat(srv, HELLO, 8, headers={"X-Session-Id": "s1"}, logit_bias=NO_EOS).json()
         turn2 = HELLO + [{"role": "assistant", "content": first["choices"][0]["message"]
                           ["content"]}, {"role": "user", "content": "Again."}]
-        second = chat(srv, turn2, 8, headers={"X-Session-Id": "s1"}).json()
+        second = chat(srv, turn2, 8, headers={"X-Session-Id": "s1"}, logit_bias=NO_EOS).json()
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
         # two long streams fill both slots, a third waits, a fourth is refused
@@ -113,6 +113,17 @@ def test_every_family_moves_after_real_requests(tmp_path):
         with open(srv.log.name) as fh:
             log = fh.read()
         assert "[bs_stats] die=cpu" in log and " decode=2 " in log
+
+        # a client that goes away mid-stream is a failure, not a success
+        with httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=60, json={
+                "model": "m", "messages": HELLO, "max_tokens": 200, "stream": True,
+                "logit_bias": NO_EOS}) as r:
+            next(r.iter_lines())
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not any(
+                n == "pantheon:request_failure_total" for n, _ in scrape(srv)):
+            time.sleep(0.2)
+        assert value(scrape(srv), "pantheon:request_failure_total", reason="cancelled", **m) == 1
 
         # loads and unloads are counted per model
         r = httpx.post(srv.url + "/admin/models/load", timeout=120,

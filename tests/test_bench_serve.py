@@ -121,7 +121,8 @@ def test_metrics_are_scraped_beside_the_load(url):
     out = asyncio.run(serve.run_level(url, "fake-model", 2, 6,
                                       lambda i: serve.make_prompt(i, 40, 0), max_tokens=16,
                                       scrape_s=0.01))
-    assert out["errors"] == 0 and out["scrapes"] == len(SCRAPED) >= 1
+    assert out["errors"] == 0 and 1 <= out["scrapes"] <= len(SCRAPED)   # the last one may
+    # be cut short when the level ends
     assert out["scrape_ms"] > 0
 
 

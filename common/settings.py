@@ -24,6 +24,18 @@ WORKER_TIMEOUT_S = 5.0                   # silence (or one step) this long: a wo
 WORKER_LOST_AFTER_S = 60.0               # silence this long: an external worker is lost
 MAX_MODELS = 16                          # resident replicas, all models together
 UNLOAD_TIMEOUT_S = 30.0                  # an unload's drain deadline
+# bounds on one client (frontend/limits.py)
+HEADER_TIMEOUT_S = 10.0                  # a request's line and headers, first byte to last
+BODY_TIMEOUT_S = 30.0                    # its body, end of headers to last byte
+WRITE_TIMEOUT_S = 30.0                   # a peer that reads nothing this long is dropped
+MAX_HEADER_BYTES = 32 << 10              # request line + headers
+MAX_CONNECTIONS = 1024                   # open HTTP connections; a 503 beyond
+MAX_MESSAGES = 2048                      # chat messages per request
+MAX_REQUEST_TOKENS = 262144              # n x max_tokens (x prompts) per request
+MAX_STOP_CHARS = 512                     # characters per stop string
+MAX_TOOL_SCHEMA_BYTES = 256 << 10        # `tools` as compact JSON
+MAX_TOOL_SCHEMA_DEPTH = 32               # `tools` nesting
+STREAM_BUFFER_TOKENS = 4096              # tokens held for a client not reading its stream
 
 
 def cache_dir() -> Path:
@@ -63,6 +75,11 @@ def queue_depth() -> int:
 def admin_key() -> str | None:
     """Key for the /admin/ routes and the ZeroMQ admin socket (`PANTHEON_ADMIN_KEY`)."""
     return os.environ.get("PANTHEON_ADMIN_KEY") or None
+
+
+def keys_dir() -> str | None:
+    """The CURVE keys folder of the ZeroMQ links (`PANTHEON_KEYS_DIR`; `--keys` wins)."""
+    return os.environ.get("PANTHEON_KEYS_DIR") or None
 
 
 def admin_addr() -> str:

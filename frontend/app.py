@@ -17,6 +17,7 @@ from .chat import ChatService, read_body
 from .completions import CompletionService
 from .errors import APIError
 from .lifecycle import Lifecycle
+from .limits import RequestLimits
 from .openai_api import models_list
 from .registry import Registry
 from .workers import WorkerPool
@@ -84,10 +85,11 @@ def model_status(model, admission: Admission) -> dict:
 
 def build_app(registry: Registry, pool: WorkerPool, admission: Admission, admin: Admin,
               api_key: str | None = None, admin_key: str | None = None,
-              max_body_bytes: int = 8 << 20, context_cap: bool = True) -> Guard:
+              max_body_bytes: int = 8 << 20, context_cap: bool = True,
+              limits: RequestLimits = RequestLimits(), http_admin: bool = True) -> Guard:
     lifecycle = Lifecycle(pool, admission)
-    chat = ChatService(registry, lifecycle, max_body_bytes, context_cap)
-    completions = CompletionService(registry, lifecycle, max_body_bytes)
+    chat = ChatService(registry, lifecycle, max_body_bytes, context_cap, limits)
+    completions = CompletionService(registry, lifecycle, max_body_bytes, limits)
 
     def admin_route(cmd: str):
         async def handle(request: Request):
@@ -141,15 +143,16 @@ def build_app(registry: Registry, pool: WorkerPool, admission: Admission, admin:
         err = APIError(500, "internal server error", type="server_error")
         return JSONResponse(err.body(), status_code=500)
 
+    admin_routes = [Route("/admin/models/load", admin_route("load"), methods=["POST"]),
+                    Route("/admin/models/unload", admin_route("unload"), methods=["POST"]),
+                    Route("/admin/models", admin_route("models")),
+                    Route("/admin/dies", admin_route("dies")),
+                    Route("/admin/status", admin_route("status"))]
     app = Starlette(
         routes=[Route("/", root), Route("/health", health), Route("/v1/models", models),
                 Route("/v1/chat/completions", chat, methods=["POST"]),
                 Route("/v1/completions", completions, methods=["POST"]),
-                Route("/admin/models/load", admin_route("load"), methods=["POST"]),
-                Route("/admin/models/unload", admin_route("unload"), methods=["POST"]),
-                Route("/admin/models", admin_route("models")),
-                Route("/admin/dies", admin_route("dies")),
-                Route("/admin/status", admin_route("status"))],
+                *(admin_routes if http_admin else [])],
         exception_handlers={APIError: api_error, HTTPException: http_error,
                             Exception: server_error})
     return Guard(app, api_key, admin_key)

@@ -27,7 +27,10 @@ def fleet(tmp_path_factory):
     tiny = tm.write_gguf("qwen2", tmp_path_factory.mktemp("m") / "tiny.gguf")
     srv = Server("--spawn-workers", "cpu,cpu", "--slots", "4", "--ctx", "512",
                  "--max-models", "4", "--admin-key", KEY,
-                 "--admin-addr", f"tcp://127.0.0.1:{free_port()}")
+                 "--admin-addr", f"tcp://127.0.0.1:{free_port()}",
+                 # loads come from the test's folders and the cache
+                 "--model-dir", str(tmp_path_factory.getbasetemp()),
+                 "--model-dir", str(Path(SMOL).parent))
     srv.admin_addr = srv.args[srv.args.index("--admin-addr") + 1]
     with srv:
         srv.tiny = str(tiny)

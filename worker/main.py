@@ -34,6 +34,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from ..common import protocol as p
 from ..common import settings
+from ..common.keys import KeyPair, curve_client, is_local_address, server_public, worker_pair
 from .device import Device, open_device
 from .engine import Engine, load_engine
 from .scheduler import Request
@@ -74,12 +75,15 @@ class Heartbeats(threading.Thread):
     def __init__(self, worker: "Worker", frontend: str, ident: bytes):
         super().__init__(name="heartbeats", daemon=True)
         self.worker, self.frontend, self.identity = worker, frontend, ident
+        self.keys = worker.keys
         self.stopped = threading.Event()
 
     def run(self) -> None:
         sock = self.worker.ctx.socket(zmq.DEALER)   # a socket belongs to one thread
         sock.setsockopt(zmq.IDENTITY, self.identity + p.HEARTBEAT_SUFFIX)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.keys:
+            curve_client(sock, *self.keys)
         sock.connect(self.frontend)
         try:
             while not self.stopped.is_set():
@@ -104,8 +108,10 @@ class Heartbeats(threading.Thread):
 
 class Worker:
     def __init__(self, device: Device, frontend: str, die: str, slots: int = settings.SLOTS,
-                 prefix_cache_bytes: int = 0, parent_pid: int = 0, budget: int = 0):
+                 prefix_cache_bytes: int = 0, parent_pid: int = 0, budget: int = 0,
+                 keys: tuple[bytes, KeyPair] | None = None):
         self.device, self.die, self.slots = device, die, slots
+        self.keys = keys                 # (server public key, own pair): CURVE
         self.parent_pid = parent_pid     # spawned by a frontend: live and die with it
         self.budget = budget
         self.prefix_cache_bytes = prefix_cache_bytes
@@ -114,6 +120,8 @@ class Worker:
         ident = f"{die}-{os.getpid()}-{secrets.token_hex(4)}".encode()
         self.sock.setsockopt(zmq.IDENTITY, ident)
         self.sock.setsockopt(zmq.LINGER, 1000)
+        if keys:
+            curve_client(self.sock, *keys)
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED)
         self.sock.connect(frontend)
         self.replicas: dict[str, Replica] = {}
@@ -417,14 +425,32 @@ def pin_cores(cores: list[int] | None) -> None:
         psutil.Process().cpu_affinity(cores)
 
 
+def link_keys(args) -> tuple[bytes, KeyPair] | None:
+    """The CURVE keys of `--keys DIR`; a frontend off this host without them is refused
+    (unless --insecure)."""
+    if args.keys:
+        return server_public(args.keys), worker_pair(args.keys)
+    if not is_local_address(args.frontend):
+        if not args.insecure:
+            raise RuntimeError(f"refusing to start: --frontend {args.frontend} is off this "
+                               "host and the link would be unauthenticated and in clear: "
+                               "pass --keys DIR (a worker folder from `pantheon keys "
+                               "generate`), or --insecure")
+        log.warning("--insecure: the link to %s is unauthenticated and in clear",
+                    args.frontend)
+    return None
+
+
 def main(args) -> int:
+    keys = link_keys(args)
     pin_cores(args.cores)
     device = open_device(args.die.split(":")[0])
     worker = Worker(device, args.frontend, args.die, slots=args.slots,
                     prefix_cache_bytes=int(args.prefix_cache_mb * (1 << 20)),
                     parent_pid=args.parent_pid or 0,
-                    budget=int((args.budget_mb or 0) * (1 << 20)))
+                    budget=int((args.budget_mb or 0) * (1 << 20)), keys=keys)
     signal.signal(signal.SIGTERM, lambda *_: worker.stop())
-    log.info("worker for die %s (%s) connecting to %s", args.die, device.name, args.frontend)
+    log.info("worker for die %s (%s) connecting to %s%s", args.die, device.name, args.frontend,
+             " (CURVE)" if keys else "")
     worker.run()
     return 0

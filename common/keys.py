@@ -13,6 +13,8 @@ format, secrets mode 0600):
     DIR/NAME/server.key         a worker's folder, `pantheon worker --keys DIR/NAME`:
     DIR/NAME/worker.key           the server's public key and the worker's own pair
     DIR/NAME/worker.key_secret
+
+Workers the frontend spawns itself get DIR and join with the server's own pair.
 """
 from __future__ import annotations
 
@@ -84,7 +86,12 @@ def server_public(keys_dir: Path) -> bytes:
 
 
 def worker_pair(keys_dir: Path) -> KeyPair:
-    return read_key(Path(keys_dir) / f"{WORKER}.key_secret", secret=True)
+    """A worker folder's own pair; in the frontend's folder, the server's pair (what a
+    worker the frontend spawns joins with: it reads the secret the frontend reads)."""
+    own = Path(keys_dir) / f"{WORKER}.key_secret"
+    if not own.exists() and (Path(keys_dir) / f"{SERVER}.key_secret").exists():
+        return server_pair(keys_dir)
+    return read_key(own, secret=True)
 
 
 def authorized_keys(keys_dir: Path) -> set[bytes]:

@@ -11,8 +11,8 @@ this host's users. Off loopback nothing is open by default:
 - `LinkAuth` is the CURVE side of the frontend, on both ZeroMQ sockets whenever
   `--keys DIR` is given (on loopback too) (ZAP through pyzmq's asyncio
   authenticator): a worker joins only with a public key in the allow list
-  (DIR/authorized/, reread when the folder changes, plus the key of each worker
-  this frontend spawns itself); the admin socket takes any client key (the channel
+  (DIR/authorized/, reread when the folder changes), or with the server's own pair:
+  the workers this frontend spawns read its keys folder, as it does; the admin socket takes any client key (the channel
   is encrypted, the admin token authenticates).
 - `ModelDirs` confines `/admin/models/load` to the model folders.
 """
@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,9 +94,7 @@ class LinkAuth:
             raise keys.KeyFileError(f"{self.server_key_file} does not match "
                                     f"{keys.SERVER}.key_secret")
         self.allowed, self.stamp = keys.authorized_keys(self.dir), self.folder_stamp()
-        self.own: set[bytes] = set()            # keys of workers this frontend spawns
         self.refused: set[bytes] = set()        # logged once each
-        self.spawn_dir: Path | None = None
         self.auth: zmq.auth.asyncio.AsyncioAuthenticator | None = None
 
     def start(self, ctx: zmq.Context) -> None:
@@ -122,7 +118,7 @@ class LinkAuth:
                 self.allowed, self.stamp = keys.authorized_keys(self.dir), self.folder_stamp()
             except keys.KeyFileError as exc:
                 log.warning("keeping the old allow list: %s", exc)
-        if key in self.allowed or key in self.own:
+        if key in self.allowed or key == self.pair.public:    # or a spawned worker
             return True
         if key not in self.refused and len(self.refused) < 1024:
             self.refused.add(key)
@@ -130,20 +126,9 @@ class LinkAuth:
                         key.decode(errors="replace"), self.dir / keys.AUTHORIZED)
         return False
 
-    def spawned_worker_keys(self) -> str:
-        """A private folder with a fresh worker key pair for the workers this frontend
-        spawns (allowed in memory, deleted at close)."""
-        if self.spawn_dir is None:
-            self.spawn_dir = Path(tempfile.mkdtemp(prefix="pantheon-keys-"))
-            public = keys.worker_folder(self.spawn_dir / "spawned", self.server_key_file)
-            self.own.add(keys.read_key(public, secret=False).public)
-        return str(self.spawn_dir / "spawned")
-
     def close(self) -> None:
         if self.auth is not None:
             self.auth.stop()
-        if self.spawn_dir is not None:
-            shutil.rmtree(self.spawn_dir, ignore_errors=True)
 
 
 class ModelDirs:

@@ -112,7 +112,7 @@ async def serve(cfg: ServeConfig) -> int:
     pool.start()
     worker_args = ["--prefix-cache-mb", str(cfg.prefix_cache_mb)]
     if link is not None:
-        worker_args += ["--keys", link.spawned_worker_keys()]
+        worker_args += ["--keys", cfg.keys_dir]     # they join with the server's own pair
     supervisor = Supervisor(dies, addr, pool, cfg.slots, worker_args)
     supervisor.start()
     tasks = [asyncio.create_task(admin_socket.serve(), name="admin-socket"),

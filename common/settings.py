@@ -30,6 +30,7 @@ BODY_TIMEOUT_S = 30.0                    # its body, end of headers to last byte
 WRITE_TIMEOUT_S = 30.0                   # a peer that reads nothing this long is dropped
 MAX_HEADER_BYTES = 32 << 10              # request line + headers
 MAX_CONNECTIONS = 1024                   # open HTTP connections; a 503 beyond
+SEND_BUFFER_BYTES = 64 << 10             # per connection: socket send buffer (and ours)
 MAX_MESSAGES = 2048                      # chat messages per request
 MAX_REQUEST_TOKENS = 262144              # n x max_tokens (x prompts) per request
 MAX_STOP_CHARS = 512                     # characters per stop string

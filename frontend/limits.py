@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 from dataclasses import dataclass
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -60,7 +61,8 @@ class RequestLimits:
             return
         depth = json_depth(tools)
         if depth > self.max_tool_schema_depth:
-            raise too_much("tools", f"tools nest {depth} levels deep, more than "
+            raise too_much("tools", f"tools nest {depth} levels deep as JSON (a function's "
+                                    "parameters start at level 4), more than "
                                     f"{self.max_tool_schema_depth}")
         size = len(json.dumps(tools, separators=(",", ":")))
         if size > self.max_tool_schema_bytes:
@@ -95,6 +97,7 @@ class ConnectionLimits:
     write_timeout_s: float = settings.WRITE_TIMEOUT_S     # a peer reading nothing
     max_header_bytes: int = settings.MAX_HEADER_BYTES     # request line + headers
     max_connections: int = settings.MAX_CONNECTIONS
+    send_buffer_bytes: int = settings.SEND_BUFFER_BYTES   # per connection, kernel + ours
 
     def protocol(self) -> type:
         """The protocol class uvicorn's `http=` takes, bound to these limits."""
@@ -121,8 +124,14 @@ class BoundedHttp(HttpToolsProtocol):
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self.timers = {}
-        self.header_bytes = 0
+        self.header_bytes = self.parsed_bytes = 0   # read in the header phase; parsed
         self.in_headers = True
+        sock = transport.get_extra_info("socket")
+        if sock is not None and self.limits.send_buffer_bytes:
+            # what a peer that reads nothing can leave queued here: the kernel's buffer
+            # (Linux doubles it) and the transport's, instead of ~4 MB autotuned
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.limits.send_buffer_bytes)
+            transport.set_write_buffer_limits(high=self.limits.send_buffer_bytes)
         self.over_cap = len(self.connections) > self.limits.max_connections
         self.arm("header", self.limits.header_timeout_s, self.headers_too_slow)
 
@@ -147,16 +156,31 @@ class BoundedHttp(HttpToolsProtocol):
         if self.in_headers:
             self.header_bytes += len(data)
         super().data_received(data)
-        if self.in_headers and self.header_bytes > self.limits.max_header_bytes \
-                and not self.transport.is_closing():
-            self.refuse(431, "Request Header Fields Too Large", APIError(
-                431, f"request line and headers exceed {self.limits.max_header_bytes} bytes",
-                code="headers_too_large"))
+        # headers still incomplete: every byte since the request began was header
+        if self.in_headers and self.header_bytes > self.limits.max_header_bytes:
+            self.headers_too_big()
+
+    def on_url(self, url: bytes) -> None:
+        self.parsed_bytes += len(url)
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        # headers that arrive whole in one read are counted here, as parsed
+        self.parsed_bytes += len(name) + len(value) + 4
+        super().on_header(name, value)
+
+    def headers_too_big(self) -> None:
+        self.refuse(431, "Request Header Fields Too Large", self.oversized())
+
+    def oversized(self) -> APIError:
+        return APIError(431, f"request line and headers exceed "
+                             f"{self.limits.max_header_bytes} bytes", code="headers_too_large")
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         # a transport's hard close, for a handler that must drop its client (lifecycle)
         self.scope["extensions"] = {"pantheon.abort": self.transport.abort}
+        self.parsed_bytes = 0
         if not self.in_headers:                   # the next request on a kept-alive link
             self.in_headers, self.header_bytes = True, 0
             self.arm("header", self.limits.header_timeout_s, self.headers_too_slow)
@@ -165,9 +189,11 @@ class BoundedHttp(HttpToolsProtocol):
         self.in_headers = False
         self.disarm("header")
         self.arm("body", self.limits.body_timeout_s, self.body_too_slow)
-        if not self.over_cap:
+        refusal = self.oversized() if self.parsed_bytes > self.limits.max_header_bytes \
+            else BUSY if self.over_cap else None
+        if refusal is None:
             return super().on_headers_complete()
-        app, self.app = self.app, busy
+        app, self.app = self.app, refusal_app(refusal)     # answered, never handled
         try:
             super().on_headers_complete()
         finally:
@@ -224,13 +250,18 @@ class BoundedHttp(HttpToolsProtocol):
         self.transport.abort()
 
 
-async def busy(scope, receive, send) -> None:
-    """The answer past the connection cap."""
-    err = APIError(503, "too many open connections; retry shortly",
-                   type="service_unavailable", code="too_many_connections")
+BUSY = APIError(503, "too many open connections; retry shortly", type="service_unavailable",
+               code="too_many_connections", headers={"retry-after": "1"})
+
+
+def refusal_app(err: APIError):
+    """An ASGI app that answers `err` and closes the connection."""
     body = json.dumps(err.body()).encode()
-    await send({"type": "http.response.start", "status": 503,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode()),
-                            (b"retry-after", b"1"), (b"connection", b"close")]})
-    await send({"type": "http.response.body", "body": body})
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode()), (b"connection", b"close")]
+    headers += [(k.encode(), v.encode()) for k, v in (err.headers or {}).items()]
+
+    async def app(scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": err.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+    return app

@@ -200,6 +200,6 @@ def main(args) -> int:
         connection_limits=ConnectionLimits(
             header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
             write_timeout_s=args.write_timeout, max_header_bytes=args.max_header_bytes,
-            max_connections=args.max_connections),
+            max_connections=args.max_connections, send_buffer_bytes=args.send_buffer_bytes),
         stream_buffer_tokens=args.stream_buffer_tokens)
     return asyncio.run(serve(cfg))

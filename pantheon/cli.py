@@ -129,6 +129,9 @@ def add_security_arguments(serve: argparse.ArgumentParser) -> None:
                        help="request line and headers, bytes (431 beyond)")
     serve.add_argument("--max-connections", type=int, default=s.MAX_CONNECTIONS,
                        help="open HTTP connections (503 beyond)")
+    serve.add_argument("--send-buffer-bytes", type=int, default=s.SEND_BUFFER_BYTES,
+                       help="per connection: the socket's send buffer and ours (0: the "
+                            "kernel's autotuned one)")
     serve.add_argument("--max-messages", type=int, default=s.MAX_MESSAGES,
                        help="chat messages per request (400 beyond)")
     serve.add_argument("--max-request-tokens", type=int, default=s.MAX_REQUEST_TOKENS,

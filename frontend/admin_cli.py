@@ -53,7 +53,8 @@ def call(addr: str, cmd: str, args: dict, key: str | None, timeout: float,
                     on_progress(msg)
                 continue
             return msg
-        raise TimeoutError(f"no answer from {addr} within {timeout:g} s (is the server running?)")
+        raise TimeoutError(f"no answer from {addr} within {timeout:g} s (is the server "
+                           "running? with `serve --keys`, pass --keys DIR)")
     finally:
         sock.close()
 

@@ -104,11 +104,11 @@ class ConnectionLimits:
         return type("BoundedHttp", (BoundedHttp,), {"limits": self})
 
 
-def error_response(status: int, reason: str, err: APIError, extra: bytes = b"") -> bytes:
+def error_response(status: int, reason: str, err: APIError) -> bytes:
+    """A whole HTTP response for `err`, written straight to a transport."""
     body = json.dumps(err.body()).encode()
     return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\nconnection: close\r\n").encode() + extra + \
-        b"\r\n" + body
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode() + body
 
 
 class BoundedHttp(HttpToolsProtocol):

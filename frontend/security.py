@@ -8,16 +8,18 @@ this host's users. Off loopback nothing is open by default:
   admin socket without an admin key, the worker link or the admin socket without
   CURVE keys); `serve` refuses to start on any, unless `--insecure`, which then logs
   each one as a warning at every start.
-- `LinkAuth` is the CURVE side of the frontend, on both ZeroMQ sockets whenever
-  `--keys DIR` is given (on loopback too) (ZAP through pyzmq's asyncio
-  authenticator): a worker joins only with a public key in the allow list
-  (DIR/authorized/, reread when the folder changes), or with the server's own pair:
-  the workers this frontend spawns read its keys folder, as it does; the admin socket takes any client key (the channel
-  is encrypted, the admin token authenticates).
+- `LinkAuth` is the CURVE side of the frontend (ZAP through pyzmq's asyncio
+  authenticator), on both ZeroMQ sockets whenever `--keys DIR` is given, on
+  loopback too. A worker joins only with a public key in the allow list
+  (DIR/authorized/, reread when the folder changes) or with the server's own pair
+  (the workers this frontend spawns read its keys folder, as it does). The admin
+  socket takes any client key: the channel is encrypted, the admin token
+  authenticates.
 - `ModelDirs` confines `/admin/models/load` to the model folders.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from dataclasses import dataclass
@@ -25,6 +27,7 @@ from pathlib import Path
 
 import zmq
 import zmq.auth.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from ..common import keys
 from ..common.keys import is_local_address, is_loopback_host
@@ -75,8 +78,8 @@ class Exposure:
 def enforce(problems: list[str], insecure: bool) -> None:
     """Refuse to start on any problem, or (with --insecure) warn of each."""
     if problems and not insecure:
-        raise RuntimeError("refusing to start: " + "; ".join(problems) +
-                           " (or --insecure to start anyway)")
+        raise RuntimeError("refusing to start:\n  - " + "\n  - ".join(problems) +
+                           "\n  (or --insecure to start anyway, warned at every start)")
     if insecure:
         for problem in problems or ["nothing is exposed without its guard now"]:
             log.warning("--insecure: %s", problem)
@@ -125,6 +128,25 @@ class LinkAuth:
             log.warning("refused a worker connection: public key %s is not in %s",
                         key.decode(errors="replace"), self.dir / keys.AUTHORIZED)
         return False
+
+    async def watch(self, sock: zmq.Socket, what: str) -> None:
+        """Log the peers that fail the CURVE handshake on `sock` (no keys, or another
+        server's public key: they never reach ZAP), at most once a minute each socket."""
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                                          | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+        failed, since = 0, None
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                parse_monitor_message(await monitor.recv_multipart())
+                failed += 1
+                if since is None or loop.time() - since >= 60:
+                    log.warning("%d peer(s) failed the CURVE handshake on the %s socket "
+                                "(no keys, or another server's key)", failed, what)
+                    failed, since = 0, loop.time()
+        finally:
+            sock.disable_monitor()
+            monitor.close(0)
 
     def close(self) -> None:
         if self.auth is not None:

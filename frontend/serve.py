@@ -117,6 +117,10 @@ async def serve(cfg: ServeConfig) -> int:
     supervisor.start()
     tasks = [asyncio.create_task(admin_socket.serve(), name="admin-socket"),
              asyncio.create_task(announce_when_ready(cfg, placer, registry, addr))]
+    if link is not None:
+        tasks += [asyncio.create_task(link.watch(pool.sock, "worker"), name="curve-workers"),
+                  asyncio.create_task(link.watch(admin_socket.sock, "admin"),
+                                      name="curve-admin")]
     try:
         await server.serve(sockets=[http])
     finally:

@@ -22,9 +22,12 @@ def pantheon(*args, **kw):
 
 
 def worker(srv, die, *extra):
-    return subprocess.Popen([sys.executable, "-m", "pantheon.cli", "worker", "--die", die,
+    log = srv.base / f"{die}.log"
+    proc = subprocess.Popen([sys.executable, "-m", "pantheon.cli", "worker", "--die", die,
                              "--frontend", f"tcp://127.0.0.1:{srv.zport}", "--slots", "1",
-                             *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             *extra], stdout=subprocess.DEVNULL, stderr=log.open("w"))
+    proc.log = log
+    return proc
 
 
 def dies(srv) -> dict:
@@ -78,6 +81,8 @@ def test_an_allowed_worker_joins_and_a_rogue_or_keyless_one_does_not(secured):
         assert wait_for(lambda: "refused a worker connection" in secured.logs())
         rogue_key = keys.worker_pair(rogue_dir).public.decode()
         assert rogue_key in secured.logs()
+        for proc, hint in zip(procs, ["authorized/ folder", "pass --keys"]):
+            assert wait_for(lambda: hint in proc.log.read_text()), proc.log.read_text()
         time.sleep(2)                      # both had as long as the allowed one, and more
         assert set(dies(secured)) == {"cpu", "cpu:ext"}
         assert all(p.poll() is None for p in procs)     # nothing crashed, on either side

@@ -42,6 +42,8 @@ from .scheduler import Request
 log = logging.getLogger("pantheon.worker")
 
 IDLE_POLL_MS = 250           # threads wake the loop at once; this is only a backstop
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
 def constraint_factory(path: str):
@@ -122,7 +124,8 @@ class Worker:
         self.sock.setsockopt(zmq.LINGER, 1000)
         if keys:
             curve_client(self.sock, *keys)
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED)
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | HANDSHAKE_FAILED)
+        self.warned_at = -60.0                       # the last handshake failure logged
         self.sock.connect(frontend)
         self.replicas: dict[str, Replica] = {}
         self.owner: dict[str, Replica] = {}          # request id → replica
@@ -211,8 +214,10 @@ class Worker:
                     except BlockingIOError:
                         break
             if self.monitor in events:
-                recv_monitor_message(self.monitor)
-                self.rehello = True              # (re)connected: introduce ourselves
+                if recv_monitor_message(self.monitor)["event"] == zmq.EVENT_CONNECTED:
+                    self.rehello = True          # (re)connected: introduce ourselves
+                else:
+                    self.handshake_failed()
             if self.rehello:
                 self.rehello = False
                 self.send(self.hello())
@@ -226,8 +231,19 @@ class Worker:
             self.refresh_figures()
         self.heartbeats.stopped.set()
         self.prep.shutdown(wait=False, cancel_futures=True)
-        self.send(p.Stopping(self.die))
+        try:                 # a frontend that refused our keys has no pipe to queue on
+            self.sock.send(p.encode(p.Stopping(self.die)), zmq.NOBLOCK)
+        except zmq.Again:
+            pass
         self.sock.close()
+
+    def handshake_failed(self) -> None:
+        """The frontend refused the link (keys, or their absence): say so, once a minute."""
+        if time.monotonic() - self.warned_at >= 60:
+            self.warned_at = time.monotonic()
+            log.warning("the frontend refused the link's handshake: %s",
+                        "is this worker's key in its authorized/ folder, and server.key "
+                        "its server's?" if self.keys else "it uses CURVE: pass --keys DIR")
 
     def receive(self, data: bytes) -> None:
         try:

@@ -258,7 +258,8 @@ CHAT_FIELDS = ["model", "messages", "max_tokens", "max_completion_tokens", "n", 
 COMPLETION_FIELDS = ["model", "prompt", "max_tokens", "n", "echo", "logprobs", "stop",
                      "stream", "suffix", "best_of", "temperature", "seed", "response_format"]
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=False)
+    st.none() | st.booleans() | st.integers(-2**40, 2**40)
+    | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(max_size=12),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
                                                                 max_size=3), max_leaves=12)

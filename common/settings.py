@@ -26,6 +26,19 @@ MAX_MODELS = 16                          # resident replicas, all models togethe
 UNLOAD_TIMEOUT_S = 30.0                  # an unload's drain deadline
 SHUTDOWN_TIMEOUT_S = 30.0                # SIGTERM: how long requests may run on
 ASYNC_POLL_US = 500                      # a GPU worker's longest sleep polling its step
+# bounds on one client (frontend/limits.py)
+HEADER_TIMEOUT_S = 10.0                  # a request's line and headers, first byte to last
+BODY_TIMEOUT_S = 30.0                    # its body, end of headers to last byte
+WRITE_TIMEOUT_S = 30.0                   # a peer that reads nothing this long is dropped
+MAX_HEADER_BYTES = 32 << 10              # request line + headers
+MAX_CONNECTIONS = 1024                   # open HTTP connections; a 503 beyond
+SEND_BUFFER_BYTES = 64 << 10             # per connection: socket send buffer (and ours)
+MAX_MESSAGES = 2048                      # chat messages per request
+MAX_REQUEST_TOKENS = 262144              # n x max_tokens (x prompts) per request
+MAX_STOP_CHARS = 512                     # characters per stop string
+MAX_TOOL_SCHEMA_BYTES = 256 << 10        # `tools` as compact JSON
+MAX_TOOL_SCHEMA_DEPTH = 32               # `tools` nesting
+STREAM_BUFFER_TOKENS = 4096              # tokens held for a client not reading its stream
 
 
 def cache_dir() -> Path:
@@ -143,6 +156,11 @@ FULL_LOGITS_REFUSED = (
 def admin_key() -> str | None:
     """Key for the /admin/ routes and the ZeroMQ admin socket (`PANTHEON_ADMIN_KEY`)."""
     return os.environ.get("PANTHEON_ADMIN_KEY") or None
+
+
+def keys_dir() -> str | None:
+    """The CURVE keys folder of the ZeroMQ links (`PANTHEON_KEYS_DIR`; `--keys` wins)."""
+    return os.environ.get("PANTHEON_KEYS_DIR") or None
 
 
 def admin_addr() -> str:

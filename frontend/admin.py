@@ -25,19 +25,21 @@ import zmq.asyncio
 
 from ..common import protocol as p
 from ..common import settings
+from ..common.keys import KeyPair, curve_server
 from ..common.model_file import ModelFileError
 from ..common.weight_format import QUANTIZE_MODES
 from .admission import Admission
 from .dies import DieTable, PlacementError
 from .placement import Placer
 from .registry import MAX_ENTRIES, Registry, ReplicaState, open_model, same_model
+from .security import ModelDirs
 from .workers import WorkerLost, WorkerPool
 
 log = logging.getLogger("pantheon.frontend.admin")
 
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 409: "conflict_error",
-               507: "insufficient_storage", 500: "server_error", 401: "authentication_error",
-               503: "service_unavailable"}
+ERROR_TYPES = {400: "invalid_request_error", 403: "permission_error", 404: "not_found_error",
+               409: "conflict_error", 507: "insufficient_storage", 500: "server_error",
+               401: "authentication_error", 503: "service_unavailable"}
 
 
 class AdminError(Exception):
@@ -63,10 +65,12 @@ def field(body: dict, name: str, kind, default=None, required=False):
 
 class Admin:
     def __init__(self, registry: Registry, pool: WorkerPool, placer: Placer, dies: DieTable,
-                 admission: Admission, max_entries: int = MAX_ENTRIES, metrics=None):
+                 admission: Admission, max_entries: int = MAX_ENTRIES,
+                 model_dirs: ModelDirs | None = None, metrics=None):
         self.registry, self.pool, self.placer = registry, pool, placer
         self.metrics = metrics                  # metrics.Metrics: unloads
         self.die_table, self.admission, self.max_entries = dies, admission, max_entries
+        self.model_dirs = model_dirs          # None: any path (only tests build it so)
         self.loading: set[str] = set()
         self.load_tasks: set[asyncio.Task] = set()
         self.draining = False
@@ -148,6 +152,10 @@ class Admin:
     # -- load --------------------------------------------------------------------------
     async def load(self, body: dict, on_progress=None) -> dict:
         path = field(body, "path", str, required=True)
+        if self.model_dirs is not None and not self.model_dirs.allows(path):
+            # the same answer whether the path exists or not: no probing of the host
+            raise AdminError(403, "model path is outside the folders loads may open "
+                                  "(--model-dir)", "path")
         name = field(body, "name", str) or Path(path).stem
         dies = field(body, "dies", list)
         ctx, slots = field(body, "ctx", int, 0), field(body, "slots", int, 0)
@@ -288,9 +296,12 @@ class Admin:
 class AdminSocket:
     """The ZeroMQ admin endpoint: AdminRequest in; LoadProgress…, AdminReply out."""
 
-    def __init__(self, admin: Admin, address: str, token: str | None):
+    def __init__(self, admin: Admin, address: str, token: str | None,
+                 curve: KeyPair | None = None):
         self.admin, self.token = admin, token
         self.sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+        if curve is not None:        # encrypted; any client key: the token authenticates
+            curve_server(self.sock, curve, "admin")
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(address)
         self.address = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()

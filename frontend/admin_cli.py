@@ -12,6 +12,7 @@ import time
 import zmq
 
 from ..common import protocol as p
+from ..common.keys import curve_client, server_public
 
 
 def request_args(args) -> dict:
@@ -34,9 +35,11 @@ def bar(done: int, total: int, width: int = 30) -> str:
 
 
 def call(addr: str, cmd: str, args: dict, key: str | None, timeout: float,
-         on_progress=None) -> p.AdminReply:
+         on_progress=None, keys_dir: str | None = None) -> p.AdminReply:
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    if keys_dir:                  # CURVE: encrypted to the server; our key is ephemeral
+        curve_client(sock, server_public(keys_dir))
     sock.connect(addr)
     try:
         sock.send(p.encode(p.AdminRequest(cmd, args, key or "")))
@@ -50,7 +53,8 @@ def call(addr: str, cmd: str, args: dict, key: str | None, timeout: float,
                     on_progress(msg)
                 continue
             return msg
-        raise TimeoutError(f"no answer from {addr} within {timeout:g} s (is the server running?)")
+        raise TimeoutError(f"no answer from {addr} within {timeout:g} s (is the server "
+                           "running? with `serve --keys`, pass --keys DIR)")
     finally:
         sock.close()
 
@@ -61,7 +65,8 @@ def main(args) -> int:
         sys.stderr.flush()
     try:
         reply = call(args.addr, args.admin_command, request_args(args), args.key, args.timeout,
-                     progress if sys.stderr.isatty() or args.admin_command == "load" else None)
+                     progress if sys.stderr.isatty() or args.admin_command == "load" else None,
+                     args.keys)
     except (TimeoutError, p.ProtocolError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -40,7 +40,7 @@ def render(snap: dict, addr: str) -> list[str]:
 
 
 def snapshot(args) -> dict:
-    reply = call(args.addr, "top", {}, args.key, args.timeout)
+    reply = call(args.addr, "top", {}, args.key, args.timeout, keys_dir=args.keys)
     if reply.status != 200:
         message = (reply.body.get("error") or {}).get("message", reply.body)
         raise RuntimeError(f"({reply.status}) {message}")

@@ -23,6 +23,7 @@ from .drain import Drain
 from .errors import APIError
 from .lifecycle import Lifecycle
 from .metrics import CONTENT_TYPE
+from .limits import RequestLimits
 from .openai_api import models_list
 from .registry import Registry
 from .workers import WorkerPool
@@ -152,10 +153,11 @@ def build_app(registry: Registry, lifecycle: Lifecycle, admin: Admin,
               api_key: str | None = None, admin_key: str | None = None,
               max_body_bytes: int = 8 << 20, context_cap: bool = True,
               drain: Drain | None = None, metrics_auth: bool = False,
-              log_prompts: bool = False) -> RequestLog:
+              log_prompts: bool = False, limits: RequestLimits = RequestLimits(),
+              http_admin: bool = True) -> RequestLog:
     pool, admission, metrics = lifecycle.pool, lifecycle.admission, lifecycle.metrics
-    chat = ChatService(registry, lifecycle, max_body_bytes, context_cap)
-    completions = CompletionService(registry, lifecycle, max_body_bytes)
+    chat = ChatService(registry, lifecycle, max_body_bytes, context_cap, limits)
+    completions = CompletionService(registry, lifecycle, max_body_bytes, limits)
 
     def admin_route(cmd: str):
         async def handle(request: Request):
@@ -215,17 +217,18 @@ def build_app(registry: Registry, lifecycle: Lifecycle, admin: Admin,
         err = APIError(500, "internal server error", type="server_error")
         return JSONResponse(err.body(), status_code=500)
 
+    admin_routes = [Route("/admin/models/load", admin_route("load"), methods=["POST"]),
+                    Route("/admin/models/unload", admin_route("unload"), methods=["POST"]),
+                    Route("/admin/models", admin_route("models")),
+                    Route("/admin/dies", admin_route("dies")),
+                    Route("/admin/status", admin_route("status")),
+                    Route("/admin/top", admin_route("top"))]
     app = Starlette(
         routes=[Route("/", root), Route("/health", health), Route("/metrics", prometheus),
                 Route("/v1/models", models),
                 Route("/v1/chat/completions", chat, methods=["POST"]),
                 Route("/v1/completions", completions, methods=["POST"]),
-                Route("/admin/models/load", admin_route("load"), methods=["POST"]),
-                Route("/admin/models/unload", admin_route("unload"), methods=["POST"]),
-                Route("/admin/models", admin_route("models")),
-                Route("/admin/dies", admin_route("dies")),
-                Route("/admin/status", admin_route("status")),
-                Route("/admin/top", admin_route("top"))],
+                *(admin_routes if http_admin else [])],
         exception_handlers={APIError: api_error, HTTPException: http_error,
                             Exception: server_error})
     return RequestLog(Guard(app, api_key, admin_key, metrics_auth), log_prompts)

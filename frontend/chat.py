@@ -10,13 +10,14 @@ import dataclasses
 import time
 
 from starlette.concurrency import run_in_threadpool
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from ..common.chat_template import TemplateError
 from ..common.grammar import grammar_for_response_format, validate_grammar
 from .emitter import Emitter
 from .errors import APIError
 from .lifecycle import Choice, Job, Lifecycle
+from .limits import RequestLimits
 from .openai_api import (ChatRenderer, completion_id, context_exceeded, parse_chat_request)
 from .registry import Registry, ServedModel
 from .tools import prepare_conversation, tool_call_grammar
@@ -30,11 +31,15 @@ async def read_body(request: Request, limit: int) -> bytes:
     if declared.isdigit() and int(declared) > limit:
         raise too_big
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_big
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+    except ClientDisconnect:      # gone, or cut off by the body deadline (limits.py)
+        raise APIError(408, "the request body did not arrive", code="request_timeout") \
+            from None
     return b"".join(chunks)
 
 
@@ -89,13 +94,14 @@ def seeded(sampling, seed: int | None, i: int):
 
 class ChatService:
     def __init__(self, registry: Registry, lifecycle: Lifecycle, max_body_bytes: int,
-                 context_cap: bool = True):
+                 context_cap: bool = True, limits: RequestLimits = RequestLimits()):
         self.registry, self.lifecycle = registry, lifecycle
         self.max_body_bytes, self.context_cap = max_body_bytes, context_cap
+        self.limits = limits
 
     async def prepare(self, request: Request) -> Job:
         body = await read_body(request, self.max_body_bytes)
-        req = parse_chat_request(body, request.headers.get("x-session-id"))
+        req = parse_chat_request(body, request.headers.get("x-session-id"), self.limits)
         model = self.registry.resolve(req.model)
         grammar = request_grammar(req.response_format, req.tools, req.tool_choice)
         messages, tools = prepare_conversation(req.messages, req.tools, req.tool_choice,

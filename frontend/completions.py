@@ -16,6 +16,7 @@ from .chat import read_body, request_grammar, seeded
 from .emitter import Emitter
 from .errors import APIError
 from .lifecycle import Choice, Job, Lifecycle
+from .limits import RequestLimits
 from .openai_api import (CompletionRenderer, completion_id, context_exceeded,
                          parse_completion_request)
 from .registry import Registry, ServedModel
@@ -33,13 +34,14 @@ def tokenize(model: ServedModel, prompt, ctx: int) -> list[int]:
 
 
 class CompletionService:
-    def __init__(self, registry: Registry, lifecycle: Lifecycle, max_body_bytes: int):
+    def __init__(self, registry: Registry, lifecycle: Lifecycle, max_body_bytes: int,
+                 limits: RequestLimits = RequestLimits()):
         self.registry, self.lifecycle = registry, lifecycle
-        self.max_body_bytes = max_body_bytes
+        self.max_body_bytes, self.limits = max_body_bytes, limits
 
     async def prepare(self, request: Request) -> Job:
         body = await read_body(request, self.max_body_bytes)
-        req = parse_completion_request(body, request.headers.get("x-session-id"))
+        req = parse_completion_request(body, request.headers.get("x-session-id"), self.limits)
         model = self.registry.resolve(req.model)
         grammar = request_grammar(req.response_format, None, None)
         ctx = model.context()

@@ -113,7 +113,12 @@ class Lifecycle:
             if job.stream:
                 await send({"type": "http.response.start", "status": 200,
                             "headers": SSE_HEADERS})
-                await until_disconnect(request, self.stream(send, job, gens))
+                try:
+                    await until_disconnect(request, self.stream(send, job, gens),
+                                           [gen.stream.stalled for gen in gens])
+                except ClientStalled:
+                    await drop(request)
+                    return
                 await send({"type": "http.response.body", "body": b""})
                 return
             results = await until_disconnect(request, asyncio.gather(
@@ -208,21 +213,39 @@ async def choice_events(gens: list[Generation]):
             task.cancel()
 
 
-async def until_disconnect(request: Request, work):
-    """Run `work`; None if the client disconnects first (the work is cancelled)."""
+class ClientStalled(Exception):
+    """The client stopped reading its stream; the pool aborted the request."""
+
+
+async def until_disconnect(request: Request, work, stalled: list[asyncio.Event] = ()):
+    """Run `work`; None if the client disconnects first (the work is cancelled);
+    ClientStalled if one of `stalled` is set first."""
     task = asyncio.ensure_future(work)
 
     async def left():
         while (await request.receive())["type"] != "http.disconnect":
             pass
-    watcher = asyncio.ensure_future(left())
+    watchers = [asyncio.ensure_future(left())] + \
+        [asyncio.ensure_future(event.wait()) for event in stalled]
     try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({task, *watchers}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        watcher.cancel()
+        for watcher in watchers:
+            watcher.cancel()
         if not task.done():
             task.cancel()
     if task in done:
         return task.result()
     await asyncio.gather(task, return_exceptions=True)
+    if any(event.is_set() for event in stalled):
+        raise ClientStalled()
     return None
+
+
+async def drop(request: Request) -> None:
+    """Close a stalled client's connection hard: its unsent bytes would otherwise keep
+    it open (limits.BoundedHttp puts the transport's abort in the scope)."""
+    abort = request.scope.get("extensions", {}).get("pantheon.abort")
+    if abort is not None:
+        abort()
+        await asyncio.sleep(0)        # the transport reports the loss before we return

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from ..common.protocol import SAMPLING_RANGES, Sampling
 from .emitter import joined
 from .errors import APIError
+from .limits import RequestLimits
 from .tools import check_tools, parse_tool_calls, tool_call_text
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -233,7 +234,11 @@ def _common(data: dict, session_header: str | None) -> dict:
                 response_format=response_format, return_token_ids=return_token_ids), numbers
 
 
-def parse_completion_request(body: bytes, session_header: str | None = None) -> CompletionRequest:
+DEFAULT_LIMITS = RequestLimits()
+
+
+def parse_completion_request(body: bytes, session_header: str | None = None,
+                             limits: RequestLimits = DEFAULT_LIMITS) -> CompletionRequest:
     """Validate a /v1/completions body; raises `APIError(400)` naming the bad field."""
     data = _json_object(body)
     prompt = data.get("prompt")
@@ -256,6 +261,8 @@ def parse_completion_request(body: bytes, session_header: str | None = None) -> 
     logprobs = data.get("logprobs")
     if logprobs is not None and (not _is_number(logprobs, True) or not 0 <= logprobs <= 20):
         raise _bad("logprobs", f"logprobs must be an integer in [0, 20], got {_show(logprobs)}")
+    limits.stop(fields["stop"])
+    limits.tokens(fields["n"], numbers["max_tokens"] or 16, len(prompts))
     return CompletionRequest(prompts=prompts, max_tokens=numbers["max_tokens"] or 16,
                              echo=_optional(data, "echo", bool, "a boolean") or False,
                              logprobs=logprobs, **fields)
@@ -266,19 +273,24 @@ def _token_list(value) -> bool:
         _is_number(t, True) and t >= 0 for t in value)
 
 
-def parse_chat_request(body: bytes, session_header: str | None = None) -> ChatRequest:
+def parse_chat_request(body: bytes, session_header: str | None = None,
+                       limits: RequestLimits = DEFAULT_LIMITS) -> ChatRequest:
     """Validate a /v1/chat/completions body; raises `APIError(400)` naming the bad field."""
     data = _json_object(body)
     messages = data.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "messages must be a non-empty list of message objects"
                    if messages is not None else "messages is required")
+    limits.messages(messages)
     messages = [_message(m, i) for i, m in enumerate(messages)]
     fields, numbers = _common(data, session_header)
     logprobs = _optional(data, "logprobs", bool, "a boolean") or False
     if numbers["top_logprobs"] is not None and not logprobs:
         raise _bad("top_logprobs", "top_logprobs needs logprobs: true")
     max_tokens = numbers["max_completion_tokens"] or numbers["max_tokens"]
+    limits.stop(fields["stop"])
+    limits.tokens(fields["n"], max_tokens)
+    limits.tools(data.get("tools"))
     return ChatRequest(messages=messages, max_tokens=max_tokens,
                        tools=_tools(data.get("tools"), data.get("tool_choice")),
                        tool_choice=data.get("tool_choice"),

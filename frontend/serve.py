@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import uvicorn
 import zmq
+import zmq.asyncio
 
 from ..common import settings
 from .admission import Admission
@@ -19,8 +20,10 @@ from .dies import DieTable
 from .drain import Drain, DrainingServer, shutting_down
 from .lifecycle import Lifecycle
 from .metrics import Metrics
+from .limits import ConnectionLimits, RequestLimits
 from .placement import Placer
 from .registry import Registry, open_model
+from .security import Exposure, LinkAuth, ModelDirs, enforce
 from .supervisor import Supervisor, die_names
 from .workers import WorkerPool
 
@@ -55,6 +58,13 @@ class ServeConfig:
     metrics_auth: bool = False                 # /metrics takes the API key
     log_format: str = "text"
     log_prompts: bool = False
+    keys_dir: str | None = None           # CURVE on both ZeroMQ sockets (security.py)
+    insecure: bool = False                # start despite exposure problems, warning
+    http_admin: bool = True               # the /admin/ routes on the HTTP server
+    model_dirs: list[str] | None = None   # where loads may open; None: the defaults
+    request_limits: RequestLimits = field(default_factory=RequestLimits)
+    connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
+    stream_buffer_tokens: int = settings.STREAM_BUFFER_TOKENS
 
     def __post_init__(self):
         if self.worker_lost_after_s < self.worker_timeout_s:
@@ -67,14 +77,28 @@ class ServeConfig:
 
 
 async def serve(cfg: ServeConfig) -> int:
+    enforce(Exposure(cfg.host, cfg.worker_addr, cfg.admin_addr, cfg.api_key, cfg.admin_key,
+                     cfg.keys_dir, cfg.http_admin).problems(), cfg.insecure)
     created = int(time.time())
     registry = Registry()
     for path, name in cfg.models:        # metadata and tokenizers: refuse bad files up front
         model = await asyncio.to_thread(open_model, path, name, created)
         registry.add(model, die=None)
+    model_dirs = ModelDirs(cfg.model_dirs) if cfg.model_dirs else \
+        ModelDirs.default(settings.cache_dir(), [path for path, _ in cfg.models])
+    link = LinkAuth(cfg.keys_dir) if cfg.keys_dir else None
+    if link is not None:                 # ZAP answers before any socket can be reached
+        link.start(zmq.asyncio.Context.instance())
+    curve = link.pair if link else None
     # bind every socket before anything starts, so a taken address fails fast and clean
-    pool = bind("worker", cfg.worker_addr, lambda: WorkerPool(
-        cfg.worker_addr, cfg.worker_timeout_s, cfg.worker_lost_after_s))
+    try:
+        pool = bind("worker", cfg.worker_addr, lambda: WorkerPool(
+            cfg.worker_addr, cfg.worker_timeout_s, cfg.worker_lost_after_s, curve,
+            cfg.stream_buffer_tokens))
+    except RuntimeError:
+        if link:
+            link.close()
+        raise
     addr = pool.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
     dies = die_names(cfg.spawn)
     die_table = DieTable(registry, pool, cfg.slots)
@@ -83,30 +107,39 @@ async def serve(cfg: ServeConfig) -> int:
                     expected_dies=dies, quantize=cfg.quantize, metrics=metrics)
     admission = Admission(cfg.queue_depth, cfg.queue_timeout_s)
     pool.on_change.append(admission.wake_all)
-    admin = Admin(registry, pool, placer, die_table, admission, cfg.max_models, metrics)
+    admin = Admin(registry, pool, placer, die_table, admission, cfg.max_models, model_dirs,
+                  metrics)
     try:
         admin_socket = bind("admin", cfg.admin_addr,
-                            lambda: AdminSocket(admin, cfg.admin_addr, cfg.admin_key))
+                            lambda: AdminSocket(admin, cfg.admin_addr, cfg.admin_key, curve))
         http = http_socket(cfg.host, cfg.port)
     except RuntimeError:
         await pool.close()
+        if link:
+            link.close()
         raise
     lifecycle = Lifecycle(pool, admission, metrics)
     drain = drain_for(cfg, lifecycle, admission, admin)
     metrics.watch(registry, pool, admission, lifecycle, drain)
     app = build_app(registry, lifecycle, admin, cfg.api_key, cfg.admin_key,
                     cfg.max_body_bytes, cfg.context_cap, drain, cfg.metrics_auth,
-                    cfg.log_prompts)
+                    cfg.log_prompts, cfg.request_limits, cfg.http_admin)
     server = DrainingServer(uvicorn.Config(app, host=cfg.host, port=cfg.port, lifespan="off",
-                                           log_level="warning", timeout_graceful_shutdown=5),
+                                           log_level="warning", timeout_graceful_shutdown=5,
+                                           http=cfg.connection_limits.protocol()),
                             drain)
     pool.start()
-    supervisor = Supervisor(dies, addr, pool, cfg.slots,
-                            ["--prefix-cache-mb", str(cfg.prefix_cache_mb),
-                             "--log-format", cfg.log_format])
+    worker_args = ["--prefix-cache-mb", str(cfg.prefix_cache_mb), "--log-format", cfg.log_format]
+    if link is not None:
+        worker_args += ["--keys", cfg.keys_dir]     # they join with the server's own pair
+    supervisor = Supervisor(dies, addr, pool, cfg.slots, worker_args)
     supervisor.start()
     tasks = [asyncio.create_task(admin_socket.serve(), name="admin-socket"),
              asyncio.create_task(announce_when_ready(cfg, placer, registry, addr))]
+    if link is not None:
+        tasks += [asyncio.create_task(link.watch(pool.sock, "worker"), name="curve-workers"),
+                  asyncio.create_task(link.watch(admin_socket.sock, "admin"),
+                                      name="curve-admin")]
     try:
         await server.serve(sockets=[http])
     finally:
@@ -120,6 +153,8 @@ async def serve(cfg: ServeConfig) -> int:
         await placer.close()
         await supervisor.stop()
         await pool.close()
+        if link:
+            link.close()
     return 0 if server.started else 1
 
 
@@ -190,5 +225,16 @@ def main(args) -> int:
         context_cap=not args.no_context_cap, worker_lost_after_s=args.worker_lost_after,
         quantize=args.quantize, shutdown_timeout_s=args.shutdown_timeout,
         metrics_auth=args.metrics_auth, log_format=args.log_format or settings.log_format(),
-        log_prompts=args.log_prompts)
+        log_prompts=args.log_prompts, keys_dir=args.keys, insecure=args.insecure,
+        http_admin=not args.no_http_admin, model_dirs=args.model_dir,
+        request_limits=RequestLimits(
+            max_messages=args.max_messages, max_request_tokens=args.max_request_tokens,
+            max_stop_chars=args.max_stop_chars,
+            max_tool_schema_bytes=args.max_tool_schema_bytes,
+            max_tool_schema_depth=args.max_tool_schema_depth),
+        connection_limits=ConnectionLimits(
+            header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+            write_timeout_s=args.write_timeout, max_header_bytes=args.max_header_bytes,
+            max_connections=args.max_connections, send_buffer_bytes=args.send_buffer_bytes),
+        stream_buffer_tokens=args.stream_buffer_tokens)
     return asyncio.run(serve(cfg))

@@ -27,6 +27,8 @@ import zmq
 import zmq.asyncio
 
 from ..common import protocol as p
+from ..common import settings
+from ..common.keys import KeyPair, curve_server
 
 log = logging.getLogger("pantheon.frontend.workers")
 
@@ -94,26 +96,45 @@ class WorkerInfo:
 
 
 class RequestStream:
-    """Messages for one request: Tokens, Error, or WorkerLost, in order."""
+    """Messages for one request: Tokens, Error, or WorkerLost, in order.
+
+    `buffered` counts the tokens delivered and not yet taken: a client that stops
+    reading its stream lets it grow until the pool aborts the request (`stalled`)."""
 
     def __init__(self, request_id: str, worker: WorkerInfo):
         self.request_id, self.worker = request_id, worker
         self.queue: asyncio.Queue = asyncio.Queue()
+        self.buffered = 0
+        self.stalled = asyncio.Event()
+
+    def put(self, msg) -> int:
+        """Queue `msg`; the tokens now buffered."""
+        self.queue.put_nowait(msg)
+        if isinstance(msg, p.Tokens):
+            self.buffered += len(msg.tokens)
+        return self.buffered
 
     async def next(self):
         item = await self.queue.get()
         if isinstance(item, Exception):
             raise item
+        if isinstance(item, p.Tokens):
+            self.buffered -= len(item.tokens)
         return item
 
 
 class WorkerPool:
     PROBE_AFTER_S = 2 * p.HEARTBEAT_S    # silence after which an external link is probed
 
-    def __init__(self, address: str, slow_after_s: float = 5.0, lost_after_s: float = 60.0):
+    def __init__(self, address: str, slow_after_s: float = 5.0, lost_after_s: float = 60.0,
+                 curve: KeyPair | None = None,
+                 stream_buffer_tokens: int = settings.STREAM_BUFFER_TOKENS):
         self.address, self.slow_after_s, self.lost_after_s = address, slow_after_s, lost_after_s
+        self.stream_buffer_tokens = stream_buffer_tokens
         self.ctx = zmq.asyncio.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
+        if curve is not None:        # only workers whose key ZAP allows get through
+            curve_server(self.sock, curve, "workers")
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)   # sending to a gone peer raises
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)    # a reconnecting worker takes over
@@ -332,8 +353,15 @@ class WorkerPool:
 
     def deliver(self, request_id: str, msg) -> None:
         stream = self.streams.get(request_id)
-        if stream is not None:        # else: finished or abandoned; late tokens are dropped
-            stream.queue.put_nowait(msg)
+        if stream is None:            # finished or abandoned; late tokens are dropped
+            return
+        if stream.put(msg) > self.stream_buffer_tokens and not stream.stalled.is_set():
+            # its client reads nothing: abort rather than hold its tokens without end
+            # (the worker's batch never waits for a client either way)
+            log.warning("aborted %s: its client left %d tokens unread (limit %d)",
+                        request_id, stream.buffered, self.stream_buffer_tokens)
+            stream.stalled.set()
+            self.abort_soon(request_id)
 
     # -- liveness ------------------------------------------------------------------------
     async def liveness_loop(self) -> None:

@@ -68,6 +68,7 @@ def cmd_serve(args) -> int:
     args.api_key = args.api_key or settings.api_key()
     args.admin_key = args.admin_key or settings.admin_key()
     args.admin_addr = args.admin_addr or settings.admin_addr()
+    args.keys = args.keys or settings.keys_dir()
     return main(args)
 
 
@@ -75,7 +76,15 @@ def cmd_admin(args) -> int:
     from pantheon.frontend import admin_cli, admin_top
     args.addr = args.addr or settings.admin_addr()
     args.key = args.key or settings.admin_key()
+    args.keys = args.keys or settings.keys_dir()
     return (admin_top if args.admin_command == "top" else admin_cli).main(args)
+
+
+def cmd_keys(args) -> int:
+    from pantheon.common.keys import generate
+    for line in generate(args.dir, args.worker or ["worker-1"]):
+        print(line)
+    return 0
 
 
 def cmd_worker(args) -> int:
@@ -83,6 +92,7 @@ def cmd_worker(args) -> int:
     if args.cores:
         os.environ.setdefault("OPENBLAS_NUM_THREADS", str(len(args.cores)))
         os.environ.setdefault("OMP_NUM_THREADS", str(len(args.cores)))
+    args.keys = args.keys or settings.keys_dir()
     from pantheon.worker.main import main
     return main(args)
 
@@ -92,6 +102,49 @@ def core_list(text: str) -> list[int]:
         return [int(c) for c in text.split(",") if c.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"cores are a comma-separated list of numbers: {text!r}")
+
+
+def add_security_arguments(serve: argparse.ArgumentParser) -> None:
+    """`serve`'s guards off loopback and its bounds on clients (README "Security")."""
+    s = settings
+    serve.add_argument("--keys", metavar="DIR", help="CURVE on the worker link and the admin "
+                       "socket: a folder from `pantheon keys generate` (env "
+                       "PANTHEON_KEYS_DIR); required off loopback")
+    serve.add_argument("--insecure", action="store_true",
+                       help="start even where a bind off loopback lacks its key (a warning "
+                            "at every start)")
+    serve.add_argument("--no-http-admin", action="store_true",
+                       help="no /admin/ routes on the HTTP server (the admin socket stays)")
+    serve.add_argument("--model-dir", action="append", metavar="DIR",
+                       help="a folder /admin/models/load may open models from; repeatable "
+                            "(default: the cache folder and those of the --model files)")
+    serve.add_argument("--header-timeout", type=float, default=s.HEADER_TIMEOUT_S,
+                       help="seconds for a request's line and headers (408 beyond)")
+    serve.add_argument("--body-timeout", type=float, default=s.BODY_TIMEOUT_S,
+                       help="seconds for a request's body after its headers (408 beyond)")
+    serve.add_argument("--write-timeout", type=float, default=s.WRITE_TIMEOUT_S,
+                       help="seconds a client may read nothing while data waits for it "
+                            "before its connection is dropped")
+    serve.add_argument("--max-header-bytes", type=int, default=s.MAX_HEADER_BYTES,
+                       help="request line and headers, bytes (431 beyond)")
+    serve.add_argument("--max-connections", type=int, default=s.MAX_CONNECTIONS,
+                       help="open HTTP connections (503 beyond)")
+    serve.add_argument("--send-buffer-bytes", type=int, default=s.SEND_BUFFER_BYTES,
+                       help="per connection: the socket's send buffer and ours (0: the "
+                            "kernel's autotuned one)")
+    serve.add_argument("--max-messages", type=int, default=s.MAX_MESSAGES,
+                       help="chat messages per request (400 beyond)")
+    serve.add_argument("--max-request-tokens", type=int, default=s.MAX_REQUEST_TOKENS,
+                       help="n x max_tokens (x prompts) per request (400 beyond)")
+    serve.add_argument("--max-stop-chars", type=int, default=s.MAX_STOP_CHARS,
+                       help="characters per stop string (400 beyond)")
+    serve.add_argument("--max-tool-schema-bytes", type=int, default=s.MAX_TOOL_SCHEMA_BYTES,
+                       help="`tools` as compact JSON, bytes (400 beyond)")
+    serve.add_argument("--max-tool-schema-depth", type=int, default=s.MAX_TOOL_SCHEMA_DEPTH,
+                       help="`tools` nesting depth (400 beyond)")
+    serve.add_argument("--stream-buffer-tokens", type=int, default=s.STREAM_BUFFER_TOKENS,
+                       help="tokens held for a client that stops reading its stream; its "
+                            "request is aborted beyond")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -179,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
                        default=settings.WORKER_LOST_AFTER_S,
                        help="seconds of silence after which an external worker is lost "
                             "(spawned workers are lost only when their process exits)")
+    add_security_arguments(serve)
     serve.set_defaults(func=cmd_serve)
 
     admin = sub.add_parser("admin", help="load, unload and inspect models on a running server")
@@ -186,6 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
                        f"{settings.ADMIN_ADDR})")
     admin.add_argument("--key", help="admin key (env PANTHEON_ADMIN_KEY)")
     admin.add_argument("--timeout", type=float, default=1800, help="seconds to wait for the answer")
+    admin.add_argument("--keys", metavar="DIR", help="a folder holding the server's public "
+                       "key (server.key), when the admin socket uses CURVE (env "
+                       "PANTHEON_KEYS_DIR)")
     admin_sub = admin.add_subparsers(dest="admin_command", required=True)
     load = admin_sub.add_parser("load", help="load a model (a new name, or one more replica)")
     load.add_argument("path")
@@ -221,7 +278,20 @@ def build_parser() -> argparse.ArgumentParser:
                         help="log lines as text or one JSON object each (env PANTHEON_LOG_FORMAT)")
     worker.add_argument("--parent-pid", type=int,
                         help="exit when this process (the spawning frontend) is gone")
+    worker.add_argument("--keys", metavar="DIR", help="CURVE: a worker folder from `pantheon "
+                        "keys generate` (server.key, worker.key_secret; env PANTHEON_KEYS_DIR)")
+    worker.add_argument("--insecure", action="store_true",
+                        help="connect to a frontend off this host without keys (warned)")
     worker.set_defaults(func=cmd_worker)
+
+    keys = sub.add_parser("keys", help="CURVE keys for the ZeroMQ links off loopback")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    generate = keys_sub.add_parser("generate", help="write the server key pair (if absent) "
+                                   "and a folder per worker, its public key allowed")
+    generate.add_argument("dir")
+    generate.add_argument("--worker", action="append", metavar="NAME",
+                          help="a worker key pair to add; repeatable (default: worker-1)")
+    keys.set_defaults(func=cmd_keys)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)

@@ -27,7 +27,10 @@ def fleet(tmp_path_factory):
     tiny = tm.write_gguf("qwen2", tmp_path_factory.mktemp("m") / "tiny.gguf")
     srv = Server("--spawn-workers", "cpu,cpu", "--slots", "4", "--ctx", "512",
                  "--max-models", "4", "--admin-key", KEY,
-                 "--admin-addr", f"tcp://127.0.0.1:{free_port()}")
+                 "--admin-addr", f"tcp://127.0.0.1:{free_port()}",
+                 # loads come from the test's folders and the cache
+                 "--model-dir", str(tmp_path_factory.getbasetemp()),
+                 "--model-dir", str(Path(SMOL).parent))
     srv.admin_addr = srv.args[srv.args.index("--admin-addr") + 1]
     with srv:
         srv.tiny = str(tiny)
@@ -153,7 +156,8 @@ def test_replicas_are_known_by_content_not_by_path(fleet):
 
 @pytest.mark.parametrize("body, status", [
     ({"name": "x"}, 400),                                          # no path
-    ({"path": "/no/such/model.gguf"}, 404),
+    ({"path": str(Path(SMOL).parent / "no-such-model.gguf")}, 404),  # in a --model-dir
+    ({"path": "/no/such/model.gguf"}, 403),                        # outside them
     ({"path": SMOL, "name": "big", "ctx": 10_000_000}, 507),       # KV would not fit
     ({"path": SMOL, "name": "two", "dies": ["cpu", "cpu:1"]}, 400),
     ({"path": SMOL, "name": "q", "quantize": "q3"}, 400),             # lists the choices
@@ -288,7 +292,7 @@ def test_zeromq_admin_and_cli(fleet):
     proc = cli(fleet, "load", fleet.tiny, "--name", "tiny-cli")
     assert proc.returncode == 0, proc.stderr
     assert "layers" in proc.stderr and json.loads(proc.stdout)["loaded"]["state"] == "ready"
-    proc = cli(fleet, "load", "/no/such.gguf")
+    proc = cli(fleet, "load", str(Path(fleet.tiny).parent / "no-such.gguf"))
     assert proc.returncode == 1 and "error (404)" in proc.stderr and "not found" in proc.stderr
     proc = cli(fleet, "unload", "tiny-cli")
     assert proc.returncode == 0 and json.loads(proc.stdout)["unloaded"]

@@ -36,6 +36,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from ..common import protocol as p
 from ..common import settings
+from ..common.keys import KeyPair, curve_client, is_local_address, server_public, worker_pair
 from .device import Device, open_device
 from .engine import Engine, load_engine
 from .scheduler import Request
@@ -43,6 +44,8 @@ from .scheduler import Request
 log = logging.getLogger("pantheon.worker")
 
 IDLE_POLL_MS = 250           # threads wake the loop at once; this is only a backstop
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
 def constraint_factory(path: str):
@@ -76,12 +79,15 @@ class Heartbeats(threading.Thread):
     def __init__(self, worker: "Worker", frontend: str, ident: bytes):
         super().__init__(name="heartbeats", daemon=True)
         self.worker, self.frontend, self.identity = worker, frontend, ident
+        self.keys = worker.keys
         self.stopped = threading.Event()
 
     def run(self) -> None:
         sock = self.worker.ctx.socket(zmq.DEALER)   # a socket belongs to one thread
         sock.setsockopt(zmq.IDENTITY, self.identity + p.HEARTBEAT_SUFFIX)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.keys:
+            curve_client(sock, *self.keys)
         sock.connect(self.frontend)
         try:
             while not self.stopped.is_set():
@@ -106,8 +112,10 @@ class Heartbeats(threading.Thread):
 
 class Worker:
     def __init__(self, device: Device, frontend: str, die: str, slots: int = settings.SLOTS,
-                 prefix_cache_bytes: int = 0, parent_pid: int = 0, budget: int = 0):
+                 prefix_cache_bytes: int = 0, parent_pid: int = 0, budget: int = 0,
+                 keys: tuple[bytes, KeyPair] | None = None):
         self.device, self.die, self.slots = device, die, slots
+        self.keys = keys                 # (server public key, own pair): CURVE
         self.parent_pid = parent_pid     # spawned by a frontend: live and die with it
         self.budget = budget
         self.prefix_cache_bytes = prefix_cache_bytes
@@ -116,7 +124,10 @@ class Worker:
         ident = f"{die}-{os.getpid()}-{secrets.token_hex(4)}".encode()
         self.sock.setsockopt(zmq.IDENTITY, ident)
         self.sock.setsockopt(zmq.LINGER, 1000)
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED)
+        if keys:
+            curve_client(self.sock, *keys)
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | HANDSHAKE_FAILED)
+        self.warned_at = -60.0                       # the last handshake failure logged
         self.sock.connect(frontend)
         self.replicas: dict[str, Replica] = {}
         self.owner: dict[str, Replica] = {}          # request id → replica
@@ -216,8 +227,10 @@ class Worker:
                     except BlockingIOError:
                         break
             if self.monitor in events:
-                recv_monitor_message(self.monitor)
-                self.rehello = True              # (re)connected: introduce ourselves
+                if recv_monitor_message(self.monitor)["event"] == zmq.EVENT_CONNECTED:
+                    self.rehello = True          # (re)connected: introduce ourselves
+                else:
+                    self.handshake_failed()
             if self.rehello:
                 self.rehello = False
                 self.send(self.hello())
@@ -231,8 +244,19 @@ class Worker:
             self.refresh_figures()
         self.heartbeats.stopped.set()
         self.prep.shutdown(wait=False, cancel_futures=True)
-        self.send(p.Stopping(self.die))
+        try:                 # a frontend that refused our keys has no pipe to queue on
+            self.sock.send(p.encode(p.Stopping(self.die)), zmq.NOBLOCK)
+        except zmq.Again:
+            pass
         self.sock.close()
+
+    def handshake_failed(self) -> None:
+        """The frontend refused the link (keys, or their absence): say so, once a minute."""
+        if time.monotonic() - self.warned_at >= 60:
+            self.warned_at = time.monotonic()
+            log.warning("the frontend refused the link's handshake: %s",
+                        "is this worker's key in its authorized/ folder, and server.key "
+                        "its server's?" if self.keys else "it uses CURVE: pass --keys DIR")
 
     def receive(self, data: bytes) -> None:
         try:
@@ -470,19 +494,37 @@ def pin_cores(cores: list[int] | None) -> None:
         psutil.Process().cpu_affinity(cores)
 
 
+def link_keys(args) -> tuple[bytes, KeyPair] | None:
+    """The CURVE keys of `--keys DIR`; a frontend off this host without them is refused
+    (unless --insecure)."""
+    if args.keys:
+        return server_public(args.keys), worker_pair(args.keys)
+    if not is_local_address(args.frontend):
+        if not args.insecure:
+            raise RuntimeError(f"refusing to start: --frontend {args.frontend} is off this "
+                               "host and the link would be unauthenticated and in clear: "
+                               "pass --keys DIR (a worker folder from `pantheon keys "
+                               "generate`), or --insecure")
+        log.warning("--insecure: the link to %s is unauthenticated and in clear",
+                    args.frontend)
+    return None
+
+
 def main(args) -> int:
     if refused := settings.refused_knobs():
         raise RuntimeError("; ".join(refused))
+    keys = link_keys(args)
     pin_cores(args.cores)
     device = open_device(args.die.split(":")[0])
     worker = Worker(device, args.frontend, args.die, slots=args.slots,
                     prefix_cache_bytes=int(args.prefix_cache_mb * (1 << 20)),
                     parent_pid=args.parent_pid or 0,
-                    budget=int((args.budget_mb or 0) * (1 << 20)))
+                    budget=int((args.budget_mb or 0) * (1 << 20)), keys=keys)
     signal.signal(signal.SIGTERM, lambda *_: worker.stop())    # after this step
     if args.parent_pid:
         # a Ctrl-C reaches the whole process group: the frontend drains, then stops us
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-    log.info("worker for die %s (%s) connecting to %s", args.die, device.name, args.frontend)
+    log.info("worker for die %s (%s) connecting to %s%s", args.die, device.name, args.frontend,
+             " (CURVE)" if keys else "")
     worker.run()
     return 0

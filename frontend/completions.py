@@ -17,7 +17,7 @@ from .emitter import Emitter
 from .errors import APIError
 from .lifecycle import Choice, Job, Lifecycle
 from .openai_api import (CompletionRenderer, completion_id, context_exceeded,
-                         parse_completion_request)
+                         parse_completion_request, session_header)
 from .registry import Registry, ServedModel
 
 
@@ -39,7 +39,7 @@ class CompletionService:
 
     async def prepare(self, request: Request) -> Job:
         body = await read_body(request, self.max_body_bytes)
-        req = parse_completion_request(body, request.headers.get("x-session-id"))
+        req = parse_completion_request(body, session_header(request.headers))
         model = self.registry.resolve(req.model)
         grammar = request_grammar(req.response_format, None, None)
         ctx = model.context()

@@ -19,7 +19,9 @@ from .dies import DieTable
 from .drain import Drain, DrainingServer, shutting_down
 from .lifecycle import Lifecycle
 from .metrics import Metrics
+from .load import measure
 from .placement import Placer
+from .registration import Identity, Registration, endpoint_url
 from .registry import Registry, open_model
 from .supervisor import Supervisor, die_names
 from .workers import WorkerPool
@@ -55,6 +57,12 @@ class ServeConfig:
     metrics_auth: bool = False                 # /metrics takes the API key
     log_format: str = "text"
     log_prompts: bool = False
+    registry_url: str | None = None             # None: no router registration at all
+    registry_kind: str = settings.REGISTRY_KINDS[0]
+    heartbeat_s: float = settings.HEARTBEAT_S
+    node_id: str = "node0"
+    registry_transport: str = "local"
+    advertise_url: str | None = None
 
     def __post_init__(self):
         if self.worker_lost_after_s < self.worker_timeout_s:
@@ -105,13 +113,20 @@ async def serve(cfg: ServeConfig) -> int:
                             ["--prefix-cache-mb", str(cfg.prefix_cache_mb),
                              "--log-format", cfg.log_format])
     supervisor.start()
+    registration = registration_for(cfg, registry, admission)
+    if registration is not None:               # the router stops sending before we refuse
+        drain.on_start.insert(0, registration.deregister)
     tasks = [asyncio.create_task(admin_socket.serve(), name="admin-socket"),
-             asyncio.create_task(announce_when_ready(cfg, placer, registry, addr))]
+             asyncio.create_task(announce_when_ready(cfg, placer, registry, addr,
+                                                     registration))]
     try:
         await server.serve(sockets=[http])
     finally:
         if drain.task is not None:
             drain.task.cancel()
+        if registration is not None:           # leave the router before anything stops
+            await registration.deregister()
+            await registration.close()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -155,8 +170,24 @@ def bind(what: str, address: str, make):
         raise RuntimeError(f"cannot bind the {what} socket at {address}: {exc}") from None
 
 
+def registration_for(cfg: ServeConfig, registry: Registry,
+                     admission: Admission) -> Registration | None:
+    """The router membership `PANTHEON_REGISTRY_URL` asks for, or None (no registration)."""
+    if cfg.registry_url is None:
+        return None
+    endpoint = endpoint_url(cfg.host, cfg.port, cfg.advertise_url)
+
+    def identity() -> Identity:
+        ready = registry.ready_models()
+        return Identity(cfg.node_id, endpoint, tuple(m.name for m in ready),
+                        sum(max(r.slots, 1) for m in ready for r in m.ready()),
+                        cfg.registry_transport)
+    return Registration(cfg.registry_url, cfg.registry_kind, identity,
+                        lambda: measure(registry, admission), cfg.heartbeat_s)
+
+
 async def announce_when_ready(cfg: ServeConfig, placer: Placer, registry: Registry,
-                              addr: str) -> None:
+                              addr: str, registration: Registration | None = None) -> None:
     log.info("workers connect to %s; admin socket at %s", addr, cfg.admin_addr)
     await placer.wait_settled()
     names = ", ".join(m.name for m in registry.ready_models()) or "none"
@@ -164,6 +195,8 @@ async def announce_when_ready(cfg: ServeConfig, placer: Placer, registry: Regist
     print(f"Pantheon ready at http://{cfg.host}:{cfg.port} (models: {names})", flush=True)
     if failed:
         print(f"failed to load: {'; '.join(failed)}", file=sys.stderr, flush=True)
+    if registration is not None:
+        registration.start()
 
 
 def main(args) -> int:
@@ -190,5 +223,17 @@ def main(args) -> int:
         context_cap=not args.no_context_cap, worker_lost_after_s=args.worker_lost_after,
         quantize=args.quantize, shutdown_timeout_s=args.shutdown_timeout,
         metrics_auth=args.metrics_auth, log_format=args.log_format or settings.log_format(),
-        log_prompts=args.log_prompts)
+        log_prompts=args.log_prompts, **registry_settings())
     return asyncio.run(serve(cfg))
+
+
+def registry_settings() -> dict:
+    """ServeConfig's router fields from the environment; none read (and none can fail)
+    unless PANTHEON_REGISTRY_URL is set."""
+    url = settings.registry_url()
+    if url is None:
+        return {}
+    return dict(registry_url=url, registry_kind=settings.registry_kind(),
+                heartbeat_s=settings.heartbeat_s(), node_id=settings.node_id(),
+                registry_transport=settings.registry_transport(),
+                advertise_url=settings.advertise_url())

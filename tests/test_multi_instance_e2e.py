@@ -3,6 +3,7 @@ the test venv when absent), each joining it by itself through PANTHEON_REGISTRY_
 sessions stick to one instance (turn 2 cached), streams pass through intact, load is
 polled cheaply, a router that comes up late is joined, and a `kill -9`ed instance
 leaves the ring so that its sessions move once and stick to the survivor."""
+import json
 import os
 import signal
 import threading
@@ -164,6 +165,67 @@ def test_an_instance_joins_a_router_that_comes_up_later(vllm_router):
             # one line per change of state, not one per try
             assert c.logs().count("unreachable") == 1, c.logs()
             assert c.logs().count(": registered:") == 1, c.logs()
+
+
+class Stream(threading.Thread):
+    """One long streamed chat request read to its end; `first` is set at its first chunk."""
+
+    def __init__(self, url: str, session: str, max_tokens: int):
+        super().__init__(daemon=True)
+        self.url, self.session, self.max_tokens = url, session, max_tokens
+        self.first, self.events, self.status = threading.Event(), [], None
+
+    def run(self):
+        body = {"messages": opening(900), "max_tokens": self.max_tokens, "stream": True,
+                "stream_options": {"include_usage": True}, "logit_bias": {"2": -100, "0": -100}}
+        with httpx.stream("POST", self.url + "/v1/chat/completions", json=body, timeout=120,
+                          headers={"X-Session-Id": self.session}) as r:
+            self.status = r.status_code
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    self.events.append(line[6:])
+                    self.first.set()
+        self.first.set()
+
+
+def test_sigterm_deregisters_first_finishes_its_stream_and_gets_no_new_requests(
+        vllm_router, cluster):
+    a = cluster.a
+    with Router(vllm_router) as router, \
+            Server("--slots", "4", "--shutdown-timeout", "120",
+                   env={"PANTHEON_REGISTRY_URL": router.url, **FAST}) as c:
+        httpx.post(router.url + "/add_worker", params={"url": a.url}, timeout=30)
+        wait_until(lambda: sorted(router.healthy()) == sorted([a.url, c.url]), 30,
+                   router.logs)
+        for i in range(400, 432):                   # a session that lives on c
+            session = f"draining-{i}"
+            if turn(router.url, [a, c], opening(i), session)[1] is c:
+                break
+        else:
+            pytest.fail("no session hashed to the draining instance")
+        stream = Stream(router.url, session, 480)
+        stream.start()
+        assert stream.first.wait(60)
+        served_a = served(a)
+        c.proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        wait_until(lambda: c.url not in router.workers(), 10, c.logs)
+        left = time.monotonic() - sent
+        assert stream.is_alive(), "the stream ended before the instance left the router"
+        for k in range(4):                          # during the drain: all go elsewhere
+            r = chat(router.url, opening(500 + k), session if k < 2 else f"new-{k}", 2)
+            assert r.status_code == 200, r.text
+        assert served(a) == served_a + 4
+        assert stream.is_alive(), "the drain was over too soon to tell"
+        stream.join(120)
+        chunks = [json.loads(e) for e in stream.events if e != "[DONE]"]
+        assert stream.status == 200 and stream.events[-1] == "[DONE]"
+        assert not any("error" in ch for ch in chunks), ([ch for ch in chunks if "error" in ch], len(chunks), c.logs())
+        assert [ch for ch in chunks if ch.get("usage")][-1]["usage"]["completion_tokens"] == 480
+        assert c.proc.wait(30) == 0
+        logs = c.logs()
+        assert logs.index("deregistered") < logs.index("drain: every request finished"), logs
+        print(f"left the router {left:.2f} s after SIGTERM")
 
 
 def test_a_killed_instance_leaves_the_ring_and_its_session_moves_once(cluster):

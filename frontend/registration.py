@@ -116,7 +116,9 @@ class VllmRouter:
 
 
 class Smg:
-    """SMG's worker API: a registration is a worker id, the identity travels as labels."""
+    """SMG's worker API (1.13): a registration is a worker id, the identity travels as
+    labels. SMG adds (and on DELETE drains for 5 s, then removes) in the background; a
+    second POST of a listed URL is a 409, which finds our id in its listing."""
 
     def __init__(self, base: str, client: httpx.AsyncClient):
         self.base, self.client = base, client
@@ -124,9 +126,21 @@ class Smg:
 
     async def register(self, ident: Identity, load: InstanceLoad) -> None:
         body = {"url": ident.endpoint, "labels": ident.labels(), "worker_type": "regular"}
-        response = await _call(self.client, "POST", f"{self.base}/workers", json=body)
-        data = response.json() if response.content else {}
-        self.worker_id = data.get("worker_id") or data.get("id") or ident.endpoint
+        try:
+            response = await _call(self.client, "POST", f"{self.base}/workers", json=body)
+        except RegistryError as exc:
+            if exc.state != "refused (409)":
+                raise
+            self.worker_id = await self.listed_id(ident.endpoint)   # still there: ours
+            return
+        self.worker_id = response.json()["worker_id"]     # 202: added in the background
+
+    async def listed_id(self, url: str) -> str:
+        response = await _call(self.client, "GET", f"{self.base}/workers")
+        for worker in response.json().get("workers", []):
+            if worker.get("url") == url:
+                return worker["id"]
+        raise RegistryError("refused (409)", f"SMG refused {url} but does not list it")
 
     async def heartbeat(self, ident: Identity, load: InstanceLoad) -> bool:
         try:

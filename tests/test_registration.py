@@ -3,6 +3,7 @@ ready, heartbeats, joining again a router that forgot us, backoff and one log li
 change of state, idempotent deregistration; the settings that gate it; the load it
 reports. The real vllm-router is exercised in test_multi_instance_e2e.py."""
 import asyncio
+import json
 import logging
 from types import SimpleNamespace
 
@@ -170,10 +171,14 @@ def test_smg_registers_by_worker_id_and_deletes_it():
         def smg(request: httpx.Request) -> httpx.Response:
             calls.append((request.method, request.url.path))
             if request.method == "POST" and request.url.path == "/workers":
-                import json
                 body = json.loads(request.content)
+                if any(w["url"] == body["url"] for w in workers.values()):
+                    return httpx.Response(409, json={"error": "exists"})
                 workers["w-1"] = body
                 return httpx.Response(202, json={"status": "accepted", "worker_id": "w-1"})
+            if request.url.path == "/workers":
+                return httpx.Response(200, json={"workers": [
+                    {"id": k, **w} for k, w in workers.items()]})
             wid = request.url.path.rsplit("/", 1)[-1]
             if request.method == "GET":
                 return httpx.Response(200 if wid in workers else 404, json={})
@@ -191,6 +196,18 @@ def test_smg_registers_by_worker_id_and_deletes_it():
         assert workers["w-1"]["labels"]["instance_id"] == "10.0.0.7:8001:m"
         await reg.deregister()
         assert workers == {} and ("DELETE", "/workers/w-1") in calls
+        await reg.close()
+
+        workers["w-1"] = {"url": ENDPOINT}          # listed from before our restart: a 409
+        reg = Registration("http://smg:30000", "smg",
+                           lambda: Identity("n", ENDPOINT, ("m",), 4, "local"),
+                           lambda: InstanceLoad(0, 0, 4), 0.05,
+                           httpx.AsyncClient(transport=httpx.MockTransport(smg)))
+        reg.start()
+        await until(lambda: reg.state == "registered")
+        assert reg.api.worker_id == "w-1"
+        await reg.deregister()
+        assert workers == {}
         await reg.close()
     asyncio.run(go())
 

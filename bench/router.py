@@ -3,11 +3,15 @@
     pantheon bench router --router http://127.0.0.1:30000 \\
         --direct http://127.0.0.1:8001,http://127.0.0.1:8002 --concurrency 1,8
 
-Added latency: per concurrency level, rounds alternate between the router and the
-instances themselves (client k of a direct round talks to instance k mod N, so both
-carry load as they do behind the router), with fresh prompts that share no prefix,
-streamed; the figure is TTFT p50 through the router minus TTFT p50 direct, over all
-rounds (alternating keeps a drifting host load out of the difference).
+Added latency: per concurrency level, rounds (one request per client) alternate between
+the router and the instances themselves (client k of a direct round talks to instance
+k mod N), with fresh prompts that share no prefix, streamed; the figure is TTFT p50
+through the router minus TTFT p50 direct, over all rounds (alternating keeps a drifting
+host load out of the difference). With one instance behind the router and --direct
+naming it, both paths reach the same engine: the difference is the router's alone.
+
+Proxy cost: GET /v1/models through the router and directly, interleaved, p50: what the
+router adds to each request without the engine's noise.
 
 Session hit rate: `--sessions` two-turn conversations through the router, each under
 its own X-Session-Id; a hit is a turn 2 whose cached_tokens cover turn 1's whole prompt
@@ -19,6 +23,7 @@ import argparse
 import asyncio
 import json
 import statistics
+import time
 
 import httpx
 
@@ -50,7 +55,7 @@ async def level(targets: list[str], model: str, concurrency: int, requests: int,
 
 def added_latency(router: str, direct: list[str], model: str, concurrency: int,
                   rounds: int, max_tokens: int, words: int) -> dict:
-    per_round = max(2 * concurrency, 4)
+    per_round = concurrency           # one request per client: short rounds, little drift
     through, alone, offset = [], [], 10_000 * concurrency
     for r in range(rounds):
         order = [(through, [router]), (alone, direct)]
@@ -62,6 +67,20 @@ def added_latency(router: str, direct: list[str], model: str, concurrency: int,
     return {"concurrency": concurrency, "requests_each": len(through),
             "ttft_p50_router_s": round(p50_router, 4), "ttft_p50_direct_s": round(p50_direct, 4),
             "router_added_ttft_p50_ms": round(1000 * (p50_router - p50_direct), 2)}
+
+
+def proxy_rtt(router: str, direct: list[str], samples: int = 50) -> dict:
+    """GET /v1/models through the router and directly, interleaved: the router's own cost
+    per request without the engine's (a shared host's prefill times vary by 10x)."""
+    through, alone = [], []
+    with httpx.Client(timeout=30) as client:
+        for i in range(samples):
+            for into, url in ((through, router), (alone, direct[i % len(direct)])):
+                t0 = time.perf_counter()
+                client.get(f"{url}/v1/models").raise_for_status()
+                into.append(time.perf_counter() - t0)
+    return {"models_rtt_p50_router_ms": round(1000 * statistics.median(through), 3),
+            "models_rtt_p50_direct_ms": round(1000 * statistics.median(alone), 3)}
 
 
 def session_hits(router: str, model: str, sessions: int, words: int) -> dict:
@@ -92,8 +111,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated base URLs of the instances behind it")
     parser.add_argument("--model", help="model name (default: first id of GET /v1/models)")
     parser.add_argument("--concurrency", default="1,8", help="comma-separated levels")
-    parser.add_argument("--rounds", type=int, default=6,
-                        help="alternated router / direct rounds per level")
+    parser.add_argument("--rounds", type=int, default=16,
+                        help="alternated router / direct rounds per level (one request "
+                             "per client each)")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--prompt-words", type=int, default=64)
     parser.add_argument("--sessions", type=int, default=32, help="two-turn sessions")
@@ -110,6 +130,7 @@ def main(args) -> int:
               "levels": [added_latency(router, direct, model, int(c), args.rounds,
                                        args.max_tokens, args.prompt_words)
                          for c in args.concurrency.split(",") if c.strip()],
+              **proxy_rtt(router, direct),
               **session_hits(router, model, args.sessions, args.prompt_words)}
     text = json.dumps(result, indent=2)
     print(text)

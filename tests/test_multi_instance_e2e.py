@@ -64,7 +64,8 @@ def chat(url: str, messages: list, session: str | None = None, max_tokens: int =
          headers: dict | None = None) -> httpx.Response:
     head = {"X-Session-Id": session} if session else {}
     return httpx.post(url + "/v1/chat/completions", headers={**head, **(headers or {})},
-                      json={"messages": messages, "max_tokens": max_tokens,
+                      json={"model": "SmolLM2-135M-Instruct", "messages": messages,
+                            "max_tokens": max_tokens,
                             "temperature": 0}, timeout=60)
 
 
@@ -262,3 +263,52 @@ def test_a_killed_instance_leaves_the_ring_and_its_session_moves_once(cluster):
     assert home is a and cached(fourth) >= third["prompt_tokens"]   # and sticks there
     for i in range(4):                           # everyone else is served too
         assert chat(router.url, opening(300 + i), f"after-{i}").status_code == 200
+
+
+def smg_bin() -> str | None:
+    """SMG's launcher, when installed (this test does not install it: a 37 MB wheel
+    with grpcio; `pip install smg` into the venv, or put it on PATH, to run it)."""
+    import shutil
+    import sys
+    return shutil.which("smg", path=os.path.dirname(sys.executable)) or shutil.which("smg")
+
+
+def test_smg_registration_routing_key_and_drain():
+    binary = smg_bin()
+    if binary is None:
+        pytest.skip("smg (the SGLang model gateway) is not installed")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    import subprocess
+    import tempfile
+    log = tempfile.TemporaryFile()
+    gateway = subprocess.Popen(
+        [binary, "launch", "--host", "127.0.0.1", "--port", str(port), "--prometheus-port",
+         str(free_port()), "--policy", "consistent_hashing", "--health-check-interval-secs",
+         "1"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def listed() -> list[dict]:
+        try:
+            return httpx.get(url + "/workers", timeout=2).json()["workers"]
+        except (httpx.HTTPError, ValueError, KeyError):
+            return []
+    try:
+        with Server(env={"PANTHEON_REGISTRY_URL": url, "PANTHEON_REGISTRY_KIND": "smg",
+                         **FAST}) as c:
+            wait_until(lambda: any(w["url"] == c.url and w["is_healthy"] for w in listed()),
+                       60, c.logs)
+            (worker,) = listed()
+            assert worker["labels"]["instance_id"].endswith(":SmolLM2-135M-Instruct")
+            messages, key = opening(600), {"X-SMG-Routing-Key": "smg-session"}
+            r1 = chat(url, messages, headers=key)
+            assert r1.status_code == 200, r1.text
+            messages += [r1.json()["choices"][0]["message"], {"role": "user", "content": "More."}]
+            r2 = chat(url, messages, headers=key)
+            assert cached(r2.json()["usage"]) >= r1.json()["usage"]["prompt_tokens"]
+            c.proc.send_signal(signal.SIGTERM)
+            assert c.proc.wait(30) == 0
+            assert "deregistered" in c.logs(), c.logs()
+            wait_until(lambda: listed() == [], 20)        # SMG drains 5 s, then removes
+    finally:
+        os.killpg(gateway.pid, signal.SIGKILL)
+        gateway.wait(10)

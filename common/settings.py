@@ -39,6 +39,8 @@ MAX_STOP_CHARS = 512                     # characters per stop string
 MAX_TOOL_SCHEMA_BYTES = 256 << 10        # `tools` as compact JSON
 MAX_TOOL_SCHEMA_DEPTH = 32               # `tools` nesting
 STREAM_BUFFER_TOKENS = 4096              # tokens held for a client not reading its stream
+HEARTBEAT_S = 5.0                        # between heartbeats to the router registry
+REGISTRY_KINDS = ("vllm-router", "smg")  # router registration APIs spoken
 
 
 def cache_dir() -> Path:
@@ -203,6 +205,68 @@ def test_load_stall() -> float:
         return float(raw) if raw else 0.0
     except ValueError:
         raise ValueError(f"PANTHEON_TEST_LOAD_STALL must be seconds, not {raw!r}") from None
+def registry_url() -> str | None:
+    """The router this instance registers with (`PANTHEON_REGISTRY_URL`, an http(s) URL
+    like `http://router:30000`); unset: no registration at all. A malformed value is a
+    startup error."""
+    raw = os.environ.get("PANTHEON_REGISTRY_URL")
+    return _http_url("PANTHEON_REGISTRY_URL", raw) if raw else None
+
+
+def registry_kind() -> str:
+    """Which router's registration API to speak (`PANTHEON_REGISTRY_KIND`, default
+    `vllm-router`; or `smg`, the SGLang model gateway)."""
+    kind = os.environ.get("PANTHEON_REGISTRY_KIND", REGISTRY_KINDS[0]).strip().lower()
+    if kind not in REGISTRY_KINDS:
+        raise ValueError(f"PANTHEON_REGISTRY_KIND must be one of {', '.join(REGISTRY_KINDS)}, "
+                         f"not {kind!r}")
+    return kind
+
+
+def registry_transport() -> str:
+    """The spec's transport hint sent along with a registration (`PANTHEON_REGISTRY_TRANSPORT`,
+    default `local`)."""
+    return os.environ.get("PANTHEON_REGISTRY_TRANSPORT") or "local"
+
+
+def node_id() -> str:
+    """This node's name in a registration (`PANTHEON_NODE_ID`, default `node0`)."""
+    return os.environ.get("PANTHEON_NODE_ID") or "node0"
+
+
+def heartbeat_s() -> float:
+    """Seconds between heartbeats to the router (`PANTHEON_HEARTBEAT_S`, default 5)."""
+    raw = os.environ.get("PANTHEON_HEARTBEAT_S", str(HEARTBEAT_S))
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < 86400:
+        raise ValueError(f"PANTHEON_HEARTBEAT_S must be a number of seconds > 0, not {raw!r}")
+    return value
+
+
+def advertise_url() -> str | None:
+    """The URL the router should send requests to (`PANTHEON_ADVERTISE_URL`); unset:
+    `http://HOST:PORT` of `serve`, with this host's name when bound to all interfaces."""
+    raw = os.environ.get("PANTHEON_ADVERTISE_URL")
+    return _http_url("PANTHEON_ADVERTISE_URL", raw) if raw else None
+
+
+def _http_url(name: str, raw: str) -> str:
+    """`raw` as `scheme://host[:port][/path]` without a trailing slash, or a ValueError
+    that says what is wrong with it."""
+    from urllib.parse import urlsplit
+    bad = f"{name} must be an http:// or https:// URL like http://router:30000, not {raw!r}"
+    try:
+        url = urlsplit(raw.strip())
+        port = url.port                     # raises on a port that is not a number
+    except ValueError:
+        raise ValueError(bad) from None
+    if url.scheme not in ("http", "https") or not url.hostname or url.query or url.fragment \
+            or (port is not None and not 0 < port < 65536):
+        raise ValueError(bad)
+    return raw.strip().rstrip("/")
 
 
 def c_compiler() -> str:

@@ -22,6 +22,7 @@ from .completions import CompletionService
 from .drain import Drain
 from .errors import APIError
 from .lifecycle import Lifecycle
+from .load import measure
 from .metrics import CONTENT_TYPE
 from .limits import RequestLimits
 from .openai_api import models_list
@@ -31,12 +32,15 @@ from .workers import WorkerPool
 log = logging.getLogger("pantheon.frontend.app")
 access_log = logging.getLogger("pantheon.access")
 
-PUBLIC_PATHS = frozenset({"/", "/health", "/metrics"})   # the rest needs the API key
-QUIET_PATHS = frozenset({"/health", "/metrics"})   # polled: their access lines are DEBUG
+# the rest needs the API key; routers poll the load routes without one
+PUBLIC_PATHS = frozenset({"/", "/health", "/metrics", "/get_load", "/v1/loads"})
+# polled: their access lines are DEBUG
+QUIET_PATHS = frozenset({"/health", "/metrics", "/get_load", "/v1/loads"})
 CORS_HEADERS = [(b"access-control-allow-origin", b"*"),
                 (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
                 (b"access-control-allow-headers",
-                 b"Authorization, Content-Type, X-Session-Id, X-Request-Id"),
+                 b"Authorization, Content-Type, X-Session-Id, X-SMG-Routing-Key, "
+                 b"X-Request-Id"),
                 (b"access-control-expose-headers", b"X-Request-Id")]
 REQUEST_ID = re.compile(rb"[\x21-\x7e]{1,128}")        # visible ASCII, as a client sends
 
@@ -201,6 +205,12 @@ def build_app(registry: Registry, lifecycle: Lifecycle, admin: Admin,
                       "owned_by": "pantheon", "max_model_len": m.ready()[0].ctx}
                      for m in ready]})
 
+    async def get_load(request: Request):
+        return JSONResponse(measure(registry, admission).get_load())
+
+    async def v1_loads(request: Request):
+        return JSONResponse(measure(registry, admission).v1_loads())
+
     async def api_error(request: Request, exc: APIError):
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
@@ -226,6 +236,7 @@ def build_app(registry: Registry, lifecycle: Lifecycle, admin: Admin,
     app = Starlette(
         routes=[Route("/", root), Route("/health", health), Route("/metrics", prometheus),
                 Route("/v1/models", models),
+                Route("/get_load", get_load), Route("/v1/loads", v1_loads),
                 Route("/v1/chat/completions", chat, methods=["POST"]),
                 Route("/v1/completions", completions, methods=["POST"]),
                 *(admin_routes if http_admin else [])],

@@ -18,7 +18,8 @@ from .emitter import Emitter
 from .errors import APIError
 from .lifecycle import Choice, Job, Lifecycle
 from .limits import RequestLimits
-from .openai_api import (ChatRenderer, completion_id, context_exceeded, parse_chat_request)
+from .openai_api import (ChatRenderer, completion_id, context_exceeded, parse_chat_request,
+                         session_header)
 from .registry import Registry, ServedModel
 from .tools import prepare_conversation, tool_call_grammar
 
@@ -101,7 +102,7 @@ class ChatService:
 
     async def prepare(self, request: Request) -> Job:
         body = await read_body(request, self.max_body_bytes)
-        req = parse_chat_request(body, request.headers.get("x-session-id"), self.limits)
+        req = parse_chat_request(body, session_header(request.headers), self.limits)
         model = self.registry.resolve(req.model)
         grammar = request_grammar(req.response_format, req.tools, req.tool_choice)
         messages, tools = prepare_conversation(req.messages, req.tools, req.tool_choice,

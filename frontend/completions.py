@@ -18,7 +18,7 @@ from .errors import APIError
 from .lifecycle import Choice, Job, Lifecycle
 from .limits import RequestLimits
 from .openai_api import (CompletionRenderer, completion_id, context_exceeded,
-                         parse_completion_request)
+                         parse_completion_request, session_header)
 from .registry import Registry, ServedModel
 
 
@@ -41,7 +41,7 @@ class CompletionService:
 
     async def prepare(self, request: Request) -> Job:
         body = await read_body(request, self.max_body_bytes)
-        req = parse_completion_request(body, request.headers.get("x-session-id"), self.limits)
+        req = parse_completion_request(body, session_header(request.headers), self.limits)
         model = self.registry.resolve(req.model)
         grammar = request_grammar(req.response_format, None, None)
         ctx = model.context()

@@ -208,6 +208,21 @@ def _json_object(body: bytes) -> dict:
     return data
 
 
+# The session key a request may carry in a header, in this order: X-Session-Id (the
+# OpenAI-compatible servers' and vllm-router's consistent_hash key), X-SMG-Routing-Key
+# (SMG forwards only that one). A `session_id` body field wins over both.
+SESSION_HEADERS = ("x-session-id", "x-smg-routing-key")
+
+
+def session_header(headers) -> str | None:
+    """The first non-empty session header of a request's (case-insensitive) headers."""
+    for name in SESSION_HEADERS:
+        value = headers.get(name)
+        if value:
+            return value
+    return None
+
+
 def _common(data: dict, session_header: str | None) -> dict:
     """Fields /v1/chat/completions and /v1/completions share, validated."""
     numbers = {name: _number(data, name) for name in _NUMERIC}

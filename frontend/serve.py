@@ -21,7 +21,9 @@ from .drain import Drain, DrainingServer, shutting_down
 from .lifecycle import Lifecycle
 from .metrics import Metrics
 from .limits import ConnectionLimits, RequestLimits
+from .load import measure
 from .placement import Placer
+from .registration import Identity, Registration, endpoint_url
 from .registry import Registry, open_model
 from .security import Exposure, LinkAuth, ModelDirs, enforce
 from .supervisor import Supervisor, die_names
@@ -65,6 +67,12 @@ class ServeConfig:
     request_limits: RequestLimits = field(default_factory=RequestLimits)
     connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     stream_buffer_tokens: int = settings.STREAM_BUFFER_TOKENS
+    registry_url: str | None = None             # None: no router registration at all
+    registry_kind: str = settings.REGISTRY_KINDS[0]
+    heartbeat_s: float = settings.HEARTBEAT_S
+    node_id: str = "node0"
+    registry_transport: str = "local"
+    advertise_url: str | None = None
 
     def __post_init__(self):
         if self.worker_lost_after_s < self.worker_timeout_s:
@@ -134,8 +142,12 @@ async def serve(cfg: ServeConfig) -> int:
         worker_args += ["--keys", cfg.keys_dir]     # they join with the server's own pair
     supervisor = Supervisor(dies, addr, pool, cfg.slots, worker_args)
     supervisor.start()
+    registration = registration_for(cfg, registry, admission)
+    if registration is not None:               # the router stops sending before we refuse
+        drain.on_start.insert(0, registration.deregister)
     tasks = [asyncio.create_task(admin_socket.serve(), name="admin-socket"),
-             asyncio.create_task(announce_when_ready(cfg, placer, registry, addr))]
+             asyncio.create_task(announce_when_ready(cfg, placer, registry, addr,
+                                                     registration))]
     if link is not None:
         tasks += [asyncio.create_task(link.watch(pool.sock, "worker"), name="curve-workers"),
                   asyncio.create_task(link.watch(admin_socket.sock, "admin"),
@@ -145,6 +157,9 @@ async def serve(cfg: ServeConfig) -> int:
     finally:
         if drain.task is not None:
             drain.task.cancel()
+        if registration is not None:           # leave the router before anything stops
+            await registration.deregister()
+            await registration.close()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -175,6 +190,10 @@ def http_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # accepted connections inherit it: without, a response written as headers then body
+    # waits for the client's delayed ACK (~40 ms) on every reused connection, which a
+    # router's connection pool (and the openai SDK) always reuses
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         sock.bind((host, port))
     except OSError as exc:
@@ -190,8 +209,24 @@ def bind(what: str, address: str, make):
         raise RuntimeError(f"cannot bind the {what} socket at {address}: {exc}") from None
 
 
+def registration_for(cfg: ServeConfig, registry: Registry,
+                     admission: Admission) -> Registration | None:
+    """The router membership `PANTHEON_REGISTRY_URL` asks for, or None (no registration)."""
+    if cfg.registry_url is None:
+        return None
+    endpoint = endpoint_url(cfg.host, cfg.port, cfg.advertise_url)
+
+    def identity() -> Identity:
+        ready = registry.ready_models()
+        return Identity(cfg.node_id, endpoint, tuple(m.name for m in ready),
+                        sum(max(r.slots, 1) for m in ready for r in m.ready()),
+                        cfg.registry_transport)
+    return Registration(cfg.registry_url, cfg.registry_kind, identity,
+                        lambda: measure(registry, admission), cfg.heartbeat_s)
+
+
 async def announce_when_ready(cfg: ServeConfig, placer: Placer, registry: Registry,
-                              addr: str) -> None:
+                              addr: str, registration: Registration | None = None) -> None:
     log.info("workers connect to %s; admin socket at %s", addr, cfg.admin_addr)
     await placer.wait_settled()
     names = ", ".join(m.name for m in registry.ready_models()) or "none"
@@ -199,6 +234,8 @@ async def announce_when_ready(cfg: ServeConfig, placer: Placer, registry: Regist
     print(f"Pantheon ready at http://{cfg.host}:{cfg.port} (models: {names})", flush=True)
     if failed:
         print(f"failed to load: {'; '.join(failed)}", file=sys.stderr, flush=True)
+    if registration is not None:
+        registration.start()
 
 
 def main(args) -> int:
@@ -236,5 +273,17 @@ def main(args) -> int:
             header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
             write_timeout_s=args.write_timeout, max_header_bytes=args.max_header_bytes,
             max_connections=args.max_connections, send_buffer_bytes=args.send_buffer_bytes),
-        stream_buffer_tokens=args.stream_buffer_tokens)
+        stream_buffer_tokens=args.stream_buffer_tokens, **registry_settings())
     return asyncio.run(serve(cfg))
+
+
+def registry_settings() -> dict:
+    """ServeConfig's router fields from the environment; none read (and none can fail)
+    unless PANTHEON_REGISTRY_URL is set."""
+    url = settings.registry_url()
+    if url is None:
+        return {}
+    return dict(registry_url=url, registry_kind=settings.registry_kind(),
+                heartbeat_s=settings.heartbeat_s(), node_id=settings.node_id(),
+                registry_transport=settings.registry_transport(),
+                advertise_url=settings.advertise_url())

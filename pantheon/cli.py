@@ -59,6 +59,9 @@ def cmd_bench(args) -> int:
     if args.bench == "join":
         from pantheon.bench.join import main
         return main(args)
+    if args.bench == "router":
+        from pantheon.bench.router import main
+        return main(args)
     from pantheon.bench.serve import main
     return main(args)
 
@@ -317,6 +320,10 @@ def build_parser() -> argparse.ArgumentParser:
     from pantheon.bench import join
     join.add_arguments(bench_sub.add_parser(
         "join", help="inter-token latency of running streams while a long prompt joins"))
+    from pantheon.bench import router
+    router.add_arguments(bench_sub.add_parser(
+        "router", help="TTFT a router adds in front of instances, and its turn-2 session "
+                       "hit rate, as JSON"))
     bench.set_defaults(func=cmd_bench)
     return parser
 

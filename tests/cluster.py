@@ -38,10 +38,15 @@ class Server:
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 90) -> "Server":
+        self.launch()
+        self.wait_healthy(timeout)
+        return self
+
+    def launch(self) -> "Server":
+        """Start the process without waiting for it (several start side by side)."""
         self.proc = subprocess.Popen([sys.executable, "-m", "pantheon.cli", *self.args],
                                      stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
                                      start_new_session=True)
-        self.wait_healthy(timeout)
         return self
 
     def wait_healthy(self, timeout: float = 90) -> None:
@@ -85,6 +90,83 @@ class Server:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        os.unlink(self.log.name)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+ROUTER_VERSION = "0.1.17"
+
+
+def router_bin() -> str | None:
+    """vllm-router's launcher in this venv, installed from PyPI when absent (bounded);
+    None when it cannot be had (offline)."""
+    import shutil
+    bin_dir = os.path.dirname(sys.executable)
+    found = shutil.which("vllm-router", path=bin_dir)
+    if found:
+        return found
+    try:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q",
+                        f"vllm-router=={ROUTER_VERSION}"], check=True, timeout=240,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except (subprocess.SubprocessError, OSError):
+        return None
+    return shutil.which("vllm-router", path=bin_dir)
+
+
+class Router:
+    """vllm-router (consistent_hash on X-Session-Id) in its own process group on a free
+    port, with a short health interval so a dead instance leaves the ring quickly."""
+
+    def __init__(self, binary: str, *args: str, port: int | None = None):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = [binary, "--host", "127.0.0.1", "--port", str(self.port),
+                     "--policy", "consistent_hash", "--prometheus-port", str(free_port()),
+                     "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
+                     "--health-success-threshold", "1", "--log-level", "warning", *args]
+        self.log = tempfile.NamedTemporaryFile(prefix="vllm-router-", suffix=".log",
+                                               delete=False)
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 30) -> "Router":
+        self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"router exited with {self.proc.returncode}:\n{self.logs()}")
+            try:
+                if httpx.get(self.url + "/list_workers", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"router not up after {timeout} s:\n{self.logs()}")
+
+    def workers(self) -> list[str]:
+        return httpx.get(self.url + "/list_workers", timeout=5).json()["urls"]
+
+    def healthy(self) -> list[str]:
+        listing = httpx.get(self.url + "/workers", timeout=5).json()["workers"]
+        return [w["url"] for w in listing if w["is_healthy"]]
+
+    def logs(self) -> str:
+        with open(self.log.name, errors="replace") as fh:
+            return fh.read()[-5000:]
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
         os.unlink(self.log.name)
 
     def __enter__(self):

@@ -8,15 +8,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def pytest_addoption(parser):
-    parser.addoption("--run-slow", action="store_true",
-                     help="also run the tests marked slow (the fuzzers' long runs)")
+    parser.addoption("--run-long", action="store_true",
+                     help="also run the tests marked long (the fuzzers' long runs)")
 
 
 def pytest_collection_modifyitems(config, items):
-    if not config.getoption("--run-slow"):
-        long = pytest.mark.skip(reason="a long run: pass --run-slow")
+    if not config.getoption("--run-long"):
+        long = pytest.mark.skip(reason="a long run: pass --run-long")
         for item in items:
-            if "slow" in item.keywords:
+            if "long" in item.keywords:
                 item.add_marker(long)
     from pantheon.worker.device import cuda_available
     if cuda_available():

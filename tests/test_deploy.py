@@ -86,3 +86,59 @@ def test_supervisord_runs_and_restarts_the_cluster(tmp_path):
                 os.killpg(sup.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+ROUTER_CONF = CONF.parent / "supervisord-router.conf"
+
+
+def test_supervisord_runs_two_instances_behind_the_router(tmp_path):
+    pytest.importorskip("supervisor")
+    from cluster import router_bin
+    if router_bin() is None:
+        pytest.skip("vllm-router==0.1.17 is not installed and `pip install` failed (offline?)")
+    ports = {k: free_port() for k in ("ROUTER_PORT", "ROUTER_METRICS_PORT", "PORT_A", "PORT_B")}
+    env = {**os.environ, "PANTHEON_BIN": str(Path(sys.executable).parent),
+           "PANTHEON_RUN": str(tmp_path), **{f"PANTHEON_{k}": str(v) for k, v in ports.items()}}
+    env.pop("PANTHEON_REGISTRY_URL", None)
+    sup = subprocess.Popen([sys.executable, "-m", "supervisor.supervisord", "-c",
+                            str(ROUTER_CONF)], env=env, cwd=tmp_path, start_new_session=True)
+    router = f"http://127.0.0.1:{ports['ROUTER_PORT']}"
+    instances = sorted(f"http://127.0.0.1:{ports[k]}" for k in ("PORT_A", "PORT_B"))
+
+    def logs() -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in tmp_path.glob("*.log"))
+    try:
+        deadline = time.monotonic() + 120
+        while True:                                # both instances joined by themselves
+            assert time.monotonic() < deadline, logs()
+            try:
+                listed = httpx.get(router + "/workers", timeout=2).json()["workers"]
+                if sorted(w["url"] for w in listed if w["is_healthy"]) == instances:
+                    break
+            except (ValueError, KeyError, httpx.HTTPError):
+                pass
+            time.sleep(0.3)
+        messages = [{"role": "user", "content": "Tell me about harbors and lighthouses."}]
+        head = {"X-Session-Id": "deploy-1"}
+        r1 = httpx.post(router + "/v1/chat/completions", headers=head, timeout=60,
+                        json={"messages": messages, "max_tokens": 4})
+        assert r1.status_code == 200, r1.text
+        messages += [r1.json()["choices"][0]["message"], {"role": "user", "content": "More."}]
+        r2 = httpx.post(router + "/v1/chat/completions", headers=head, timeout=60,
+                        json={"messages": messages, "max_tokens": 4})
+        cached = r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= r1.json()["usage"]["prompt_tokens"]
+        sup.send_signal(signal.SIGTERM)             # instances drain and leave, then the router
+        assert sup.wait(60) == 0
+        for name in ("pantheon-a.log", "pantheon-b.log"):
+            log = (tmp_path / name).read_text()
+            assert "registered" in log and "deregistered" in log, logs()
+    finally:
+        sup.send_signal(signal.SIGTERM)
+        try:
+            sup.wait(30)
+        finally:
+            try:
+                os.killpg(sup.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -3,7 +3,7 @@ worker's receive loop, the frontend's worker socket and admin socket, and the HT
 endpoints. Each answers bad input with a ProtocolError / Error / 4xx OpenAI error and
 keeps running: a well-formed request right after still succeeds.
 
-A bounded number of examples in `make test`; `pytest --run-slow -m slow
+A bounded number of examples in `make test`; `pytest --run-long -m long
 tests/test_fuzz.py` runs each with many more.
 """
 import subprocess
@@ -103,6 +103,7 @@ def test_decode_only_raises_protocol_errors():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_decode_only_raises_protocol_errors_long():
     decode_only_raises_protocol_errors(MANY * 20)
 
@@ -150,6 +151,7 @@ def test_the_worker_answers_random_frames_and_keeps_running(worker):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_the_worker_answers_random_frames_and_keeps_running_long(worker):
     worker_survives(worker, MANY)
 
@@ -199,6 +201,7 @@ def test_the_worker_socket_drops_random_frames_and_serves_on(server):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_the_worker_socket_drops_random_frames_and_serves_on_long(server):
     pool_survives(server, MANY * 5)
 
@@ -247,6 +250,7 @@ def test_the_admin_socket_answers_random_requests_and_serves_on(server):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_the_admin_socket_answers_random_requests_and_serves_on_long(server):
     admin_survives(server, MANY)
 
@@ -312,5 +316,6 @@ def test_random_json_bodies_get_4xx_openai_errors(server):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_random_json_bodies_get_4xx_openai_errors_long(server):
     http_survives(server, MANY)

@@ -73,9 +73,8 @@ def test_sigterm_finishes_running_and_queued_streams_and_refuses_new_requests():
         streams = [Stream(srv, 150) for _ in range(3)]   # two run, the third waits
         for s in streams:
             s.start()
-        streams[0].first.wait(60)
         waiting = 'vllm:num_requests_waiting{model_name="SmolLM2-135M-Instruct"} 1.0'
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60          # whichever two run, the third waits
         while waiting not in httpx.get(srv.url + "/metrics").text:
             assert time.monotonic() < deadline, ("the third stream never waited",
                                                  [x.status for x in streams], srv.logs())
@@ -104,13 +103,13 @@ def test_sigterm_finishes_running_and_queued_streams_and_refuses_new_requests():
 
 
 def test_the_deadline_ends_what_still_runs_with_an_error_and_exits_0():
-    with Server("--slots", "2", "--ctx", "1024", "--shutdown-timeout", "1") as srv:
-        stream = Stream(srv, 900)
+    with Server("--slots", "2", "--ctx", "512", "--shutdown-timeout", "1") as srv:
+        stream = Stream(srv, 450)
         stream.start()
         whole = {}
 
         def non_stream():
-            r = httpx.post(srv.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 900},
+            r = httpx.post(srv.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 450},
                            timeout=120)
             whole.update(status=r.status_code, body=r.json())
         t = threading.Thread(target=non_stream, daemon=True)
@@ -126,9 +125,9 @@ def test_the_deadline_ends_what_still_runs_with_an_error_and_exits_0():
 
 
 def test_a_second_signal_skips_the_wait():
-    with Server("--ctx", "1024", "--shutdown-timeout", "300") as srv:
+    with Server("--slots", "2", "--ctx", "512", "--shutdown-timeout", "300") as srv:
         workers = srv.workers()
-        stream = Stream(srv, 900)
+        stream = Stream(srv, 450)
         stream.start()
         stream.first.wait(60)
         srv.proc.send_signal(signal.SIGINT)
@@ -141,8 +140,9 @@ def test_a_second_signal_skips_the_wait():
 
 
 def test_sigterm_during_a_model_load_cancels_it_cleanly(tmp_path):
-    with Server(env={"PANTHEON_TEST_LOAD_STALL": "2"}) as srv:   # the default model: stalled
-        workers = srv.workers()                                   # once, at start
+    # the default model's load is stalled once at start, and again in the test
+    with Server("--slots", "1", "--ctx", "256", env={"PANTHEON_TEST_LOAD_STALL": "2"}) as srv:
+        workers = srv.workers()
         result = {}
 
         def load():
@@ -164,9 +164,9 @@ def test_sigterm_during_a_model_load_cancels_it_cleanly(tmp_path):
 
 
 def test_a_worker_given_sigterm_says_so_and_its_stream_fails_fast():
-    with Server("--ctx", "1024") as srv:
+    with Server("--slots", "2", "--ctx", "512") as srv:
         (worker,) = srv.workers()
-        stream = Stream(srv, 900)
+        stream = Stream(srv, 450)
         stream.start()
         stream.first.wait(60)
         worker.send_signal(signal.SIGTERM)

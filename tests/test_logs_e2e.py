@@ -28,7 +28,7 @@ def whole_log(srv: Server, until: str = "") -> str:
 
 def test_request_ids_reach_the_worker_and_json_lines_carry_them():
     env = {"PANTHEON_LOG_FORMAT": "json", "PANTHEON_LOG_LEVEL": "DEBUG"}
-    with Server(env=env) as srv:
+    with Server("--slots", "2", "--ctx", "256", env=env) as srv:
         r = httpx.post(srv.url + "/v1/chat/completions", json=CHAT,
                        headers={"X-Request-Id": "trace-42"}, timeout=60)
         assert r.status_code == 200 and r.headers["x-request-id"] == "trace-42"
@@ -62,7 +62,7 @@ def test_request_ids_reach_the_worker_and_json_lines_carry_them():
 
 
 def test_log_prompts_puts_the_prompt_in_the_access_line():
-    with Server("--log-prompts") as srv:
+    with Server("--slots", "1", "--ctx", "256", "--log-prompts") as srv:
         r = httpx.post(srv.url + "/v1/chat/completions", json=CHAT,
                        headers={"X-Request-Id": "trace-7"}, timeout=60)
         assert r.status_code == 200

@@ -46,7 +46,7 @@ def chat(srv, messages, max_tokens, **extra):
 
 
 def test_every_family_moves_after_real_requests(tmp_path):
-    with Server("--slots", "2", "--ctx", "1024", "--queue-depth", "1",
+    with Server("--slots", "2", "--ctx", "512", "--queue-depth", "1",
                 env={"QWEN35_BS_STATS": "1"}) as srv:
         name = httpx.get(srv.url + "/v1/models").json()["data"][0]["id"]
         m = {"model_name": name}
@@ -138,7 +138,7 @@ def test_every_family_moves_after_real_requests(tmp_path):
 
 
 def test_metrics_key_when_protected():
-    with Server("--metrics-auth", api_key="sekret") as srv:
+    with Server("--slots", "1", "--ctx", "256", "--metrics-auth", api_key="sekret") as srv:
         for headers in ({}, {"Authorization": "Bearer wrong"}):
             r = httpx.get(srv.url + "/metrics", headers=headers, timeout=10)
             assert r.status_code == 401
@@ -148,13 +148,13 @@ def test_metrics_key_when_protected():
 
 
 def test_metrics_are_public_by_default_even_with_an_api_key():
-    with Server(api_key="sekret") as srv:
+    with Server("--slots", "1", "--ctx", "256", api_key="sekret") as srv:
         assert scrape(srv)
         assert httpx.get(srv.url + "/v1/models", timeout=10).status_code == 401
 
 
 def test_malformed_stats_from_a_peer_are_dropped_and_the_frontend_carries_on():
-    with Server() as srv:
+    with Server("--slots", "1", "--ctx", "256") as srv:
         ctx = zmq.Context()
         rogue = ctx.socket(zmq.DEALER)
         rogue.setsockopt(zmq.LINGER, 0)

@@ -36,8 +36,8 @@ def vllm_router():
 def cluster(vllm_router):
     router = Router(vllm_router).start()
     env = {"PANTHEON_REGISTRY_URL": router.url, **FAST}
-    a = Server("--slots", "4", env={**env, "PANTHEON_NODE_ID": "a"})
-    b = Server("--slots", "4", env={**env, "PANTHEON_NODE_ID": "b"})
+    a = Server("--slots", "4", "--ctx", "256", env={**env, "PANTHEON_NODE_ID": "a"})
+    b = Server("--slots", "4", "--ctx", "256", env={**env, "PANTHEON_NODE_ID": "b"})
     try:
         a.launch(), b.launch()
         a.wait_healthy(), b.wait_healthy()
@@ -156,7 +156,8 @@ def test_load_is_served_without_a_body_and_shows_running_requests(cluster):
 def test_an_instance_joins_a_router_that_comes_up_later(vllm_router):
     port = free_port()
     late_url = f"http://127.0.0.1:{port}"
-    with Server(env={"PANTHEON_REGISTRY_URL": late_url, **FAST}) as c:
+    with Server("--slots", "2", "--ctx", "256",
+                env={"PANTHEON_REGISTRY_URL": late_url, **FAST}) as c:
         assert chat(c.url, opening(7)).status_code == 200       # serving is not affected
         wait_until(lambda: "unreachable" in c.logs(), 10, c.logs)
         time.sleep(1.5)                                          # several more tries
@@ -193,7 +194,7 @@ def test_sigterm_deregisters_first_finishes_its_stream_and_gets_no_new_requests(
         vllm_router, cluster):
     a = cluster.a
     with Router(vllm_router) as router, \
-            Server("--slots", "4", "--shutdown-timeout", "120",
+            Server("--slots", "4", "--ctx", "768", "--shutdown-timeout", "120",
                    env={"PANTHEON_REGISTRY_URL": router.url, **FAST}) as c:
         httpx.post(router.url + "/add_worker", params={"url": a.url}, timeout=30)
         wait_until(lambda: sorted(router.healthy()) == sorted([a.url, c.url]), 30,

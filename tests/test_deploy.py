@@ -1,4 +1,5 @@
 """deploy/supervisord.conf, really started: frontend + worker under supervisord."""
+import json
 import os
 import signal
 import subprocess
@@ -65,7 +66,8 @@ def test_supervisord_runs_and_restarts_the_cluster(tmp_path):
         r = httpx.post(url + "/v1/chat/completions", json=chat, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
         # stopping supervisord drains: the frontend stops first, its stream completes
-        stream = {**chat, "max_tokens": 40, "stream": True, "logit_bias": {"2": -100}}
+        stream = {**chat, "max_tokens": 40, "stream": True, "logit_bias": {"2": -100},
+                  "stream_options": {"include_usage": True}}
         with httpx.stream("POST", url + "/v1/chat/completions", json=stream,
                           timeout=60) as r:
             lines = r.iter_lines()
@@ -73,7 +75,8 @@ def test_supervisord_runs_and_restarts_the_cluster(tmp_path):
             sup.send_signal(signal.SIGTERM)
             events = [line[6:] for line in lines if line.startswith("data: ")]
         assert events[-1] == "[DONE]" and not any('"error"' in e for e in events), events[-3:]
-        assert sum('"content"' in e for e in events) >= 38
+        usage = [json.loads(e)["usage"] for e in events[:-1] if '"usage"' in e]
+        assert usage and usage[-1]["completion_tokens"] == 40, events[-3:]
         assert sup.wait(60) == 0
         log = (tmp_path / "frontend.log").read_text()
         assert "draining" in log and "every request finished" in log, log[-2000:]

@@ -16,7 +16,7 @@ import gguf
 
 from .arch import BASE_FIELDS, HF_ARCH, REQUIRED, SUPPORTED_ARCHS, Family, family
 from .arch.stack import Block, RopeScaling
-from .gguf_file import open_gguf
+from .gguf_file import open_gguf, open_gguf_cached
 
 log = logging.getLogger(__name__)
 
@@ -93,19 +93,20 @@ def field_value(reader: gguf.GGUFReader, key: str, default=None):
 
 def read_config(path: str | Path) -> ModelConfig:
     """The ModelConfig of a `.gguf` file or a Hugging Face model folder."""
-    return open_model_file(path)[0]
+    return open_model_file(path, cached=True)[0]
 
 
-def open_model_file(path: str | Path):
+def open_model_file(path: str | Path, cached: bool = False):
     """(ModelConfig, the open GGUF reader or None for a folder): a loader reads the
-    tensors through the same reader (parsing a 151k-token vocabulary costs ~0.9 s)."""
+    tensors through the same reader (parsing a 151k-token vocabulary costs ~0.9 s).
+    `cached`: the reader parsed once per process (for metadata reads; see gguf_file)."""
     path = Path(path)
     if not path.exists():
         raise ModelFileError(f"model not found: {path}")
     if path.is_dir():
         return config_from_hf(path), None
     try:
-        reader = open_gguf(path)
+        reader = (open_gguf_cached if cached else open_gguf)(path)
     except Exception as exc:  # gguf raises ValueError, struct.error, ...
         raise ModelFileError(f"{path} is not a readable GGUF file: {exc}") from exc
     return config_from_gguf(reader, name=path.stem), reader

@@ -20,7 +20,7 @@ from gguf import TokenType
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from .gguf_file import open_gguf
+from .gguf_file import open_gguf_cached
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> "Tokenizer":
-        return cls.from_gguf_fields(open_gguf(path).fields)
+        return cls.from_gguf_fields(open_gguf_cached(path).fields)
 
     @classmethod
     def from_gguf_fields(cls, fields) -> "Tokenizer":

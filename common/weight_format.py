@@ -60,8 +60,8 @@ def tensor_list(path: str | Path) -> list[tuple[str, str, tuple[int, ...]]]:
             out += [(name, info["dtype"], tuple(info["shape"]))
                     for name, info in header.items() if name != "__metadata__"]
         return out
-    from .gguf_file import open_gguf
-    reader = open_gguf(path)
+    from .gguf_file import open_gguf_cached
+    reader = open_gguf_cached(path)
     return [(t.name, t.tensor_type.name, tuple(int(n) for n in reversed(t.shape)))
             for t in reader.tensors]
 

@@ -1,16 +1,48 @@
 """Real `pantheon serve` processes on 127.0.0.1 for end-to-end tests."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import httpx
 import psutil
+
+
+class Stream(threading.Thread):
+    """One streamed chat request, read to its end in a thread; `first` is set at its first
+    chunk (or its end). `body` is the request without its stream fields."""
+
+    def __init__(self, url: str, body: dict, headers: dict | None = None):
+        super().__init__(daemon=True)
+        self.url, self.headers = url, headers or {}
+        self.body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        self.first, self.events, self.status = threading.Event(), [], None
+
+    def run(self):
+        with httpx.stream("POST", self.url + "/v1/chat/completions", json=self.body,
+                          headers=self.headers, timeout=120) as r:
+            self.status = r.status_code
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    self.events.append(line[6:])
+                    self.first.set()
+        self.first.set()
+
+    def chunks(self) -> list[dict]:
+        return [json.loads(e) for e in self.events if e != "[DONE]"]
+
+    def usage(self) -> dict | None:
+        return next((c["usage"] for c in self.chunks() if c.get("usage")), None)
+
+    def error(self) -> dict | None:
+        return next((c["error"] for c in self.chunks() if "error" in c), None)
 
 
 def free_port() -> int:

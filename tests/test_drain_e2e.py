@@ -1,5 +1,4 @@
 """Graceful drain, with real signals sent to a real `pantheon serve` mid-stream."""
-import json
 import signal
 import threading
 import time
@@ -8,7 +7,7 @@ import httpx
 import psutil
 import pytest
 
-from cluster import Server
+from cluster import Server, Stream
 from pantheon.common.default_model import cached_path
 
 pytestmark = pytest.mark.skipif(not cached_path().exists(), reason="default model not fetched")
@@ -18,34 +17,8 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "Tell me a long s
         "logit_bias": NO_EOS}
 
 
-class Stream(threading.Thread):
-    """One streamed chat request read to its end; `first` is set at the first chunk."""
-
-    def __init__(self, srv: Server, max_tokens: int):
-        super().__init__(daemon=True)
-        self.srv, self.max_tokens = srv, max_tokens
-        self.first, self.events, self.status = threading.Event(), [], None
-
-    def run(self):
-        body = {**CHAT, "max_tokens": self.max_tokens, "stream": True,
-                "stream_options": {"include_usage": True}}
-        with httpx.stream("POST", self.srv.url + "/v1/chat/completions", json=body,
-                          timeout=120) as r:
-            self.status = r.status_code
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    self.events.append(line[6:])
-                    self.first.set()
-        self.first.set()
-
-    def chunks(self) -> list[dict]:
-        return [json.loads(e) for e in self.events if e != "[DONE]"]
-
-    def usage(self) -> dict | None:
-        return next((c["usage"] for c in self.chunks() if c.get("usage")), None)
-
-    def error(self) -> dict | None:
-        return next((c["error"] for c in self.chunks() if "error" in c), None)
+def chat_stream(srv: Server, max_tokens: int) -> Stream:
+    return Stream(srv.url, {**CHAT, "max_tokens": max_tokens})
 
 
 def wait_draining(srv: Server) -> dict:
@@ -70,7 +43,7 @@ def gone(procs: list[psutil.Process]) -> bool:
 def test_sigterm_finishes_running_and_queued_streams_and_refuses_new_requests():
     with Server("--slots", "2", "--ctx", "512", "--shutdown-timeout", "120") as srv:
         workers = srv.workers()
-        streams = [Stream(srv, 150) for _ in range(3)]   # two run, the third waits
+        streams = [chat_stream(srv, 150) for _ in range(3)]   # two run, the third waits
         for s in streams:
             s.start()
         waiting = 'vllm:num_requests_waiting{model_name="SmolLM2-135M-Instruct"} 1.0'
@@ -104,7 +77,7 @@ def test_sigterm_finishes_running_and_queued_streams_and_refuses_new_requests():
 
 def test_the_deadline_ends_what_still_runs_with_an_error_and_exits_0():
     with Server("--slots", "2", "--ctx", "512", "--shutdown-timeout", "1") as srv:
-        stream = Stream(srv, 450)
+        stream = chat_stream(srv, 450)
         stream.start()
         whole = {}
 
@@ -127,7 +100,7 @@ def test_the_deadline_ends_what_still_runs_with_an_error_and_exits_0():
 def test_a_second_signal_skips_the_wait():
     with Server("--slots", "2", "--ctx", "512", "--shutdown-timeout", "300") as srv:
         workers = srv.workers()
-        stream = Stream(srv, 450)
+        stream = chat_stream(srv, 450)
         stream.start()
         stream.first.wait(60)
         srv.proc.send_signal(signal.SIGINT)
@@ -166,7 +139,7 @@ def test_sigterm_during_a_model_load_cancels_it_cleanly(tmp_path):
 def test_a_worker_given_sigterm_says_so_and_its_stream_fails_fast():
     with Server("--slots", "2", "--ctx", "512") as srv:
         (worker,) = srv.workers()
-        stream = Stream(srv, 450)
+        stream = chat_stream(srv, 450)
         stream.start()
         stream.first.wait(60)
         worker.send_signal(signal.SIGTERM)

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from cluster import Router, Server, free_port, router_bin
+from cluster import Router, Server, Stream, free_port, router_bin
 from pantheon.common.default_model import cached_path
 
 pytestmark = [pytest.mark.slow,
@@ -169,27 +169,6 @@ def test_an_instance_joins_a_router_that_comes_up_later(vllm_router):
             assert c.logs().count(": registered:") == 1, c.logs()
 
 
-class Stream(threading.Thread):
-    """One long streamed chat request read to its end; `first` is set at its first chunk."""
-
-    def __init__(self, url: str, session: str, max_tokens: int):
-        super().__init__(daemon=True)
-        self.url, self.session, self.max_tokens = url, session, max_tokens
-        self.first, self.events, self.status = threading.Event(), [], None
-
-    def run(self):
-        body = {"messages": opening(900), "max_tokens": self.max_tokens, "stream": True,
-                "stream_options": {"include_usage": True}, "logit_bias": {"2": -100, "0": -100}}
-        with httpx.stream("POST", self.url + "/v1/chat/completions", json=body, timeout=120,
-                          headers={"X-Session-Id": self.session}) as r:
-            self.status = r.status_code
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    self.events.append(line[6:])
-                    self.first.set()
-        self.first.set()
-
-
 def test_sigterm_deregisters_first_finishes_its_stream_and_gets_no_new_requests(
         vllm_router, cluster):
     a = cluster.a
@@ -205,7 +184,9 @@ def test_sigterm_deregisters_first_finishes_its_stream_and_gets_no_new_requests(
                 break
         else:
             pytest.fail("no session hashed to the draining instance")
-        stream = Stream(router.url, session, 480)
+        stream = Stream(router.url, {"messages": opening(900), "max_tokens": 480,
+                                     "logit_bias": {"2": -100, "0": -100}},
+                        {"X-Session-Id": session})
         stream.start()
         assert stream.first.wait(60)
         served_a = served(a)

@@ -30,6 +30,18 @@ def healthy(url, timeout=90) -> bool:
     return False
 
 
+def stop(sup: subprocess.Popen) -> None:
+    """Stop supervisord (it drains what it runs), then kill whatever is left of its group."""
+    sup.send_signal(signal.SIGTERM)
+    try:
+        sup.wait(30)                      # a supervisord that does not stop fails the test
+    finally:
+        try:
+            os.killpg(sup.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def worker_of(sup: psutil.Process) -> psutil.Process:
     (worker,) = [p for p in sup.children(recursive=True) if "worker" in p.cmdline()]
     return worker
@@ -81,14 +93,7 @@ def test_supervisord_runs_and_restarts_the_cluster(tmp_path):
         log = (tmp_path / "frontend.log").read_text()
         assert "draining" in log and "every request finished" in log, log[-2000:]
     finally:
-        sup.send_signal(signal.SIGTERM)
-        try:
-            sup.wait(30)
-        finally:
-            try:
-                os.killpg(sup.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        stop(sup)
 
 
 ROUTER_CONF = CONF.parent / "supervisord-router.conf"
@@ -137,11 +142,4 @@ def test_supervisord_runs_two_instances_behind_the_router(tmp_path):
             log = (tmp_path / name).read_text()
             assert "registered" in log and "deregistered" in log, logs()
     finally:
-        sup.send_signal(signal.SIGTERM)
-        try:
-            sup.wait(30)
-        finally:
-            try:
-                os.killpg(sup.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        stop(sup)

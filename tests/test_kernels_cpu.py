@@ -34,13 +34,28 @@ def test_matmul_equals_numpy(name, batch, path):
     ref = x @ qm.dequantize(m).T
     got = kc.matmul(x, m, path)
     assert got.shape == (batch, m.rows) and got.dtype == np.float32
-    if m.kind in ("q4k", "q6k") and batch <= kc.GEMV_MAX_ROWS and path != "tile":
+    if m.kind in ("q4k", "q6k") and path != "tile":
         # x as int16 per super-block of 256 (a step of 1/16000 of its largest |x|): that
         # rounding is what is left, measured here below 1e-4 of max |y|
         np.testing.assert_allclose(got, ref, rtol=0, atol=3e-4 * np.abs(ref).max())
         return
     # the decode path quantizes x to int16 per block of 32 (q4 and q8 kinds)
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K])
+def test_k_quant_products_of_many_rows_cross_every_split(qtype):
+    """More rows of W than a sub-piece (64) and of the pool's pieces, and rows of x in
+    groups of 8 with a remainder: every output element is the same row-by-row product."""
+    raw, shape = random_tensor(qtype, 200, 2)
+    m = qm.from_gguf(raw, qtype, shape)
+    x = np.random.default_rng(7).standard_normal((131, m.cols)).astype(np.float32)
+    ref = x @ qm.dequantize(m).T
+    got = kc.matmul(x, m)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=3e-4 * np.abs(ref).max())
+    for b in (0, 7, 8, 130):        # a row of x alone takes the batch-1 loop: same values
+        np.testing.assert_allclose(kc.matmul(x[b:b + 1], m)[0], got[b], rtol=1e-6,
+                                   atol=1e-6 * np.abs(got[b]).max())
 
 
 @pytest.mark.parametrize("name", list(MATS))

@@ -58,6 +58,19 @@ def test_k_quant_products_of_many_rows_cross_every_split(qtype):
                                    atol=1e-6 * np.abs(got[b]).max())
 
 
+@pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q8_0, QT.Q5_1])
+@pytest.mark.parametrize("blocks", [1, 37])
+def test_blocked_products_with_an_odd_block_and_more_than_a_scale_load(qtype, blocks):
+    """Blocks are met in pairs, 16 scales at a time: an odd last block and a row of 37
+    blocks (18 pairs: two loads of scales, the second partial) give the same products."""
+    raw, shape = random_tensor(qtype, 70, blocks)
+    m = qm.from_gguf(raw, qtype, shape)
+    for batch in (1, 3, 7, 8, 11):
+        x = np.random.default_rng(batch).standard_normal((batch, m.cols)).astype(np.float32)
+        ref = x @ qm.dequantize(m).T
+        np.testing.assert_allclose(kc.matmul(x, m), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
 @pytest.mark.parametrize("name", list(MATS))
 def test_gather_and_dequantize_rows(name):
     m = MATS[name]

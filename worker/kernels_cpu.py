@@ -121,7 +121,8 @@ def library():
         lib.pn_dequant_rows.argtypes = [ctypes.c_int, p, p, p, i64, i64, i64, i64, p,
                                         ctypes.c_int]
         lib.pn_gather.argtypes = [ctypes.c_int, p, p, p, i64, i64, p, i64, p]
-        lib.pn_quantize_x.argtypes = [p, i64, i64, p, p, p]
+        lib.pn_quantize_x.argtypes = [p, i64, i64, p, p, p, ctypes.c_int]
+        lib.pn_pairs_x.argtypes = [ctypes.c_int, i64, i64]
         lib.pn_gemv_i8.argtypes = [ctypes.c_int, p, p, p, i64, i64, i64, p, p, p, i64, p]
         lib.pn_repack_q4_k.argtypes = [p, i64, p, p, p]
         lib.pn_repack_q6_k.argtypes = [p, i64, p, p]
@@ -221,7 +222,7 @@ def matmul(x: np.ndarray, m: QMatrix, path: str = "auto") -> np.ndarray:
     if path in ("auto", "i8") and batch <= GEMV_MAX_ROWS and m.kind in ("q4", "q8") \
             and HAS_INT_PATH[0] and m.cols // m.bs <= MAX_RUNS:
         xq, xd, xs = _scratch(batch, m.cols, 32)
-        lib.pn_quantize_x(_ptr(x), batch, m.cols, xq, xd, xs)
+        lib.pn_quantize_x(_ptr(x), batch, m.cols, xq, xd, xs, lib.pn_pairs_x(code, bs, batch))
         lib.pn_gemv_i8(code, qs, sc, mn, m.rows, m.cols, bs, xq, xd, xs, batch, _ptr(out))
         return out
     if m.kind not in K_BYTES and (path == "gemv" or (path == "auto" and batch <= GEMV_MAX_ROWS)):

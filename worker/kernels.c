@@ -460,6 +460,10 @@ static void gemv_i8_rows(int code, const uint8_t *restrict qs, const uint16_t *r
     float sf[MAX_RUNS], mf[MAX_RUNS / 2];
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = qs + n * row_bytes;
+        for (int64_t l = 0; l < row_bytes; l += 64)     /* W streams: fetch ahead */
+            _mm_prefetch((const char *)row + PF_AHEAD + l, _MM_HINT_T0);
+        _mm_prefetch((const char *)(sc + n * ns) + PF_AHEAD / 8, _MM_HINT_T0);
+        if (with_min) _mm_prefetch((const char *)(mn + n * ns) + PF_AHEAD / 8, _MM_HINT_T0);
         halves(sc + n * ns, ns, sf);
         if (with_min) halves(mn + n * ns, ns, mf);   /* mins only with bs 32: ns == nx */
         if (B == 1) {                 /* four chains of blocks: the FMAs overlap */

@@ -128,6 +128,7 @@ def library():
         lib.pn_repack_q6_k.argtypes = [p, i64, p, p]
         lib.pn_quantize_xk.argtypes = [p, i64, i64, p, p, p]
         lib.pn_gemv_k.argtypes = [ctypes.c_int, p, i64, i64, p, p, p, i64, p]
+        lib.pn_matmul_int.argtypes = [p, p, i64, p, p]
         lib.pn_pool_init.argtypes = [ctypes.c_int, i64]
         lib.pn_pool_init.restype = ctypes.c_int
         for fn in (lib.pn_gemv, lib.pn_dequant_rows, lib.pn_gather, lib.pn_quantize_x,
@@ -143,6 +144,46 @@ def library():
 
 def _ptr(a: np.ndarray) -> int:
     return a.ctypes.data
+
+
+class _CMat(ctypes.Structure):      # kernels.c's PnMat
+    _fields_ = [("code", ctypes.c_int32), ("pad", ctypes.c_int32), ("qs", ctypes.c_void_p),
+                ("sc", ctypes.c_void_p), ("mn", ctypes.c_void_p), ("N", ctypes.c_int64),
+                ("K", ctypes.c_int64), ("bs", ctypes.c_int64)]
+
+
+class _CScratch(ctypes.Structure):  # kernels.c's PnScratch
+    _fields_ = [("xq", ctypes.c_void_p), ("xd", ctypes.c_void_p), ("xs", ctypes.c_void_p)]
+
+
+def _cmat(m: QMatrix) -> int:
+    """The address of m's PnMat (built once per matrix, after the checks of _weights)."""
+    cached = m.__dict__.get("_c_mat")
+    if cached is not None and cached[0] is m.qs:
+        return cached[2]
+    code, qs, sc, mn, bs = _weights(m)
+    st = _CMat(code, 0, qs, sc, mn, m.rows, m.cols, bs)
+    m.__dict__["_c_mat"] = (m.qs, st, ctypes.addressof(st))
+    return m.__dict__["_c_mat"][2]
+
+
+def _cscratch(batch: int, cols: int) -> int:
+    """This thread's PnScratch for x [batch, cols] (int16 values, a scale and a sum per
+    32 or per 256), as an address."""
+    key = (batch, cols)
+    bufs = getattr(_local, "cbufs", None)
+    if bufs is None:
+        bufs = _local.cbufs = {}
+    hit = bufs.get(key)
+    if hit is None:
+        if len(bufs) > 64:
+            bufs.clear()
+        arrays = (np.empty((batch, cols), dtype=np.int16),
+                  np.empty((batch, cols // 32), dtype=F32),
+                  np.empty((batch, cols // 32), dtype=F32))
+        st = _CScratch(*(_ptr(a) for a in arrays))
+        hit = bufs[key] = (arrays, st, ctypes.addressof(st))
+    return hit[2]
 
 
 def _weights(m: QMatrix) -> tuple:
@@ -211,9 +252,14 @@ def _check_x(x, m: QMatrix) -> None:
 def matmul(x: np.ndarray, m: QMatrix, path: str = "auto") -> np.ndarray:
     """x [B, K] float32 @ W.T → [B, N] float32. `path`: auto, gemv, tile."""
     _check_x(x, m)
-    lib, (code, qs, sc, mn, bs) = library(), _weights(m)
+    lib = _lib or library()
     batch = x.shape[0]
     out = np.empty((batch, m.rows), dtype=F32)
+    if path == "auto" and HAS_INT_PATH[0] and \
+            lib.pn_matmul_int(_cmat(m), x.ctypes.data, batch, _cscratch(batch, m.cols),
+                              out.ctypes.data):
+        return out
+    code, qs, sc, mn, bs = _weights(m)
     if m.kind in K_BYTES and path != "tile" and HAS_INT_PATH[0]:     # any batch: see above
         xq, xd, xs = _scratch(batch, m.cols, 256)
         lib.pn_quantize_xk(_ptr(x), batch, m.cols, xq, xd, xs)

@@ -149,3 +149,38 @@ def test_a_forked_child_without_the_pool_threads_still_computes():
         os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     assert os.WEXITSTATUS(status) == 0
+
+
+@pytest.mark.parametrize("n_heads,n_kv,hd", [(4, 4, 8), (9, 3, 64), (12, 2, 24)])
+@pytest.mark.parametrize("window", [None, 5])
+def test_decode_attention_in_c_equals_the_numpy_expression(n_heads, n_kv, hd, window):
+    """Queries of scattered slots and positions (one at position 0, one far along), every
+    group shape and a head size that is not a multiple of 16: the C kernel's softmax
+    and products against attention.attend_decodes over the same masked cache."""
+    from pantheon.worker.layers import attention as at
+    rng = np.random.default_rng(n_heads * hd)
+    slots_n, ctx = 6, 40
+    k = rng.standard_normal((slots_n, n_kv, ctx, hd)).astype(np.float32)
+    v = rng.standard_normal((slots_n, n_kv, ctx, hd)).astype(np.float32)
+    slots = np.array([4, 0, 2, 5], dtype=np.int64)
+    pos = np.array([0, 17, 39, 8], dtype=np.int64)
+    q = (3 * rng.standard_normal((4, n_heads, hd))).astype(np.float32)
+    first = np.zeros(4, np.int64) if window is None else np.maximum(pos - window + 1, 0)
+    got = kc.attend_decodes(q, k, v, slots, first, pos)
+    for b in range(4):
+        keys = np.arange(ctx)
+        bias = np.where((keys >= first[b]) & (keys <= pos[b]), 0.0, -np.inf).astype(np.float32)
+        want = at.attend_decodes(q[b:b + 1], k[slots[b]:slots[b] + 1],
+                                 v[slots[b]:slots[b] + 1], bias[None, None, None, :],
+                                 np.zeros(1, dtype=np.int64))
+        np.testing.assert_allclose(got[b], want[0], rtol=2e-5, atol=2e-6)
+
+
+def test_decode_attention_refuses_positions_outside_the_cache():
+    k = np.zeros((2, 1, 8, 16), np.float32)
+    q = np.zeros((1, 1, 16), np.float32)
+    one = np.ones(1, np.int64)
+    with pytest.raises(AssertionError):
+        kc.attend_decodes(q, k, k, one, one * 0, one * 8)       # position 8 of 8
+    with pytest.raises(AssertionError):
+        kc.attend_decodes(q, k, k, one * 2, one * 0, one)       # slot 2 of 2

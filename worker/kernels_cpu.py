@@ -89,7 +89,7 @@ def build(force: bool = False) -> Path:
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so")
     os.close(fd)
     cmd = [cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11",
-           "-o", tmp, str(SOURCE)]
+           "-o", tmp, str(SOURCE), "-lm"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         os.unlink(tmp)
@@ -129,6 +129,8 @@ def library():
         lib.pn_quantize_xk.argtypes = [p, i64, i64, p, p, p]
         lib.pn_gemv_k.argtypes = [ctypes.c_int, p, i64, i64, p, p, p, i64, p]
         lib.pn_matmul_int.argtypes = [p, p, i64, p, p]
+        lib.pn_attend_decodes.argtypes = [p, i64, i64, i64, i64, p, p, i64, p, p, p, p]
+        lib.pn_attend_decodes.restype = None
         lib.pn_pool_init.argtypes = [ctypes.c_int, i64]
         lib.pn_pool_init.restype = ctypes.c_int
         for fn in (lib.pn_gemv, lib.pn_dequant_rows, lib.pn_gather, lib.pn_quantize_x,
@@ -284,6 +286,23 @@ def matmul(x: np.ndarray, m: QMatrix, path: str = "auto") -> np.ndarray:
         t = tile[:r1 - r0]
         lib.pn_dequant_rows(code, qs, sc, mn, m.cols, bs, r0, r1, _ptr(t), TILE_THREADS)
         out[:, r0:r1] = x @ t.T
+    return out
+
+
+def attend_decodes(q: np.ndarray, k: np.ndarray, v: np.ndarray, slots: np.ndarray,
+                   first: np.ndarray, last: np.ndarray) -> np.ndarray:
+    """Single-token queries q [B, Hq, hd] (scaled) over fp32 caches k, v [slots, Hkv,
+    ctx, hd]: query b sees slot slots[b]'s positions first[b] .. last[b] → [B, Hq * hd]."""
+    n, n_heads, hd = q.shape
+    assert q.dtype == F32 and q.flags.c_contiguous and k.dtype == F32 and v.dtype == F32 \
+        and k.flags.c_contiguous and v.flags.c_contiguous and k.shape == v.shape
+    assert all(a.dtype == np.int64 and a.shape == (n,) for a in (slots, first, last))
+    assert (0 <= first).all() and (first <= last).all() and (last < k.shape[2]).all() \
+        and (0 <= slots).all() and (slots < k.shape[0]).all() and n_heads % k.shape[1] == 0
+    out = np.empty((n, n_heads * hd), dtype=F32)
+    (_lib or library()).pn_attend_decodes(
+        q.ctypes.data, n, n_heads, k.shape[1], hd, k.ctypes.data, v.ctypes.data, k.shape[2],
+        slots.ctypes.data, first.ctypes.data, last.ctypes.data, out.ctypes.data)
     return out
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...common.arch.stack import Attention
+from .. import kernels_cpu
 from ..sequence_state import KVState
 from .ops import F32, linear, rms_norm, rope, xp_of
 
@@ -95,6 +96,11 @@ def attend_decodes(q, k, v, bias, sel):
     return o[sel].reshape(n_seq, n_heads * hd)
 
 
+# the CPU's decode attention runs in worker/kernels.c (False: the NumPy expression above,
+# which the GPU always takes; a test compares the two)
+C_ATTENTION = [True]
+
+
 class DecodeGroup:
     """The single-token spans of a step, prepared once and used by every attention layer."""
 
@@ -131,10 +137,25 @@ class DecodeGroup:
             self.masks[window] = lo, self.xp.asarray(bias)
         return self.masks[window]
 
+    def bounds(self, window: int | None):
+        """(first, last) key position each query sees, int64 on the host."""
+        key = ("bounds", window)
+        if key not in self.masks:
+            first = np.zeros_like(self.host_pos) if window is None else \
+                np.maximum(self.host_pos - window + 1, 0)
+            self.masks[key] = (first.astype(np.int64), self.host_pos.astype(np.int64),
+                               self.host_slots.astype(np.int64))
+        return self.masks[key]
+
     def run(self, kv: KVState, q, k, v, out, window: int | None) -> None:
         """Write the group's k, v into the cache and its attention into `out` rows."""
         kv.k[self.slots, :, self.pos] = k[self.rows]
         kv.v[self.slots, :, self.pos] = v[self.rows]
+        if self.xp is np and kv.k.dtype == np.float32 and C_ATTENTION[0]:   # one C call
+            first, last, slots = self.bounds(window)
+            qr = np.ascontiguousarray(q[self.rows], dtype=np.float32)
+            out[self.rows] = kernels_cpu.attend_decodes(qr, kv.k, kv.v, slots, first, last)
+            return
         lo, bias = self.mask(window)
         kc = kv.k[self.lo:self.hi, :, lo:self.length]
         vc = kv.v[self.lo:self.hi, :, lo:self.length]

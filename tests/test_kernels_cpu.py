@@ -166,7 +166,7 @@ def test_decode_attention_in_c_equals_the_numpy_expression(n_heads, n_kv, hd, wi
     pos = np.array([0, 17, 39, 8], dtype=np.int64)
     q = (3 * rng.standard_normal((4, n_heads, hd))).astype(np.float32)
     first = np.zeros(4, np.int64) if window is None else np.maximum(pos - window + 1, 0)
-    got = kc.attend_decodes(q, k, v, slots, first, pos)
+    got = kc.attend_decodes(q, k, v, kc.DecodeBounds(slots, first, pos, k.shape))
     for b in range(4):
         keys = np.arange(ctx)
         bias = np.where((keys >= first[b]) & (keys <= pos[b]), 0.0, -np.inf).astype(np.float32)
@@ -177,10 +177,13 @@ def test_decode_attention_in_c_equals_the_numpy_expression(n_heads, n_kv, hd, wi
 
 
 def test_decode_attention_refuses_positions_outside_the_cache():
-    k = np.zeros((2, 1, 8, 16), np.float32)
-    q = np.zeros((1, 1, 16), np.float32)
+    shape = (2, 1, 8, 16)
     one = np.ones(1, np.int64)
+    with pytest.raises(AssertionError, match="outside the cache"):
+        kc.DecodeBounds(one, one * 0, one * 8, shape)       # position 8 of 8
+    with pytest.raises(AssertionError, match="outside the cache"):
+        kc.DecodeBounds(one * 2, one * 0, one, shape)       # slot 2 of 2
+    bounds = kc.DecodeBounds(one, one * 0, one, shape)
+    k = np.zeros((2, 1, 9, 16), np.float32)                 # not the shape it was made for
     with pytest.raises(AssertionError):
-        kc.attend_decodes(q, k, k, one, one * 0, one * 8)       # position 8 of 8
-    with pytest.raises(AssertionError):
-        kc.attend_decodes(q, k, k, one * 2, one * 0, one)       # slot 2 of 2
+        kc.attend_decodes(np.zeros((1, 1, 16), np.float32), k, k, bounds)

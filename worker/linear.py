@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import kernels_cpu
 from .qmatrix import QMatrix
 
 F32 = np.float32
@@ -17,7 +18,6 @@ F32 = np.float32
 
 def _kernels(a):
     if isinstance(a, np.ndarray):
-        from . import kernels_cpu
         return kernels_cpu
     from . import kernels_cuda
     return kernels_cuda
@@ -26,6 +26,10 @@ def _kernels(a):
 def matmul(x, w):
     """x [T, in] float32 → [T, out] float32."""
     if isinstance(w, QMatrix):
+        if isinstance(w.qs, np.ndarray):        # the CPU: a decode step makes ~100 calls
+            if x.dtype != F32 or not x.flags.c_contiguous:
+                x = np.ascontiguousarray(x, dtype=F32)
+            return kernels_cpu.matmul(x, w)
         xp_x = x if x.flags.c_contiguous else x.copy()
         return _kernels(w.qs).matmul(xp_x.astype(F32, copy=False), w)
     if isinstance(w, list):

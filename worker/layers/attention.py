@@ -137,14 +137,14 @@ class DecodeGroup:
             self.masks[window] = lo, self.xp.asarray(bias)
         return self.masks[window]
 
-    def bounds(self, window: int | None):
-        """(first, last) key position each query sees, int64 on the host."""
+    def bounds(self, window: int | None, cache_shape) -> kernels_cpu.DecodeBounds:
+        """The cache rows each query reads (positions first .. last of its slot)."""
         key = ("bounds", window)
         if key not in self.masks:
             first = np.zeros_like(self.host_pos) if window is None else \
                 np.maximum(self.host_pos - window + 1, 0)
-            self.masks[key] = (first.astype(np.int64), self.host_pos.astype(np.int64),
-                               self.host_slots.astype(np.int64))
+            self.masks[key] = kernels_cpu.DecodeBounds(self.host_slots, first, self.host_pos,
+                                                       cache_shape)
         return self.masks[key]
 
     def run(self, kv: KVState, q, k, v, out, window: int | None) -> None:
@@ -152,9 +152,9 @@ class DecodeGroup:
         kv.k[self.slots, :, self.pos] = k[self.rows]
         kv.v[self.slots, :, self.pos] = v[self.rows]
         if self.xp is np and kv.k.dtype == np.float32 and C_ATTENTION[0]:   # one C call
-            first, last, slots = self.bounds(window)
             qr = np.ascontiguousarray(q[self.rows], dtype=np.float32)
-            out[self.rows] = kernels_cpu.attend_decodes(qr, kv.k, kv.v, slots, first, last)
+            out[self.rows] = kernels_cpu.attend_decodes(qr, kv.k, kv.v,
+                                                        self.bounds(window, kv.k.shape))
             return
         lo, bias = self.mask(window)
         kc = kv.k[self.lo:self.hi, :, lo:self.length]

@@ -187,3 +187,25 @@ def test_decode_attention_refuses_positions_outside_the_cache():
     k = np.zeros((2, 1, 9, 16), np.float32)                 # not the shape it was made for
     with pytest.raises(AssertionError):
         kc.attend_decodes(np.zeros((1, 1, 16), np.float32), k, k, bounds)
+
+
+def test_rms_norm_and_rope_in_c_equal_the_numpy_expressions():
+    """The C element-wise layers against NumPy's: rows of a wider matrix (the fused qkv
+    product's slices), partial rotary (the rest of a head passes through) and a scale."""
+    from pantheon.worker.layers import ops
+    rng = np.random.default_rng(11)
+    wide = (10 * rng.standard_normal((5, 3 * 96 + 16))).astype(np.float32)
+    x, w = wide[:, :96], rng.standard_normal(96).astype(np.float32)
+    want = x * (1.0 / np.sqrt((x * x).mean(axis=-1, keepdims=True) + 1e-5)) * w
+    got = kc.rms_norm(x, w, 1e-5)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+    assert kc.rms_norm(x.T, w[:5], 1e-5) is None          # columns: NumPy's way
+    for half in (8, 6):                                    # full and partial rotary of 16
+        q = wide[:, 16:16 + 6 * 16].reshape(5, 6, 16)
+        ang = rng.standard_normal((5, 1, half)).astype(np.float32)
+        cos, sin = np.cos(ang), np.sin(ang)
+        x1, x2, rest = q[..., :half], q[..., half:2 * half], q[..., 2 * half:]
+        want = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1) * 0.125
+        got = ops.rope(q, cos, sin, 0.125)
+        assert got.flags.c_contiguous and got.shape == q.shape
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

@@ -1189,6 +1189,54 @@ void pn_attend_decodes(const float *q, int64_t B, int64_t Hq, int64_t Hkv, int64
     pool_run(attn_item, &a, B * Hkv);
 }
 
+/* -- element-wise layers of a step, one call each where NumPy took six to eight ------- */
+
+/* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w for rows of d (x rows `stride` apart):
+ * the sum of squares in double, the rest in float in NumPy's order. */
+void pn_rms_norm(const float *x, int64_t rows, int64_t d, int64_t stride, const float *w,
+                 float eps, float *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * stride;
+        float *o = out + r * d;
+        double ss = 0.0;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
+        for (; i + 16 <= d; i += 16) {
+            __m512 v = _mm512_loadu_ps(xr + i);
+            __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
+            __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+            a0 = _mm512_fmadd_pd(lo, lo, a0);
+            a1 = _mm512_fmadd_pd(hi, hi, a1);
+        }
+        ss = _mm512_reduce_add_pd(_mm512_add_pd(a0, a1));
+#endif
+        for (; i < d; i++) ss += (double)xr[i] * xr[i];
+        const float r_ = 1.0f / sqrtf((float)(ss / (double)d) + eps);
+        for (i = 0; i < d; i++) o[i] = xr[i] * r_ * w[i];
+    }
+}
+
+/* Rotate-half rotary embedding of x [T, H, hd] (rows of H * hd, `stride` apart), the
+ * first 2 * half dims of each head, times `scale`: out [T, H, hd] contiguous;
+ * cos, sin [T, half]. */
+void pn_rope(const float *x, int64_t T, int64_t H, int64_t hd, int64_t stride,
+             const float *cos_, const float *sin_, int64_t half, float scale, float *out) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos_ + t * half, *s = sin_ + t * half;
+        for (int64_t h = 0; h < H; h++) {
+            const float *xh = x + t * stride + h * hd;
+            float *o = out + (t * H + h) * hd;
+            for (int64_t i = 0; i < half; i++) {
+                const float x1 = xh[i], x2 = xh[half + i];
+                o[i] = (x1 * c[i] - x2 * s[i]) * scale;
+                o[half + i] = (x2 * c[i] + x1 * s[i]) * scale;
+            }
+            for (int64_t i = 2 * half; i < hd; i++) o[i] = xh[i] * scale;
+        }
+    }
+}
+
 int pn_max_rows(void) { return MAXB; }
 
 /* -- repacking at load (worker/qmatrix.py's fast path for the K-quants) -------------- */

@@ -129,6 +129,9 @@ def library():
         lib.pn_quantize_xk.argtypes = [p, i64, i64, p, p, p]
         lib.pn_gemv_k.argtypes = [ctypes.c_int, p, i64, i64, p, p, p, i64, p]
         lib.pn_matmul_int.argtypes = [p, p, i64, p, p]
+        lib.pn_rms_norm.argtypes = [p, i64, i64, i64, p, ctypes.c_float, p]
+        lib.pn_rope.argtypes = [p, i64, i64, i64, i64, p, p, i64, ctypes.c_float, p]
+        lib.pn_rms_norm.restype = lib.pn_rope.restype = None
         lib.pn_attend_decodes.argtypes = [p, i64, i64, i64, i64, p, p, i64, p, p, p, p]
         lib.pn_attend_decodes.restype = None
         lib.pn_pool_init.argtypes = [ctypes.c_int, i64]
@@ -290,6 +293,44 @@ def matmul(x: np.ndarray, m: QMatrix, path: str = "auto") -> np.ndarray:
         t = tile[:r1 - r0]
         lib.pn_dequant_rows(code, qs, sc, mn, m.cols, bs, r0, r1, _ptr(t), TILE_THREADS)
         out[:, r0:r1] = x @ t.T
+    return out
+
+
+def _rows(x: np.ndarray):
+    """(row stride in floats, pointer) of x [T, ..., d] whose rows are each contiguous,
+    or None (another layout: the caller takes NumPy's way)."""
+    if x.dtype != F32 or x.ndim < 2 or x.shape[0] == 0:
+        return None
+    inner = x[0]
+    if not inner.flags.c_contiguous or x.strides[0] % 4 or x.strides[0] < inner.nbytes:
+        return None
+    return x.strides[0] // 4, _ptr(x) if x.flags.c_contiguous else x.ctypes.data
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float):
+    """x [T, d] (rows contiguous) / rms * w [d] → a new contiguous array, or None where
+    x's layout is not one the kernel reads."""
+    rows = _rows(x) if x.ndim == 2 else None
+    if rows is None or w.dtype != F32 or w.shape != (x.shape[1],) or not w.flags.c_contiguous:
+        return None
+    out = np.empty(x.shape, dtype=F32)
+    (_lib or library()).pn_rms_norm(rows[1], x.shape[0], x.shape[1], rows[0], _cache_ptr(w),
+                                    eps, _ptr(out))
+    return out
+
+
+def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, scale: float = 1.0):
+    """Rotate-half rotary embedding of x [T, H, hd] (each row of H * hd contiguous) with
+    cos, sin [T, 1, half], times scale → a new [T, H, hd], or None (another layout)."""
+    rows = _rows(x) if x.ndim == 3 else None
+    half = cos.shape[-1]
+    if rows is None or cos.dtype != F32 or sin.dtype != F32 or 2 * half > x.shape[2] \
+            or cos.shape != (x.shape[0], 1, half) or sin.shape != cos.shape \
+            or not (cos.flags.c_contiguous and sin.flags.c_contiguous):
+        return None
+    out = np.empty(x.shape, dtype=F32)
+    (_lib or library()).pn_rope(rows[1], x.shape[0], x.shape[1], x.shape[2], rows[0],
+                                _ptr(cos), _ptr(sin), half, scale, _ptr(out))
     return out
 
 

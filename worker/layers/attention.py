@@ -187,7 +187,7 @@ class AttentionLayer:
             q = rms_norm(q, w.q_norm, self.eps)
             k = rms_norm(k, w.k_norm, self.eps)
         cos, sin = batch.rope(self.rope)                               # [n, 1, r/2]
-        q = rope(q, cos, sin) * spec.scale
+        q = rope(q, cos, sin, spec.scale)
         k = rope(k, cos, sin)
         attn = attend_batch(self.state, q, k, v, batch, spec.window)  # [T, Hq*hd]
         return linear(attn, w.wo)

@@ -59,7 +59,7 @@ class GatedAttentionLayer(AttentionLayer):
                      self.eps)
         v = qkv[:n, 2 * qd + kvd:].reshape(n, spec.n_kv_heads, hd)
         cos, sin = batch.rope(self.rope)                               # [n, 1, R/2]
-        q = rope(q, cos, sin) * spec.scale
+        q = rope(q, cos, sin, spec.scale)
         k = rope(k, cos, sin)
         attn = attend_batch(self.state, q, k, v, batch, None)          # [T, H hd]
         attn[:n] *= sigmoid(gate)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import kernels_cpu
 from ..linear import matmul
 
 F32 = np.float32
@@ -16,6 +17,10 @@ def xp_of(a):
 
 def rms_norm(x, w, eps: float):
     """x [..., d] normalized by its root mean square, times w [d]."""
+    if isinstance(x, np.ndarray):       # the CPU: one C call where the layout allows
+        y = kernels_cpu.rms_norm(x, w, eps)
+        if y is not None:
+            return y
     xp = xp_of(x)
     ms = (x * x).mean(axis=-1, keepdims=True)
     return x * (1.0 / xp.sqrt(ms + eps)) * w
@@ -29,18 +34,25 @@ def linear(x, w, b=None):
     return y
 
 
-def rope(x, cos, sin):
-    """Rotate-half rotary embedding of the first 2 * cos.shape[-1] dims of each head.
+def rope(x, cos, sin, scale: float = 1.0):
+    """Rotate-half rotary embedding of the first 2 * cos.shape[-1] dims of each head,
+    times scale.
 
     x [T, H, hd]; cos, sin [T, 1, r/2] with r <= hd (r < hd: partial rotary, the rest
     passes through)."""
+    if isinstance(x, np.ndarray):       # the CPU: one C call where the layout allows
+        y = kernels_cpu.rope(x, cos, sin, scale)
+        if y is not None:
+            return y
     xp = xp_of(x)
     half = cos.shape[-1]
     if 2 * half == x.shape[-1]:
         x1, x2 = x[..., :half], x[..., half:]
-        return xp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
-    return xp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
+        y = xp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    else:
+        x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+        y = xp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
+    return y if scale == 1.0 else y * scale
 
 
 def silu(x):

@@ -166,7 +166,19 @@ def test_decode_attention_in_c_equals_the_numpy_expression(n_heads, n_kv, hd, wi
     pos = np.array([0, 17, 39, 8], dtype=np.int64)
     q = (3 * rng.standard_normal((4, n_heads, hd))).astype(np.float32)
     first = np.zeros(4, np.int64) if window is None else np.maximum(pos - window + 1, 0)
-    got = kc.attend_decodes(q, k, v, kc.DecodeBounds(slots, first, pos, k.shape))
+    k_new = rng.standard_normal((4, n_kv, hd)).astype(np.float32)
+    v_wide = rng.standard_normal((4, n_kv * hd + 3)).astype(np.float32)   # rows of a wider matrix
+    v_new = v_wide[:, :n_kv * hd].reshape(4, n_kv, hd)
+    before = k.copy(), v.copy()
+    got = np.zeros((4, n_heads * hd), np.float32)
+    kc.attend_decodes(q, k_new, v_new, k, v, kc.DecodeBounds(slots, first, pos, k.shape), got)
+    for b in range(4):          # the new rows went in at each query's position, nothing else
+        np.testing.assert_array_equal(k[slots[b], :, pos[b]], k_new[b])
+        np.testing.assert_array_equal(v[slots[b], :, pos[b]], v_new[b])
+        before[0][slots[b], :, pos[b]] = k_new[b]
+        before[1][slots[b], :, pos[b]] = v_new[b]
+    np.testing.assert_array_equal(k, before[0])
+    np.testing.assert_array_equal(v, before[1])
     for b in range(4):
         keys = np.arange(ctx)
         bias = np.where((keys >= first[b]) & (keys <= pos[b]), 0.0, -np.inf).astype(np.float32)
@@ -185,8 +197,9 @@ def test_decode_attention_refuses_positions_outside_the_cache():
         kc.DecodeBounds(one * 2, one * 0, one, shape)       # slot 2 of 2
     bounds = kc.DecodeBounds(one, one * 0, one, shape)
     k = np.zeros((2, 1, 9, 16), np.float32)                 # not the shape it was made for
+    new, out = np.zeros((1, 1, 16), np.float32), np.zeros((1, 16), np.float32)
     with pytest.raises(AssertionError):
-        kc.attend_decodes(np.zeros((1, 1, 16), np.float32), k, k, bounds)
+        kc.attend_decodes(new, new, new, k, k, bounds, out)
 
 
 def test_rms_norm_and_rope_in_c_equal_the_numpy_expressions():

@@ -1109,8 +1109,8 @@ static inline __m512 exp512(__m512 x) {
 #endif
 
 typedef struct {
-    const float *q; int64_t Hq, Hkv, hd; const float *K, *V; int64_t ctx;
-    const int64_t *slots, *first, *last; float *out;
+    const float *q; int64_t q_stride, Hq, Hkv, hd; const float *K, *V; int64_t ctx;
+    const int64_t *slots, *first, *last; float *out; int64_t out_stride;
 } AttnArgs;
 
 static __thread float *attn_buf;
@@ -1135,8 +1135,8 @@ static void attn_item(const void *p, int64_t it) {
     const int64_t lo = a->first[b], L = a->last[b] + 1 - lo;
     const int64_t base = ((a->slots[b] * a->Hkv + h) * a->ctx + lo) * hd;
     const float *Kh = a->K + base, *Vh = a->V + base;
-    const float *qb = a->q + (b * a->Hq + h * g) * hd;
-    float *ob = a->out + (b * a->Hq + h * g) * hd;
+    const float *qb = a->q + b * a->q_stride + h * g * hd;
+    float *ob = a->out + b * a->out_stride + h * g * hd;
     if (L * g > attn_cap) {
         float *nb = realloc(attn_buf, sizeof(float) * L * g);
         if (!nb) return;            /* cannot happen for a context that was allocated */
@@ -1180,12 +1180,22 @@ static void attn_item(const void *p, int64_t it) {
     }
 }
 
-/* out [B, Hq * hd] = attention of q [B, Hq, hd] (scaled) over K, V [slots, Hkv, ctx, hd]:
- * query b reads slot slots[b], positions first[b] .. last[b]. */
-void pn_attend_decodes(const float *q, int64_t B, int64_t Hq, int64_t Hkv, int64_t hd,
-                       const float *K, const float *V, int64_t ctx, const int64_t *slots,
-                       const int64_t *first, const int64_t *last, float *out) {
-    AttnArgs a = {q, Hq, Hkv, hd, K, V, ctx, slots, first, last, out};
+/* The step's new keys and values (rows of Hkv * hd, strides apart) are stored at
+ * (slots[b], last[b]) of K, V [slots, Hkv, ctx, hd]; then out (rows out_stride apart)
+ * = attention of q [B, Hq, hd] (scaled; rows q_stride apart) over K, V: query b reads
+ * slot slots[b], positions first[b] .. last[b]. */
+void pn_attend_decodes(const float *q, int64_t q_stride, int64_t B, int64_t Hq, int64_t Hkv,
+                       int64_t hd, float *K, float *V, int64_t ctx, const int64_t *slots,
+                       const int64_t *first, const int64_t *last, const float *knew,
+                       int64_t k_stride, const float *vnew, int64_t v_stride, float *out,
+                       int64_t out_stride) {
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < Hkv; h++) {
+            const int64_t at = ((slots[b] * Hkv + h) * ctx + last[b]) * hd;
+            memcpy(K + at, knew + b * k_stride + h * hd, sizeof(float) * hd);
+            memcpy(V + at, vnew + b * v_stride + h * hd, sizeof(float) * hd);
+        }
+    AttnArgs a = {q, q_stride, Hq, Hkv, hd, K, V, ctx, slots, first, last, out, out_stride};
     pool_run(attn_item, &a, B * Hkv);
 }
 

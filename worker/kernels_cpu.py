@@ -132,7 +132,8 @@ def library():
         lib.pn_rms_norm.argtypes = [p, i64, i64, i64, p, ctypes.c_float, p]
         lib.pn_rope.argtypes = [p, i64, i64, i64, i64, p, p, i64, ctypes.c_float, p]
         lib.pn_rms_norm.restype = lib.pn_rope.restype = None
-        lib.pn_attend_decodes.argtypes = [p, i64, i64, i64, i64, p, p, i64, p, p, p, p]
+        lib.pn_attend_decodes.argtypes = [p, i64, i64, i64, i64, i64, p, p, i64, p, p, p,
+                                          p, i64, p, i64, p, i64]
         lib.pn_attend_decodes.restype = None
         lib.pn_pool_init.argtypes = [ctypes.c_int, i64]
         lib.pn_pool_init.restype = ctypes.c_int
@@ -362,19 +363,22 @@ def _cache_ptr(a: np.ndarray) -> int:
     return hit[1]
 
 
-def attend_decodes(q: np.ndarray, k: np.ndarray, v: np.ndarray,
-                   bounds: DecodeBounds) -> np.ndarray:
-    """Single-token queries q [B, Hq, hd] (scaled) over fp32 caches k, v [slots, Hkv,
-    ctx, hd], reading what `bounds` says → [B, Hq * hd]."""
+def attend_decodes(q: np.ndarray, k_new: np.ndarray, v_new: np.ndarray, k: np.ndarray,
+                   v: np.ndarray, bounds: DecodeBounds, out: np.ndarray) -> None:
+    """Store the step's keys and values k_new, v_new [B, Hkv, hd] at each query's last
+    position of the fp32 caches k, v [slots, Hkv, ctx, hd], then write into out [B,
+    Hq * hd] the attention of q [B, Hq, hd] (scaled) over them as `bounds` says. q,
+    k_new, v_new and out may be rows of wider matrices (each row contiguous)."""
     n, n_heads, hd = q.shape
-    assert q.dtype == F32 and q.flags.c_contiguous and n == bounds.n
+    qr, kr, vr, orow = _rows(q), _rows(k_new), _rows(v_new), _rows(out)
+    assert None not in (qr, kr, vr, orow) and n == bounds.n and out.shape == (n, n_heads * hd)
+    assert k_new.shape == v_new.shape == (n, k.shape[1], hd)
     assert k.dtype == F32 and v.dtype == F32 and k.shape == v.shape == bounds.cache_shape \
         and k.flags.c_contiguous and v.flags.c_contiguous and n_heads % k.shape[1] == 0
-    out = np.empty((n, n_heads * hd), dtype=F32)
     slots, first, last = bounds.ptrs
-    (_lib or library()).pn_attend_decodes(_ptr(q), n, n_heads, k.shape[1], hd, _cache_ptr(k),
-                                          _cache_ptr(v), k.shape[2], slots, first, last, _ptr(out))
-    return out
+    (_lib or library()).pn_attend_decodes(
+        qr[1], qr[0], n, n_heads, k.shape[1], hd, _cache_ptr(k), _cache_ptr(v), k.shape[2],
+        slots, first, last, kr[1], kr[0], vr[1], vr[0], orow[1], orow[0])
 
 
 def dequantize_rows(m: QMatrix, r0: int, r1: int) -> np.ndarray:

@@ -119,6 +119,7 @@ class DecodeGroup:
         self.rows, self.slots, self.pos = (xp.asarray(a) for a in (rows, slots, pos))
         self.sel = self.slots - self.lo
         self.host_slots, self.host_pos = np.asarray(slots), np.asarray(pos)
+        self.leading = rows == list(range(self.size))     # the step's first rows
         self.masks: dict = {}
 
     def mask(self, window: int | None):
@@ -149,13 +150,19 @@ class DecodeGroup:
 
     def run(self, kv: KVState, q, k, v, out, window: int | None) -> None:
         """Write the group's k, v into the cache and its attention into `out` rows."""
+        if self.xp is np and kv.k.dtype == np.float32 and C_ATTENTION[0]:   # one C call
+            bounds = self.bounds(window, kv.k.shape)
+            if self.leading:                  # rows 0 .. size - 1: read and written in place
+                kernels_cpu.attend_decodes(q[:self.size], k[:self.size], v[:self.size],
+                                           kv.k, kv.v, bounds, out[:self.size])
+                return
+            res = np.empty((self.size, out.shape[1]), dtype=np.float32)
+            kernels_cpu.attend_decodes(q[self.rows], k[self.rows], v[self.rows], kv.k, kv.v,
+                                       bounds, res)
+            out[self.rows] = res
+            return
         kv.k[self.slots, :, self.pos] = k[self.rows]
         kv.v[self.slots, :, self.pos] = v[self.rows]
-        if self.xp is np and kv.k.dtype == np.float32 and C_ATTENTION[0]:   # one C call
-            qr = np.ascontiguousarray(q[self.rows], dtype=np.float32)
-            out[self.rows] = kernels_cpu.attend_decodes(qr, kv.k, kv.v,
-                                                        self.bounds(window, kv.k.shape))
-            return
         lo, bias = self.mask(window)
         kc = kv.k[self.lo:self.hi, :, lo:self.length]
         vc = kv.v[self.lo:self.hi, :, lo:self.length]

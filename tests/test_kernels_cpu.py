@@ -65,7 +65,7 @@ def test_blocked_products_with_an_odd_block_and_more_than_a_scale_load(qtype, bl
     blocks (18 pairs: two loads of scales, the second partial) give the same products."""
     raw, shape = random_tensor(qtype, 70, blocks)
     m = qm.from_gguf(raw, qtype, shape)
-    for batch in (1, 3, 7, 8, 11):
+    for batch in (1, 3, 7, 8, 11, 16):
         x = np.random.default_rng(batch).standard_normal((batch, m.cols)).astype(np.float32)
         ref = x @ qm.dequantize(m).T
         np.testing.assert_allclose(kc.matmul(x, m), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())

@@ -222,3 +222,19 @@ def test_rms_norm_and_rope_in_c_equal_the_numpy_expressions():
         got = ops.rope(q, cos, sin, 0.125)
         assert got.flags.c_contiguous and got.shape == q.shape
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_chain_of_matrices_fetches_ahead_without_changing_a_product():
+    """chain() points each matrix at the next (the last at the first); the products are
+    bit-for-bit those of unchained matrices, in any order of calls."""
+    rng = np.random.default_rng(12)
+    mats = [qm.quantize(rng.standard_normal((r, 256)).astype(np.float32), "q4") for r in (64, 200)]
+    raw, shape = random_tensor(QT.Q4_K, 96, 1)
+    mats.append(qm.from_gguf(raw, QT.Q4_K, shape))
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    alone = [kc.matmul(x, m) for m in mats]
+    kc.chain([mats[0], [mats[1], mats[2]]])       # a list is a fused projection's parts
+    structs = [m.__dict__["_c_mat"] for m in mats]
+    assert [s[1].next for s in structs] == [structs[1][2], structs[2][2], structs[0][2]]
+    for m, want in list(zip(mats, alone))[::-1] * 2:
+        np.testing.assert_array_equal(kc.matmul(x, m), want)

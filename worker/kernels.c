@@ -56,7 +56,11 @@ enum { Q4 = 0, Q8 = 1, Q8M = 2, F16 = 3, BF16 = 4, Q4K = 5, Q6K = 6 };
 #include <time.h>
 
 typedef void (*pn_task)(const void *args, int64_t chunk);
-typedef struct { pn_task fn; const void *args; int64_t n; } Job;
+/* `next`: memory the caller will read soon after this job (the following matrix of the
+ * forward), which a pool thread done with its chunks fetches while the caller is busy
+ * between products, instead of spinning */
+typedef struct { const char *p; int64_t len; } Span_;
+typedef struct { pn_task fn; const void *args; int64_t n; Span_ next[3]; } Job;
 
 #define MAX_POOL 256
 static struct {
@@ -102,11 +106,32 @@ static void run_chunks(void) {
     }
 }
 
+/* Touch `next` of generation gen's job (once per generation and thread), a line at a
+ * time, stopping as soon as another job starts. */
+static void fetch_next(uint64_t gen) {
+    const Job *j = &P.jobs[gen & 1];
+    for (int k = 0; k < 3; k++) {
+        const char *p = __atomic_load_n(&j->next[k].p, __ATOMIC_RELAXED);
+        int64_t len = __atomic_load_n(&j->next[k].len, __ATOMIC_RELAXED);
+        for (int64_t o = 0; p && o < len; o += 64) {
+            if ((o & 4095) == 0 && (__atomic_load_n(&P.claim, __ATOMIC_ACQUIRE) >> 32) != gen)
+                return;
+            __builtin_prefetch(p + o, 0, 3);
+        }
+    }
+}
+
 static void *pool_thread(void *unused) {
     (void)unused;
+    uint64_t fetched = 0;
     for (;;) {
         run_chunks();
         uint64_t gen = __atomic_load_n(&P.claim, __ATOMIC_SEQ_CST) >> 32;
+        if (gen != fetched) {
+            fetched = gen;
+            fetch_next(gen);
+            if ((__atomic_load_n(&P.claim, __ATOMIC_SEQ_CST) >> 32) != gen) continue;
+        }
         int64_t t0 = now_ns();
         int spins = 0;
         while (__atomic_load_n(&P.claim, __ATOMIC_ACQUIRE) >> 32 == gen) {
@@ -150,7 +175,7 @@ static pthread_mutex_t pool_caller = PTHREAD_MUTEX_INITIALIZER;
 /* fn(args, 0 .. n-1), spread over the pool; returns when all have run. Callers take
  * turns (one job at a time); a process forked from one with a pool has no pool threads
  * and simply runs every chunk itself. */
-static void pool_run(pn_task fn, const void *args, int64_t n) {
+static void pool_run_next(pn_task fn, const void *args, int64_t n, const Span_ *next) {
     if (P.size == 0 || n <= 1 || pthread_mutex_trylock(&pool_caller) != 0) {
         for (int64_t i = 0; i < n; i++) fn(args, i);
         return;
@@ -160,6 +185,10 @@ static void pool_run(pn_task fn, const void *args, int64_t n) {
     __atomic_store_n(&j->fn, fn, __ATOMIC_RELAXED);
     __atomic_store_n(&j->args, args, __ATOMIC_RELAXED);
     __atomic_store_n(&j->n, n, __ATOMIC_RELAXED);
+    for (int k = 0; k < 3; k++) {
+        __atomic_store_n(&j->next[k].p, next ? next[k].p : NULL, __ATOMIC_RELAXED);
+        __atomic_store_n(&j->next[k].len, next ? next[k].len : 0, __ATOMIC_RELAXED);
+    }
     __atomic_store_n(&P.done, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&P.claim, g << 32, __ATOMIC_SEQ_CST);
     if (__atomic_load_n(&P.sleepers, __ATOMIC_SEQ_CST) > 0) {
@@ -172,6 +201,15 @@ static void pool_run(pn_task fn, const void *args, int64_t n) {
     while (__atomic_load_n(&P.done, __ATOMIC_ACQUIRE) < n)  /* a chunk still running */
         if (++spins % 1024 == 0) sched_yield(); else cpu_relax();
     pthread_mutex_unlock(&pool_caller);
+}
+
+/* what the calling thread's next job may hand the pool to fetch (pn_matmul_int) */
+static __thread const Span_ *tl_next;
+
+static void pool_run(pn_task fn, const void *args, int64_t n) {
+    const Span_ *next = tl_next;
+    tl_next = NULL;
+    pool_run_next(fn, args, n, next);
 }
 
 /* The `bs` weights of block `blk` of row `n`, as floats. */
@@ -1006,12 +1044,34 @@ void pn_gemv_k(int code, const uint8_t *qs, int64_t N, int64_t K, const int16_t 
  * struct, its scratch as another, so a decode step's hundred-odd products cost one
  * ctypes call each instead of three (12.9 -> 5 us per call measured on a tiny q4 matrix,
  * most of it argument conversion) */
-typedef struct { int32_t code, pad; const uint8_t *qs; const uint16_t *sc, *mn; int64_t N, K, bs; } PnMat;
+typedef struct PnMat {
+    int32_t code, pad; const uint8_t *qs; const uint16_t *sc, *mn; int64_t N, K, bs;
+    const struct PnMat *next;       /* the matrix the forward multiplies by next, or NULL */
+} PnMat;
+
+#define NEXT_BYTES (512 << 10)      /* of the next matrix, fetched between products */
+
+/* The leading part of m's arrays (what the first rows need), as fetch spans. */
+static void next_spans(const PnMat *m, Span_ out[3]) {
+    const int64_t row = is_k(m->code) ? m->K / 256 * k_bytes(m->code)
+                      : m->code == Q4 ? m->K / 2 : m->code == F16 || m->code == BF16 ? 2 * m->K : m->K;
+    int64_t rows = NEXT_BYTES / (row > 0 ? row : 1);
+    rows = rows < m->N ? rows : m->N;
+    const int64_t scales = is_k(m->code) || m->sc == NULL ? 0 : rows * (m->K / m->bs) * 2;
+    out[0] = (Span_){(const char *)m->qs, rows * row};
+    out[1] = (Span_){(const char *)m->sc, scales};
+    out[2] = (Span_){(const char *)m->mn, m->mn == m->sc ? 0 : scales};
+}
 typedef struct { int16_t *xq; float *xd, *xs; } PnScratch;   /* B x K, B x K/32, B x K/32 */
 
 /* out[B, N] = x @ W.T through the integer products; 0 where they do not apply (the
  * caller then takes another path): K-quants at any B, q4 / q8 up to MAXB rows. */
 int pn_matmul_int(const PnMat *m, const float *x, int64_t B, const PnScratch *s, float *out) {
+    Span_ next[3];
+    if (m->next) {
+        next_spans(m->next, next);
+        tl_next = next;             /* read by the pool_run below, on this thread */
+    }
     if (is_k(m->code)) {
         pn_quantize_xk(x, B, m->K, s->xq, s->xd, s->xs);
         pn_gemv_k(m->code, m->qs, m->N, m->K, s->xq, s->xd, s->xs, B, out);
@@ -1023,6 +1083,7 @@ int pn_matmul_int(const PnMat *m, const float *x, int64_t B, const PnScratch *s,
         pn_gemv_i8(m->code, m->qs, m->sc, m->mn, m->N, m->K, m->bs, s->xq, s->xd, s->xs, B, out);
         return 1;
     }
+    tl_next = NULL;
     return 0;
 }
 

@@ -160,7 +160,7 @@ def _ptr(a: np.ndarray) -> int:
 class _CMat(ctypes.Structure):      # kernels.c's PnMat
     _fields_ = [("code", ctypes.c_int32), ("pad", ctypes.c_int32), ("qs", ctypes.c_void_p),
                 ("sc", ctypes.c_void_p), ("mn", ctypes.c_void_p), ("N", ctypes.c_int64),
-                ("K", ctypes.c_int64), ("bs", ctypes.c_int64)]
+                ("K", ctypes.c_int64), ("bs", ctypes.c_int64), ("next", ctypes.c_void_p)]
 
 
 class _CScratch(ctypes.Structure):  # kernels.c's PnScratch
@@ -173,9 +173,26 @@ def _cmat(m: QMatrix) -> int:
     if cached is not None and cached[0] is m.qs:
         return cached[2]
     code, qs, sc, mn, bs = _weights(m)
-    st = _CMat(code, 0, qs, sc, mn, m.rows, m.cols, bs)
+    st = _CMat(code, 0, qs, sc, mn, m.rows, m.cols, bs, None)
     m.__dict__["_c_mat"] = (m.qs, st, ctypes.addressof(st))
     return m.__dict__["_c_mat"][2]
+
+
+def chain(items) -> None:
+    """Tell each matrix of `items` (a model's projections in forward order; lists are
+    fused parts) which one the forward multiplies by next: while the caller works between
+    two products, an idle kernel thread fetches the next matrix's first rows from memory
+    (the last one's next is the first: the following step)."""
+    flat = [m for it in items for m in (it if isinstance(it, list) else [it])
+            if isinstance(m, QMatrix) and isinstance(m.qs, np.ndarray) and m.kind in CODES]
+    mats = []
+    for m in flat:
+        _cmat(m)
+        mats.append(m.__dict__["_c_mat"])
+    for cur, nxt in zip(mats, mats[1:] + mats[:1]):
+        cur[1].next = nxt[2]
+        # keep the next struct alive as long as the one pointing at it
+        cur[1].__dict__["_next_ref"] = nxt[1]
 
 
 def _cscratch(batch: int, cols: int) -> int:

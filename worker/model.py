@@ -28,6 +28,7 @@ from ..common.model_file import ModelConfig
 from .layers import MIXERS, GatedMLP
 from .layers.attention import attend, attend_decodes  # noqa: F401  (re-exported)
 from .layers.ops import linear, rms_norm, rope, silu  # noqa: F401  (re-exported)
+from . import kernels_cpu
 from .linear import is_quantized
 from .sequence_state import SequenceState
 from .weights import Weights, rope_inv_freq
@@ -137,6 +138,8 @@ class Model:
         # kernels cost in proportion to the rows and get none.
         dense = not is_quantized(weights.blocks[0].mlp.w_gate_up) if weights.blocks else True
         self.row_multiple = 8 if xp is np and dense else 1
+        if xp is np and not dense:      # each product tells the kernels what follows it
+            kernels_cpu.chain(weights.forward_matrices())
 
     def forward(self, tokens, spans: list[Span]):
         """Run one mixed batch; returns logits [n_sampled, V] float32 (on the die).

@@ -74,6 +74,15 @@ class Weights:
                 out += [getattr(part, name) for name in part.MATRICES]
         return out
 
+    def forward_matrices(self) -> list:
+        """The projections in the order a forward multiplies by them: each layer's, then
+        the head (the embedding is a lookup)."""
+        out = []
+        for b in self.blocks:
+            for part in (b.mixer, b.mlp):
+                out += [getattr(part, name) for name in part.MATRICES]
+        return out + [self.head]
+
     def nbytes(self) -> int:
         """Bytes the weights really take on the die."""
         items = [self.head, self.out_norm] + ([] if self.embed is None else [self.embed])

@@ -1188,6 +1188,11 @@ static inline float dotf(const float *restrict a, const float *restrict b, int64
     for (; i + 16 <= n; i += 16)
         acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
     t = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    t = hsum(acc);
 #endif
     for (; i < n; i++) t += a[i] * b[i];
     return t;

@@ -555,9 +555,43 @@ static void gemv_i8_rows(int code, const uint8_t *restrict qs, const uint16_t *r
  * `paired`: each pair of blocks a, b is stored as a0..15 b0..15 a16..31 b16..31, the
  * order in which the AVX-512 kernels below widen two blocks of weights (an odd last
  * block stays as it is). */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* 32 values → int16 in two halves of 16 at lo, hi, with the scalar code's arithmetic (r =
+ * v * inv, then r + copysign(0.5, r) truncated); returns the step d, *sum the block's sum
+ * (in a different order than the scalar code: the last bits may differ). */
+static inline float quantize32(const float *v, float step_max, int16_t *lo, int16_t *hi,
+                               float *sum) {
+    const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    *sum = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+    const float d = amax / step_max, inv = d > 0 ? 1.0f / d : 0.0f;
+    const __m512 vinv = _mm512_set1_ps(inv), half = _mm512_set1_ps(0.5f);
+    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
+    __m512 ra = _mm512_mul_ps(a, vinv), rb = _mm512_mul_ps(b, vinv);
+    ra = _mm512_add_ps(ra, _mm512_castsi512_ps(_mm512_or_si512(_mm512_and_si512(_mm512_castps_si512(ra), sign), _mm512_castps_si512(half))));
+    rb = _mm512_add_ps(rb, _mm512_castsi512_ps(_mm512_or_si512(_mm512_and_si512(_mm512_castps_si512(rb), sign), _mm512_castps_si512(half))));
+    _mm256_storeu_si256((__m256i *)lo, _mm512_cvtsepi32_epi16(_mm512_cvttps_epi32(ra)));
+    _mm256_storeu_si256((__m256i *)hi, _mm512_cvtsepi32_epi16(_mm512_cvttps_epi32(rb)));
+    return d;
+}
+#endif
+
 void pn_quantize_x(const float *x, int64_t B, int64_t K, int16_t *xq, float *xd, float *xs,
                    int paired) {
     int64_t nx = K / 32;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t blk = 0; blk < nx; blk++) {
+            int16_t *q = xq + b * K + blk * 32;
+            int16_t *lo = q, *hi = q + 16;
+            if (paired && (blk | 1) < nx) {     /* a0..15 b0..15 a16..31 b16..31 */
+                int16_t *base = xq + b * K + (blk & ~(int64_t)1) * 32 + (blk & 1) * 16;
+                lo = base;
+                hi = base + 32;
+            }
+            xd[b * nx + blk] = quantize32(x + b * K + blk * 32, 16383.0f, lo, hi, &xs[b * nx + blk]);
+        }
+#else
     for (int64_t b = 0; b < B; b++)
         for (int64_t blk = 0; blk < nx; blk++) {
             const float *v = x + b * K + blk * 32;
@@ -582,6 +616,7 @@ void pn_quantize_x(const float *x, int64_t B, int64_t K, int16_t *xq, float *xd,
             xd[b * nx + blk] = d;
             xs[b * nx + blk] = sum;
         }
+#endif
 }
 
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -739,6 +774,31 @@ void pn_gemv_i8(int code, const uint8_t *qs, const uint16_t *sc, const uint16_t 
 void pn_quantize_xk(const float *x, int64_t B, int64_t K, int16_t *xq, float *xd,
                     float *xs) {
     const int64_t nb = K / 256;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t blk = 0; blk < nb; blk++) {
+            const float *v = x + b * K + blk * 256;
+            int16_t *q = xq + b * K + blk * 256;
+            __m512 m = _mm512_setzero_ps();
+            for (int i = 0; i < 256; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(v + i)));
+            const float d = _mm512_reduce_max_ps(m) / XK_MAX, inv = d > 0 ? 1.0f / d : 0.0f;
+            const __m512 vinv = _mm512_set1_ps(inv), half = _mm512_set1_ps(0.5f);
+            const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
+            for (int j = 0; j < 8; j++) {
+                __m512i tot = _mm512_setzero_si512();
+                for (int h = 0; h < 2; h++) {
+                    __m512 r = _mm512_mul_ps(_mm512_loadu_ps(v + 32 * j + 16 * h), vinv);
+                    r = _mm512_add_ps(r, _mm512_castsi512_ps(_mm512_or_si512(
+                        _mm512_and_si512(_mm512_castps_si512(r), sign), _mm512_castps_si512(half))));
+                    const __m512i iv = _mm512_cvttps_epi32(r);
+                    tot = _mm512_add_epi32(tot, iv);
+                    _mm256_storeu_si256((__m256i *)(q + 32 * j + 16 * h), _mm512_cvtsepi32_epi16(iv));
+                }
+                xs[(b * nb + blk) * 8 + j] = (float)_mm512_reduce_add_epi32(tot) * d;
+            }
+            xd[b * nb + blk] = d;
+        }
+#else
     for (int64_t b = 0; b < B; b++)
         for (int64_t blk = 0; blk < nb; blk++) {
             const float *v = x + b * K + blk * 256;
@@ -761,6 +821,7 @@ void pn_quantize_xk(const float *x, int64_t B, int64_t K, int16_t *xq, float *xd
             }
             xd[b * nb + blk] = d;
         }
+#endif
 }
 
 /* One super-block's weights as 16 vectors of 16 int16 (elements 16k..16k+15), each

@@ -262,3 +262,21 @@ def test_the_kernels_built_without_avx512_pass_these_tests(flags, tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert " passed" in done.stdout
     assert list((tmp_path / "cache" / "kernels").glob("*.so")), "the test build was not used"
+
+
+def test_q4_k_at_batch_1_through_int8_digits_equals_the_int16_path():
+    """Batch-1 Q4_K products split each int16 activation into two int8 digits: the same
+    integer sums as the int16 path (only the float additions' order differs)."""
+    raw, shape = random_tensor(QT.Q4_K, 300, 6)
+    m = qm.from_gguf(raw, QT.Q4_K, shape)
+    x = (50 * np.random.default_rng(13).standard_normal((1, m.cols))).astype(np.float32)
+    lib = kc.library()
+    try:
+        lib.pn_set_digits(0)
+        int16 = kc.matmul(x, m)
+    finally:
+        lib.pn_set_digits(1)
+    digits = kc.matmul(x, m)
+    np.testing.assert_allclose(digits, int16, rtol=0, atol=1e-6 * np.abs(int16).max())
+    ref = x @ qm.dequantize(m).T
+    np.testing.assert_allclose(digits, ref, rtol=0, atol=3e-4 * np.abs(ref).max())

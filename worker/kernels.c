@@ -1083,6 +1083,90 @@ static void gemv_k_rows(int code, const uint8_t *restrict qs, int64_t K, int64_t
     }
 }
 
+#if defined(PN_ZMM)
+/* -- Q4_K at batch 1 with int8 products: each int16 activation q is two int8 digits,
+ * q = 256 h + l (l in [-128, 127], h in [-63, 63]), so `vpdpbusd` (unsigned nibbles times
+ * signed digits, 64 products an instruction) gives the same integer sums as the int16
+ * path in half the widening work: per super-block 8 dpbusd and 4 int32 sub-scale
+ * multiplies against 8 mullw and 8 dpwssd. The nibbles stay bytes: a 64-byte load holds
+ * two groups, whose low nibbles are sub-blocks 2g and 2g + 2 in the vector's two halves,
+ * so the digits are stored per super-block in the order 0-31, 64-95, 32-63, 96-127,
+ * 128-159, 192-223, 160-191, 224-255 (high digits first, then low: 2 x 256 bytes). */
+static const int DIGIT_ORDER[8] = {0, 2, 1, 3, 4, 6, 5, 7};   /* 32-chunks of a super-block */
+
+/* x [1, K] → digits (per super-block: 256 high, then 256 low), xd, xs as pn_quantize_xk. */
+static void quantize_digits(const float *x, int64_t K, int8_t *dg, float *xd, float *xs) {
+    const int64_t nb = K / 256;
+    int16_t q[256];
+    for (int64_t blk = 0; blk < nb; blk++) {
+        pn_quantize_xk(x + blk * 256, 1, 256, q, xd + blk, xs + blk * 8);
+        int8_t *hi = dg + blk * 512, *lo = hi + 256;
+        for (int c = 0; c < 8; c++) {
+            const __m512i v = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(q + 32 * DIGIT_ORDER[c])));
+            const __m512i v2 = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(q + 32 * DIGIT_ORDER[c] + 16)));
+            for (int h = 0; h < 2; h++) {
+                const __m512i w = h ? v2 : v;
+                /* l = ((q + 128) & 255) - 128, h = (q - l) >> 8 */
+                const __m512i l = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(w, _mm512_set1_epi32(128)),
+                                                                    _mm512_set1_epi32(255)), _mm512_set1_epi32(128));
+                const __m512i hh = _mm512_srai_epi32(_mm512_sub_epi32(w, l), 8);
+                _mm_storeu_si128((__m128i *)(lo + 32 * c + 16 * h), _mm512_cvtepi32_epi8(l));
+                _mm_storeu_si128((__m128i *)(hi + 32 * c + 16 * h), _mm512_cvtepi32_epi8(hh));
+            }
+        }
+    }
+}
+
+typedef struct { const uint8_t *qs; int64_t N, K; const int8_t *dg; const float *xd, *xs; float *out; int64_t rows; } DgArgs;
+
+static void q4k_digits_chunk(const void *p, int64_t c) {
+    const DgArgs *a = p;
+    const int64_t nb = a->K / 256, n0 = c * a->rows, n1 = n0 + a->rows < a->N ? n0 + a->rows : a->N;
+    const __m512i low4 = _mm512_set1_epi8(15);
+    /* lanes 0-7 take sub-scale j0, lanes 8-15 j1, for the vectors of sub-blocks (0,2) (1,3) (4,6) (5,7) */
+    const __m512i pick[4] = {
+        _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0),
+        _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1),
+        _mm512_set_epi32(6, 6, 6, 6, 6, 6, 6, 6, 4, 4, 4, 4, 4, 4, 4, 4),
+        _mm512_set_epi32(7, 7, 7, 7, 7, 7, 7, 7, 5, 5, 5, 5, 5, 5, 5, 5)};
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = a->qs + n * nb * Q4K_BYTES;
+        __m512 acc = _mm512_setzero_ps();
+        __m256 accm = _mm256_setzero_ps();
+        for (int64_t blk = 0; blk < nb; blk++) {
+            const uint8_t *b = row + blk * Q4K_BYTES;
+            for (int64_t l = 0; l < Q4K_BYTES; l += 64)
+                _mm_prefetch((const char *)b + PF_AHEAD + l, _MM_HINT_T0);
+            uint8_t sm[16];
+            k_scales_fast(b + 4, sm);
+            const __m512i sc = _mm512_castsi256_si512(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sm)));
+            const int8_t *hi = a->dg + blk * 512, *lo = hi + 256;
+            __m512i tot = _mm512_setzero_si512();
+            for (int g = 0; g < 2; g++) {
+                const __m512i raw = _mm512_loadu_si512((const void *)(b + 16 + 64 * g));
+                const __m512i v[2] = {_mm512_and_si512(raw, low4),
+                                      _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4)};
+                for (int k = 0; k < 2; k++) {
+                    const int c = 2 * g + k;          /* 64 digits at 64 c */
+                    __m512i rh = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[k],
+                                                     _mm512_loadu_si512((const void *)(hi + 64 * c)));
+                    __m512i rl = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[k],
+                                                     _mm512_loadu_si512((const void *)(lo + 64 * c)));
+                    __m512i t = _mm512_add_epi32(_mm512_slli_epi32(rh, 8), rl);
+                    tot = _mm512_add_epi32(tot, _mm512_mullo_epi32(t, _mm512_permutexvar_epi32(pick[c], sc)));
+                }
+            }
+            const float d = half_to_float(load_u16(b)) * a->xd[blk];
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot), _mm512_set1_ps(d), acc);
+            const __m256 mf = _mm256_mul_ps(_mm256_set1_ps(-half_to_float(load_u16(b + 2))), _mm256_cvtepi32_ps(
+                _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + 8)))));
+            accm = _mm256_fmadd_ps(mf, _mm256_loadu_ps(a->xs + blk * 8), accm);
+        }
+        a->out[n] = _mm512_reduce_add_ps(acc) + hsum(accm);
+    }
+}
+#endif
+
 typedef struct {
     int code; const uint8_t *qs; int64_t N, K; const int16_t *xq; const float *xd, *xs;
     int64_t B; float *out; int64_t rows;
@@ -1112,6 +1196,10 @@ typedef struct PnMat {
 
 #define NEXT_BYTES (512 << 10)      /* of the next matrix, fetched between products */
 
+/* Q4_K at batch 1 through int8 digits (0: the int16 path, which tests compare it with) */
+static int DIGITS[1] = {1};
+void pn_set_digits(int on) { DIGITS[0] = on; }
+
 /* The leading part of m's arrays (what the first rows need), as fetch spans. */
 static void next_spans(const PnMat *m, Span_ out[3]) {
     const int64_t row = is_k(m->code) ? m->K / 256 * k_bytes(m->code)
@@ -1133,6 +1221,14 @@ int pn_matmul_int(const PnMat *m, const float *x, int64_t B, const PnScratch *s,
         next_spans(m->next, next);
         tl_next = next;             /* read by the pool_run below, on this thread */
     }
+#if defined(PN_ZMM)
+    if (m->code == Q4K && B == 1 && DIGITS[0]) {
+        quantize_digits(x, m->K, (int8_t *)s->xq, s->xd, s->xs);
+        DgArgs a = {m->qs, m->N, m->K, (const int8_t *)s->xq, s->xd, s->xs, out, piece_rows(m->N)};
+        pool_run(q4k_digits_chunk, &a, (m->N + a.rows - 1) / a.rows);
+        return 1;
+    }
+#endif
     if (is_k(m->code)) {
         pn_quantize_xk(x, B, m->K, s->xq, s->xd, s->xs);
         pn_gemv_k(m->code, m->qs, m->N, m->K, s->xq, s->xd, s->xs, B, out);
@@ -1152,6 +1248,7 @@ int pn_has_i8(void) { return 1; }
 #else
 int pn_has_i8(void) { return 0; }
 int pn_matmul_int(const void *m, const float *x, int64_t B, const void *s, float *out) { return 0; }
+void pn_set_digits(int on) { (void)on; }
 void pn_quantize_xk(const float *x, int64_t B, int64_t K, int16_t *xq, float *xd,
                     float *xs) {}
 void pn_gemv_k(int code, const uint8_t *qs, int64_t N, int64_t K, const int16_t *xq,

@@ -129,6 +129,8 @@ def library():
         lib.pn_quantize_xk.argtypes = [p, i64, i64, p, p, p]
         lib.pn_gemv_k.argtypes = [ctypes.c_int, p, i64, i64, p, p, p, i64, p]
         lib.pn_matmul_int.argtypes = [p, p, i64, p, p]
+        lib.pn_set_digits.argtypes = [ctypes.c_int]
+        lib.pn_set_digits.restype = None
         lib.pn_rms_norm.argtypes = [p, i64, i64, i64, p, ctypes.c_float, p]
         lib.pn_rope.argtypes = [p, i64, i64, i64, i64, p, p, i64, ctypes.c_float, p]
         lib.pn_rms_norm.restype = lib.pn_rope.restype = None

@@ -104,3 +104,23 @@ def test_the_admin_socket_needs_the_server_key(secured):
     assert wrong.returncode == 1 and "(401)" in wrong.stderr
     clear = pantheon(*base, "--timeout", "3", "status")        # no CURVE: no answer
     assert clear.returncode == 1 and "no answer" in clear.stderr
+
+
+def test_a_drop_before_the_handshake_is_reported_like_a_refusal():
+    """The worker's link monitor: a connection dropped before its handshake completed
+    is a refusal (the frontend's ERROR frame may lose the race with its close); a drop
+    after a completed handshake (a frontend restart) is not."""
+    import types
+    import zmq
+    from pantheon.worker.main import Worker
+    seen = []
+    w = types.SimpleNamespace(rehello=False, link_up=False,
+                              handshake_failed=lambda: seen.append("refused"))
+    for event in (zmq.EVENT_CONNECTED, zmq.EVENT_DISCONNECTED):
+        Worker.link_event(w, event)
+    assert seen == ["refused"] and w.rehello
+    for event in (zmq.EVENT_CONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED, zmq.EVENT_DISCONNECTED):
+        Worker.link_event(w, event)
+    assert seen == ["refused"]
+    Worker.link_event(w, zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+    assert seen == ["refused", "refused"]

@@ -126,8 +126,11 @@ class Worker:
         self.sock.setsockopt(zmq.LINGER, 1000)
         if keys:
             curve_client(self.sock, *keys)
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | HANDSHAKE_FAILED)
+        self.monitor = self.sock.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+            | HANDSHAKE_FAILED)
         self.warned_at = -60.0                       # the last handshake failure logged
+        self.link_up = False                         # the current connection's handshake done
         self.sock.connect(frontend)
         self.replicas: dict[str, Replica] = {}
         self.owner: dict[str, Replica] = {}          # request id → replica
@@ -227,10 +230,7 @@ class Worker:
                     except BlockingIOError:
                         break
             if self.monitor in events:
-                if recv_monitor_message(self.monitor)["event"] == zmq.EVENT_CONNECTED:
-                    self.rehello = True          # (re)connected: introduce ourselves
-                else:
-                    self.handshake_failed()
+                self.link_event(recv_monitor_message(self.monitor)["event"])
             if self.rehello:
                 self.rehello = False
                 self.send(self.hello())
@@ -249,6 +249,22 @@ class Worker:
         except zmq.Again:
             pass
         self.sock.close()
+
+    def link_event(self, event: int) -> None:
+        """The link's monitor: introduce ourselves on each connection; a refused handshake
+        is reported whether libzmq says so or only drops the connection before the
+        handshake completed (the frontend's refusal can race its ERROR frame)."""
+        if event == zmq.EVENT_CONNECTED:
+            self.rehello = True              # (re)connected: introduce ourselves
+            self.link_up = False
+        elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.link_up = True
+        elif event == zmq.EVENT_DISCONNECTED:
+            if not self.link_up:
+                self.handshake_failed()
+            self.link_up = False
+        else:
+            self.handshake_failed()
 
     def handshake_failed(self) -> None:
         """The frontend refused the link (keys, or their absence): say so, once a minute."""

@@ -496,6 +496,19 @@ static inline __m256 block_dot(int64_t bs, __m256i w0, __m256i w1, const int16_t
 
 #define MAX_RUNS 4096   /* scale entries per row held on the stack (K up to 65536) */
 
+/* Row n of a q4 / q8 matrix (row_bytes of values, ns fp16 scales and mins): fetch the
+ * stream PF_AHEAD on (W streams from memory), and its scales (and mins) as floats. */
+static inline void row_scales(const uint8_t *restrict row, int64_t row_bytes,
+                              const uint16_t *restrict sc, const uint16_t *restrict mn,
+                              int64_t ns, int with_min, float *restrict sf, float *restrict mf) {
+    for (int64_t l = 0; l < row_bytes; l += 64)
+        _mm_prefetch((const char *)row + PF_AHEAD + l, _MM_HINT_T0);
+    _mm_prefetch((const char *)sc + PF_AHEAD / 8, _MM_HINT_T0);
+    if (with_min) _mm_prefetch((const char *)mn + PF_AHEAD / 8, _MM_HINT_T0);
+    halves(sc, ns, sf);
+    if (with_min) halves(mn, ns, mf);
+}
+
 /* Rows [n0, n1) of a q4 or q8 matrix against B quantized rows of x. A row's scales and
  * mins are converted to floats once, and its mins meet x's exact block sums in one dot
  * product after the blocks (the min term of a block is min * sum of its x). */
@@ -506,15 +519,11 @@ static void gemv_i8_rows(int code, const uint8_t *restrict qs, const uint16_t *r
                          int64_t n0, int64_t n1) {
     const int64_t nx = K / 32, ns = K / bs, row_bytes = code == Q4 ? K / 2 : K;
     const int with_min = code == Q4 || code == Q8M;
-    float sf[MAX_RUNS], mf[MAX_RUNS / 2];
+    float sf[MAX_RUNS], mf[MAX_RUNS];
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = qs + n * row_bytes;
-        for (int64_t l = 0; l < row_bytes; l += 64)     /* W streams: fetch ahead */
-            _mm_prefetch((const char *)row + PF_AHEAD + l, _MM_HINT_T0);
-        _mm_prefetch((const char *)(sc + n * ns) + PF_AHEAD / 8, _MM_HINT_T0);
-        if (with_min) _mm_prefetch((const char *)(mn + n * ns) + PF_AHEAD / 8, _MM_HINT_T0);
-        halves(sc + n * ns, ns, sf);
-        if (with_min) halves(mn + n * ns, ns, mf);   /* mins only with bs 32: ns == nx */
+        /* mins only with bs 32: ns == nx */
+        row_scales(row, row_bytes, sc + n * ns, mn + n * ns, ns, with_min, sf, mf);
         if (B == 1) {                 /* four chains of blocks: the FMAs overlap */
             __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
                              _mm256_setzero_ps()};
@@ -696,12 +705,7 @@ static void gemv_i8_rows512(int code, const uint8_t *restrict qs, const uint16_t
     float sf[MAX_RUNS], mf[MAX_RUNS];
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = qs + n * row_bytes;
-        for (int64_t l = 0; l < row_bytes; l += 64)     /* W streams: fetch ahead */
-            _mm_prefetch((const char *)row + PF_AHEAD + l, _MM_HINT_T0);
-        _mm_prefetch((const char *)(sc + n * nx) + PF_AHEAD / 8, _MM_HINT_T0);
-        if (with_min) _mm_prefetch((const char *)(mn + n * nx) + PF_AHEAD / 8, _MM_HINT_T0);
-        halves(sc + n * nx, nx, sf);
-        if (with_min) halves(mn + n * nx, nx, mf);
+        row_scales(row, row_bytes, sc + n * nx, mn + n * nx, nx, with_min, sf, mf);
         for (int64_t b0 = 0; b0 < B;) {
             const int64_t left = B - b0;
             const int G = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;

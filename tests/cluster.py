@@ -45,10 +45,33 @@ class Stream(threading.Thread):
         return next((c["error"] for c in self.chunks() if "error" in c), None)
 
 
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            return int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_LOW = 12000
+_HIGH = max(_LOW + 1000, min(_ephemeral_low(), 32768))
+_next = [_LOW + os.getpid() % (_HIGH - _LOW)]
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port below the kernel's ephemeral range: a port the kernel picked
+    there (bind to 0) could be taken by an outgoing connection (a worker's, a client's)
+    between this check and the server's own bind (seen once: "Address already in use").
+    Ports are handed out in turn, so one test process never gets the same one twice."""
+    for _ in range(_HIGH - _LOW):
+        _next[0] = _LOW + (_next[0] + 1 - _LOW) % (_HIGH - _LOW)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", _next[0]))
+            except OSError:
+                continue
+            return _next[0]
+    raise RuntimeError(f"no free port in {_LOW}-{_HIGH}")
 
 
 class Server:

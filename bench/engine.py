@@ -143,6 +143,8 @@ def run_bench(model_path, die: str = "cpu", steps: int = 32, batches=(1, 4, 8),
     result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
     result["weight_bytes"] = engine.model.w.nbytes()
     result["kv_bytes"] = engine.model.state.nbytes
+    caches = [layer.k.dtype.name for layer in engine.model.state.layers if hasattr(layer, "k")]
+    result["kv_dtype"] = caches[0] if caches else None
     result["formats"] = engine.model.w.formats()
     if Path(model_path).is_file():
         size = Path(model_path).stat().st_size

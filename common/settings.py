@@ -269,6 +269,20 @@ def _http_url(name: str, raw: str) -> str:
     return raw.strip().rstrip("/")
 
 
+KV_CACHE_TYPES = ("f32", "f16")
+
+
+def kv_cache() -> str:
+    """The CPU's KV cache element (`PANTHEON_KV_CACHE`, set by `--kv-cache`): f32 (the
+    default) or f16 (half the memory and the bytes a decode step reads; a GPU always
+    keeps fp16, and the exact fp32 mode fp32)."""
+    raw = os.environ.get("PANTHEON_KV_CACHE", "").strip().lower() or "f32"
+    if raw not in KV_CACHE_TYPES:
+        raise ValueError(f"PANTHEON_KV_CACHE must be one of {', '.join(KV_CACHE_TYPES)}, "
+                         f"not {raw!r}")
+    return raw
+
+
 def c_compiler() -> str:
     """The C compiler that builds the CPU kernels on first use (`CC`, default `cc`)."""
     return os.environ.get("CC") or "cc"

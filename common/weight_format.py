@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from . import settings
+
 QUANTIZE_MODES = ("auto", "none", "q8_0", "q4")   # `auto`: as stored (the default)
 
 # GGUF / safetensors type → (in-memory kind, block size, has a per-block min)
@@ -70,6 +72,21 @@ def weight_bytes(path: str | Path, quantize: str = "auto", dense_itemsize: int =
     """What the weights of the model at `path` will take on a die, before loading it."""
     return sum(held_as(kind, shape, quantize, dense_itemsize)
                for _, kind, shape in tensor_list(path))
+
+
+def kv_itemsize(path: str | Path, die_kind: str, quantize: str = "auto") -> int:
+    """Bytes per cached key or value element: fp16 on a GPU; on a CPU fp32 unless
+    `--kv-cache f16` (settings.kv_cache) asks for fp16 and the weights are held in a block
+    or 16-bit format (the C attention widens each row as it reads it); the exact mode
+    (`quantize` none) and a file of F32 matrices held as they are keep fp32."""
+    if die_kind != "cpu":
+        return 2
+    if quantize == "none" or settings.kv_cache() == "f32":
+        return 4
+    if quantize in QUANTIZED_AT_LOAD:
+        return 2
+    held = [kind for _, kind, shape in tensor_list(path) if len(shape) == 2 and shape[-1] % 32 == 0]
+    return 2 if any(kind != "F32" for kind in held) else 4
 
 
 READABLE = frozenset(IN_MEMORY) | {"F32"}

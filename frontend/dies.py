@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..common.model_file import ModelConfig
-from ..common.weight_format import weight_bytes
+from ..common.weight_format import kv_itemsize, weight_bytes
 from .registry import Registry
 from .workers import WorkerPool
 
@@ -38,10 +38,12 @@ def replica_bytes(path: str, cfg: ModelConfig, kind: str, slots: int, ctx: int,
                   quantize: str = "auto") -> int:
     """Weights as the worker will hold them (dense ones fp32 on a CPU die, fp16 on a GPU)
     plus the sequence state of `slots` slots of the context (or the guess): KV per
-    position, and any fixed per-slot state of recurrent layers."""
+    position (in the worker's dtype: common/weight_format.kv_itemsize), and any fixed
+    per-slot state of recurrent layers."""
     itemsize = 4 if kind == "cpu" else 2
     guess = ctx or min(cfg.context_length, ADMIT_CTX_GUESS)
-    return file_weight_bytes(str(path), quantize, itemsize) + cfg.state_bytes(slots, guess, itemsize)
+    return file_weight_bytes(str(path), quantize, itemsize) + \
+        cfg.state_bytes(slots, guess, kv_itemsize(path, kind, quantize))
 
 
 @dataclass

@@ -178,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int)
     run.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="auto",
                      help="weights in memory: auto (as stored), none (fp32), q8_0, q4")
+    add_kv_cache(run)
     run.set_defaults(func=cmd_run)
 
     serve = sub.add_parser("serve", help="the OpenAI-compatible server (frontend + workers)")
@@ -222,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="weights in memory: auto (GGUF blocks as stored, float tensors "
                             "as stored), none (dense fp32, the exact reference), q8_0 or q4 "
                             "(float tensors quantized at load)")
+    add_kv_cache(serve)
     serve.add_argument("--shutdown-timeout", type=float, default=settings.SHUTDOWN_TIMEOUT_S,
                        metavar="S", help="on SIGTERM/SIGINT, seconds that running and queued "
                        "requests may take to finish before they are ended (a second signal "
@@ -290,6 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "keys generate` (server.key, worker.key_secret; env PANTHEON_KEYS_DIR)")
     worker.add_argument("--insecure", action="store_true",
                         help="connect to a frontend off this host without keys (warned)")
+    add_kv_cache(worker)
     worker.set_defaults(func=cmd_worker)
 
     keys = sub.add_parser("keys", help="CURVE keys for the ZeroMQ links off loopback")
@@ -309,6 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--steps", type=int, default=32, help="decode steps per batch size")
     engine.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="auto",
                         help="weights in memory, as `serve --quantize`")
+    add_kv_cache(engine)
     engine.add_argument("--contexts", metavar="N,N",
                         help="also time batch-1 decode after prompts of these lengths")
     engine.add_argument("--synthetic", choices=["qwen35-wide"],
@@ -333,12 +337,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_kv_cache(parser) -> None:
+    parser.add_argument("--kv-cache", choices=settings.KV_CACHE_TYPES,
+                        help="CPU KV cache elements: f32 (default) or f16 (half the memory; "
+                             "env PANTHEON_KV_CACHE; a GPU keeps fp16, --quantize none fp32)")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "kv_cache", None):     # read where the KV is sized: here and in workers
+        os.environ["PANTHEON_KV_CACHE"] = args.kv_cache
     try:
         logs.setup(settings.log_level(),
                    getattr(args, "log_format", None) or settings.log_format())
         logging.getLogger("httpx").setLevel(logging.WARNING)   # one line per request: noise
+        if args.command in ("run", "serve", "worker", "bench"):
+            settings.kv_cache()             # a bad PANTHEON_KV_CACHE stops here, named
         return args.func(args) or 0
     except KeyboardInterrupt:
         return 130

@@ -41,6 +41,22 @@ def test_bench_engine_prints_the_promised_json(tmp_path):
         assert result[key] > 0
 
 
+def test_bench_engine_with_an_fp16_kv_cache_halves_the_kv(tmp_path):
+    path = tm.write_gguf("llama", tmp_path / "tiny.gguf", tensor_type="Q8_0")
+    runs = {}
+    for kv in ("f32", "f16"):
+        proc = pantheon("bench", "engine", "-m", str(path), "--steps", "2", "--kv-cache", kv)
+        assert proc.returncode == 0, proc.stderr
+        runs[kv] = json.loads(proc.stdout)
+    assert (runs["f32"]["kv_dtype"], runs["f16"]["kv_dtype"]) == ("float32", "float16")
+    assert runs["f16"]["kv_bytes"] * 2 == runs["f32"]["kv_bytes"]
+    bad = pantheon("bench", "engine", "-m", str(path), env={"PANTHEON_KV_CACHE": "f8"})
+    assert bad.returncode == 1 and "PANTHEON_KV_CACHE must be one of f32, f16, not 'f8'" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    bad = pantheon("bench", "engine", "-m", str(path), "--kv-cache", "q8")
+    assert bad.returncode == 2 and "invalid choice: 'q8'" in bad.stderr
+
+
 def test_bench_engine_times_decode_at_each_context(tmp_path):
     path = tm.write_gguf("qwen35", tmp_path / "q35.gguf")
     proc = pantheon("bench", "engine", "-m", str(path), "--steps", "2", "--contexts", "16,200")

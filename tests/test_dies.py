@@ -40,15 +40,20 @@ def test_most_free_budget_that_fits_wins(path, cfg):
     assert t.choose(path, cfg, ["cpu"], 4, 64) == ("cpu", need)
 
 
-def test_weights_are_counted_as_the_worker_holds_them(path, cfg):
-    """The admission figure is the loaded engine's own, before any upload."""
+@pytest.mark.parametrize("kv_cache", ["f32", "f16"])
+def test_weights_are_counted_as_the_worker_holds_them(path, cfg, kv_cache, monkeypatch):
+    """The admission figure is the loaded engine's own, before any upload: with
+    `--kv-cache f16` the KV in fp16 beside quantized weights, in fp32 in the exact mode."""
     from pantheon.worker.engine import load_engine
-    kv = 4 * 64 * cfg.kv_bytes_per_token(4)
-    for mode in ("auto", "none", "q4"):
+    monkeypatch.setenv("PANTHEON_KV_CACHE", kv_cache)
+    half = 2 if kv_cache == "f16" else 4
+    for mode, itemsize in (("auto", half), ("none", 4), ("q4", half)):
+        kv = 4 * 64 * cfg.kv_bytes_per_token(itemsize)
         engine = load_engine(path, n_slots=4, ctx=64, quantize=mode)
         held = engine.model.w.nbytes()
         assert replica_bytes(path, cfg, "cpu", 4, 64, mode) == held + kv, mode
         assert engine.model.state.nbytes == kv
+        assert engine.model.state.layers[0].k.itemsize == itemsize
     # quantize applies to float tensors: Q8_0 ones stay as they are
     assert replica_bytes(path, cfg, "cpu", 1, 64, "q4") == replica_bytes(path, cfg, "cpu", 1, 64)
     assert replica_bytes(path, cfg, "cpu", 1, 64) < replica_bytes(path, cfg, "cpu", 1, 64, "none") / 3

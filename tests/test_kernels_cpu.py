@@ -1,4 +1,6 @@
 """The CPU kernels against NumPy on every in-memory kind, batch size and path."""
+from pathlib import Path
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
@@ -151,17 +153,32 @@ def test_a_forked_child_without_the_pool_threads_still_computes():
     assert os.WEXITSTATUS(status) == 0
 
 
-@pytest.mark.parametrize("n_heads,n_kv,hd", [(4, 4, 8), (9, 3, 64), (12, 2, 24)])
+@pytest.mark.parametrize("n_heads,n_kv,hd", [(4, 4, 8), (9, 3, 64), (12, 2, 24), (12, 2, 128),
+                                             (10, 1, 256), (5, 5, 64)])
 @pytest.mark.parametrize("window", [None, 5])
-def test_decode_attention_in_c_equals_the_numpy_expression(n_heads, n_kv, hd, window):
+@pytest.mark.parametrize("generic", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_decode_attention_in_c_equals_the_numpy_expression(n_heads, n_kv, hd, window, generic,
+                                                           dtype):
     """Queries of scattered slots and positions (one at position 0, one far along), every
     group shape and a head size that is not a multiple of 16: the C kernel's softmax
-    and products against attention.attend_decodes over the same masked cache."""
+    and products against attention.attend_decodes over the same masked cache; head sizes
+    of 64, 128 and 256 through their 16-positions-at-a-time loops and through the
+    portable ones (`generic`); caches of float32 and of float16 (new rows rounded to
+    nearest as NumPy's astype, widened as they are read)."""
     from pantheon.worker.layers import attention as at
+    kc.library().pn_set_attn_generic(int(generic))
+    try:
+        _check_decode_attention(at, n_heads, n_kv, hd, window, dtype)
+    finally:
+        kc.library().pn_set_attn_generic(0)
+
+
+def _check_decode_attention(at, n_heads, n_kv, hd, window, dtype):
     rng = np.random.default_rng(n_heads * hd)
     slots_n, ctx = 6, 40
-    k = rng.standard_normal((slots_n, n_kv, ctx, hd)).astype(np.float32)
-    v = rng.standard_normal((slots_n, n_kv, ctx, hd)).astype(np.float32)
+    k = rng.standard_normal((slots_n, n_kv, ctx, hd)).astype(dtype)
+    v = rng.standard_normal((slots_n, n_kv, ctx, hd)).astype(dtype)
     slots = np.array([4, 0, 2, 5], dtype=np.int64)
     pos = np.array([0, 17, 39, 8], dtype=np.int64)
     q = (3 * rng.standard_normal((4, n_heads, hd))).astype(np.float32)
@@ -173,8 +190,8 @@ def test_decode_attention_in_c_equals_the_numpy_expression(n_heads, n_kv, hd, wi
     got = np.zeros((4, n_heads * hd), np.float32)
     kc.attend_decodes(q, k_new, v_new, k, v, kc.DecodeBounds(slots, first, pos, k.shape), got)
     for b in range(4):          # the new rows went in at each query's position, nothing else
-        np.testing.assert_array_equal(k[slots[b], :, pos[b]], k_new[b])
-        np.testing.assert_array_equal(v[slots[b], :, pos[b]], v_new[b])
+        np.testing.assert_array_equal(k[slots[b], :, pos[b]], k_new[b].astype(dtype))
+        np.testing.assert_array_equal(v[slots[b], :, pos[b]], v_new[b].astype(dtype))
         before[0][slots[b], :, pos[b]] = k_new[b]
         before[1][slots[b], :, pos[b]] = v_new[b]
     np.testing.assert_array_equal(k, before[0])
@@ -182,10 +199,26 @@ def test_decode_attention_in_c_equals_the_numpy_expression(n_heads, n_kv, hd, wi
     for b in range(4):
         keys = np.arange(ctx)
         bias = np.where((keys >= first[b]) & (keys <= pos[b]), 0.0, -np.inf).astype(np.float32)
-        want = at.attend_decodes(q[b:b + 1], k[slots[b]:slots[b] + 1],
-                                 v[slots[b]:slots[b] + 1], bias[None, None, None, :],
-                                 np.zeros(1, dtype=np.int64))
+        want = at.attend_decodes(q[b:b + 1], k[slots[b]:slots[b] + 1].astype(np.float32),
+                                 v[slots[b]:slots[b] + 1].astype(np.float32),
+                                 bias[None, None, None, :], np.zeros(1, dtype=np.int64))
         np.testing.assert_allclose(got[b], want[0], rtol=2e-5, atol=1e-5)   # |out| ~ 1
+
+
+def test_an_fp16_cache_stores_new_rows_as_numpy_rounds_them():
+    """Past fp16's range (infinity, as astype), halfway cases, subnormals, signed zero."""
+    special = np.array([70000.0, -65520.0, 65519.0, 1e-6, -3e-8, 2.0 ** -25, -0.0, 1 + 2.0 ** -11,
+                        1 + 3 * 2.0 ** -11, 6.1e-5, np.inf, -np.inf] + [0.5] * 4, np.float32)
+    k = np.zeros((1, 1, 4, 16), np.float16)
+    v = np.zeros_like(k)
+    row = special.reshape(1, 1, 16)
+    bounds = kc.DecodeBounds(np.zeros(1, np.int64), np.full(1, 3), np.full(1, 3), k.shape)
+    with np.errstate(over="ignore", invalid="ignore"):
+        kc.attend_decodes(np.zeros((1, 1, 16), np.float32), row, -row, k, v, bounds,
+                          np.zeros((1, 16), np.float32))
+        np.testing.assert_array_equal(k[0, 0, 3].view(np.uint16), special.astype(np.float16).view(np.uint16))
+        np.testing.assert_array_equal(v[0, 0, 3].view(np.uint16), (-special).astype(np.float16).view(np.uint16))
+    assert not k[0, 0, :3].any()
 
 
 def test_decode_attention_refuses_positions_outside_the_cache():
@@ -244,7 +277,8 @@ def test_a_chain_of_matrices_fetches_ahead_without_changing_a_product():
                          ids=["avx2", "no-avx"])
 def test_the_kernels_built_without_avx512_pass_these_tests(flags, tmp_path):
     """Hosts without AVX-512 (the Xeons beside K80s) or without AVX run the 256-bit and the
-    portable paths: this file's tests pass against a build that leaves those out."""
+    portable paths: this file's tests (and the C decode layers') pass against a build
+    that leaves those out."""
     import os
     import shutil
     import subprocess
@@ -257,7 +291,8 @@ def test_the_kernels_built_without_avx512_pass_these_tests(flags, tmp_path):
     cc.chmod(0o755)
     env = dict(os.environ, CC=str(cc), PANTHEON_CACHE_DIR=str(tmp_path / "cache"))
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           __file__, "-k", "not built_without_avx512"],
+                           __file__, str(Path(__file__).with_name("test_decode_cpu.py")),
+                           "-k", "not built_without_avx512"],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert " passed" in done.stdout

@@ -173,7 +173,7 @@ def test_sigterm_deregisters_first_finishes_its_stream_and_gets_no_new_requests(
         vllm_router, cluster):
     a = cluster.a
     with Router(vllm_router) as router, \
-            Server("--slots", "4", "--ctx", "768", "--shutdown-timeout", "120",
+            Server("--slots", "4", "--ctx", "2048", "--shutdown-timeout", "120",
                    env={"PANTHEON_REGISTRY_URL": router.url, **FAST}) as c:
         httpx.post(router.url + "/add_worker", params={"url": a.url}, timeout=30)
         wait_until(lambda: sorted(router.healthy()) == sorted([a.url, c.url]), 30,
@@ -184,7 +184,8 @@ def test_sigterm_deregisters_first_finishes_its_stream_and_gets_no_new_requests(
                 break
         else:
             pytest.fail("no session hashed to the draining instance")
-        stream = Stream(router.url, {"messages": opening(900), "max_tokens": 480,
+        # long enough to outlast the drain's checks at ~170 tok/s (about 10 s)
+        stream = Stream(router.url, {"messages": opening(900), "max_tokens": 1600,
                                      "logit_bias": {"2": -100, "0": -100}},
                         {"X-Session-Id": session})
         stream.start()
@@ -204,7 +205,7 @@ def test_sigterm_deregisters_first_finishes_its_stream_and_gets_no_new_requests(
         chunks = [json.loads(e) for e in stream.events if e != "[DONE]"]
         assert stream.status == 200 and stream.events[-1] == "[DONE]"
         assert not any("error" in ch for ch in chunks), ([ch for ch in chunks if "error" in ch], len(chunks), c.logs())
-        assert [ch for ch in chunks if ch.get("usage")][-1]["usage"]["completion_tokens"] == 480
+        assert [ch for ch in chunks if ch.get("usage")][-1]["usage"]["completion_tokens"] == 1600
         assert c.proc.wait(30) == 0
         logs = c.logs()
         assert logs.index("deregistered") < logs.index("drain: every request finished"), logs

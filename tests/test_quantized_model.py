@@ -99,7 +99,10 @@ def test_an_unknown_quantize_mode_is_refused(tmp_path):
 
 @pytest.mark.skipif(not cached_path().exists() or not REFERENCE.exists(),
                     reason="default model or reference data missing")
-def test_smollm2_quantized_matches_its_fp32_forward():
+@pytest.mark.parametrize("kv_cache", ["f32", "f16"])
+def test_smollm2_quantized_matches_its_fp32_forward(kv_cache, monkeypatch):
+    """Also with `--kv-cache f16` (the fp32 reference keeps fp32 KV)."""
+    monkeypatch.setenv("PANTHEON_KV_CACHE", kv_cache)
     chat = json.loads((REFERENCE / "smollm2-reference.json").read_text())["chat_greedy"]
     llama = json.loads((REFERENCE / "llamacpp-greedy.json").read_text())[
         "SmolLM2-135M-Instruct.Q4_1.gguf"]["cases"]
@@ -108,8 +111,11 @@ def test_smollm2_quantized_matches_its_fp32_forward():
     quantized = load_engine(cached_path(), n_slots=1, ctx=1024)
     reference = load_engine(cached_path(), n_slots=1, ctx=1024, quantize="none")
     assert kinds(quantized) == {"q4/32+min", "q8/32"}
+    assert quantized.model.state.layers[0].k.itemsize == (2 if kv_cache == "f16" else 4)
+    assert reference.model.state.layers[0].k.itemsize == 4
     assert quantized.model.w.nbytes() <= cached_path().stat().st_size * 1.02
     agree, kl, n = compare(reference, quantized, seqs)
+    print(f"kv {kv_cache}: top-1 {agree:.4f}, KL {kl:.2e} over {n} positions")
     assert n > 140 and agree >= 0.99 and kl <= 0.01, (agree, kl)
 
 

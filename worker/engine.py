@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from ..common.model_file import ModelConfig, open_model_file
+from ..common.weight_format import kv_itemsize
 from .device import Device, open_device
 from .model import Model, Span
 from .prefix_cache import PrefixCache
@@ -87,7 +88,10 @@ def load_engine(path: str | Path, die: str | Device = "cpu", n_slots: int = 8,
     weights = load_weights(path, cfg, device, progress=progress, quantize=quantize,
                            reader=reader)
     del reader                       # the parsed metadata is not kept for the replica's life
-    model = Model(cfg, weights, device.xp, n_slots, ctx, kv_dtype=device.weight_dtype)
+    kv_dtype = device.weight_dtype
+    if device.xp is np and kv_itemsize(path, "cpu", quantize) == 2:
+        kv_dtype = np.float16
+    model = Model(cfg, weights, device.xp, n_slots, ctx, kv_dtype=kv_dtype)
     engine = Engine(cfg, device, model, None, 0.0, Sampler(device.xp, device.settle))
     cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
     engine.scheduler = Scheduler(engine.logits, n_slots, ctx, prefill_chunk, model.state, cache,

@@ -406,6 +406,13 @@ static void gemv1_rows(int code, const uint8_t *restrict qs, const uint16_t *res
     }
 }
 
+/* a matrix and a scratch as pn_matmul_int takes them (kernels_cpu._CMat, _CScratch) */
+typedef struct PnMat {
+    int32_t code, pad; const uint8_t *qs; const uint16_t *sc, *mn; int64_t N, K, bs;
+    const struct PnMat *next;       /* the matrix the forward multiplies by next, or NULL */
+} PnMat;
+typedef struct { int16_t *xq; float *xd, *xs; } PnScratch;   /* B x K, B x K/32, B x K/32 */
+
 #if defined(__AVX2__)
 #include <immintrin.h>
 /* Integer path (decode): x is quantized per block of 32 to int16 with a float scale
@@ -1193,10 +1200,6 @@ void pn_gemv_k(int code, const uint8_t *qs, int64_t N, int64_t K, const int16_t 
  * struct, its scratch as another, so a decode step's hundred-odd products cost one
  * ctypes call each instead of three (12.9 -> 5 us per call measured on a tiny q4 matrix,
  * most of it argument conversion) */
-typedef struct PnMat {
-    int32_t code, pad; const uint8_t *qs; const uint16_t *sc, *mn; int64_t N, K, bs;
-    const struct PnMat *next;       /* the matrix the forward multiplies by next, or NULL */
-} PnMat;
 
 #define NEXT_BYTES (512 << 10)      /* of the next matrix, fetched between products */
 
@@ -1215,7 +1218,6 @@ static void next_spans(const PnMat *m, Span_ out[3]) {
     out[1] = (Span_){(const char *)m->sc, scales};
     out[2] = (Span_){(const char *)m->mn, m->mn == m->sc ? 0 : scales};
 }
-typedef struct { int16_t *xq; float *xd, *xs; } PnScratch;   /* B x K, B x K/32, B x K/32 */
 
 /* out[B, N] = x @ W.T through the integer products; 0 where they do not apply (the
  * caller then takes another path): K-quants at any B, q4 / q8 up to MAXB rows. */
@@ -1248,10 +1250,18 @@ int pn_matmul_int(const PnMat *m, const float *x, int64_t B, const PnScratch *s,
     return 0;
 }
 
+/* whether pn_matmul_int takes m at B rows (its conditions above, asked before a step) */
+int pn_int_ok(const PnMat *m, int64_t B) {
+    if (is_k(m->code)) return 1;
+    return (m->code == Q4 || m->code == Q8 || m->code == Q8M) && B <= MAXB
+           && m->K / m->bs <= MAX_RUNS;
+}
+
 int pn_has_i8(void) { return 1; }
 #else
 int pn_has_i8(void) { return 0; }
-int pn_matmul_int(const void *m, const float *x, int64_t B, const void *s, float *out) { return 0; }
+int pn_int_ok(const PnMat *m, int64_t B) { return 0; }
+int pn_matmul_int(const PnMat *m, const float *x, int64_t B, const PnScratch *s, float *out) { return 0; }
 void pn_set_digits(int on) { (void)on; }
 void pn_quantize_xk(const float *x, int64_t B, int64_t K, int16_t *xq, float *xd,
                     float *xs) {}
@@ -1335,12 +1345,34 @@ static inline __m512 exp512(__m512 x) {
 #endif
 
 typedef struct {
-    const float *q; int64_t q_stride, Hq, Hkv, hd; const float *K, *V; int64_t ctx;
-    const int64_t *slots, *first, *last; float *out; int64_t out_stride;
+    const float *q; int64_t q_stride, Hq, Hkv, hd; const void *K, *V; int64_t ctx;
+    const int64_t *slots, *first, *last; float *out; int64_t out_stride; int f16;
 } AttnArgs;
 
 static __thread float *attn_buf;
 static __thread int64_t attn_cap;
+static __thread float *attn_wide;      /* an fp16 item's keys and values, widened */
+static __thread int64_t attn_wide_cap;
+
+/* float -> fp16, round to nearest even (NumPy's astype), overflow to infinity */
+static inline uint16_t f32_to_f16(float f) {
+#if defined(__F16C__)
+    return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000, ax = x & 0x7FFFFFFFu;
+    if (ax >= 0x7F800000u) return (uint16_t)(sign | 0x7C00 | (ax > 0x7F800000u ? 0x200 : 0));
+    if (ax >= 0x477FF000u) return (uint16_t)(sign | 0x7C00);       /* rounds past 65504 */
+    if (ax < 0x38800000u) {                          /* below 2^-14: a subnormal half */
+        float v;
+        memcpy(&v, &ax, 4);
+        return (uint16_t)(sign | (uint32_t)lrintf(v * 16777216.0f));
+    }
+    const uint32_t e = ax - 0x38000000u;             /* exponent rebiased by 127 - 15 */
+    return (uint16_t)(sign | ((e + 0xFFF + ((e >> 13) & 1)) >> 13));
+#endif
+}
 
 static inline float dotf(const float *restrict a, const float *restrict b, int64_t n) {
     int64_t i = 0;
@@ -1356,16 +1388,115 @@ static inline float dotf(const float *restrict a, const float *restrict b, int64
         acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
     t = hsum(acc);
 #endif
-    for (; i < n; i++) t += a[i] * b[i];
-    return t;
+    double tail = 0.0;          /* the portable build's whole sum: in double, as BLAS is close */
+    for (; i < n; i++) tail += (double)a[i] * b[i];
+    return t + (float)tail;
 }
+
+static int attn_generic;        /* tests: the portable loops for every head size */
+void pn_set_attn_generic(int on) { attn_generic = on; }
+#if defined(__AVX512F__)
+/* r[i] = the sum of v[i]'s 16 lanes: a transposing tree of 45 shuffles and adds where
+ * 16 separate reductions took 128 dependent steps. */
+static inline __m512 reduce16(const __m512 *v) {
+    __m512 t[8], u[4], x[2];
+    for (int i = 0; i < 8; i++)
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }   /* u[i], 128-bit lane k: v[4i .. 4i+3] summed over lane k's four floats */
+    for (int i = 0; i < 2; i++)
+        x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88),
+                         _mm512_shuffle_f32x4(x[0], x[1], 0xDD));
+}
+
+/* One (query, kv head) item for head sizes of NC * 16 floats: scores 16 positions at a
+ * time (rows past the last repeat it and are not stored), values with the group's
+ * accumulators in registers, 16 / NC heads at a time, each value row read once. */
+/* 16 cached values from p (floats, or fp16 widened) */
+static inline __attribute__((always_inline)) __m512 load16(const void *p, int64_t at, const int F16) {
+    if (F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + at)));
+    return _mm512_loadu_ps((const float *)p + at);
+}
+
+static inline __attribute__((always_inline)) void
+attn_fast(const float *restrict qb, const void *restrict Kh, const void *restrict Vh,
+          int64_t L, int64_t g, float *restrict sc, float *restrict ob, const int NC,
+          const int F16) {
+    const int64_t hd = 16 * NC;
+    for (int64_t l0 = 0; l0 < L; l0 += 16) {
+        const int64_t n = L - l0 < 16 ? L - l0 : 16;
+        int64_t rows[16];
+        for (int i = 0; i < 16; i++) rows[i] = (l0 + (i < n ? i : n - 1)) * hd;
+        for (int64_t j = 0; j < g; j++) {
+            const float *qj = qb + j * hd;
+            __m512 p[16];
+            for (int i = 0; i < 16; i++) {
+                __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qj), load16(Kh, rows[i], F16));
+                for (int c = 1; c < NC; c++)
+                    acc = _mm512_fmadd_ps(_mm512_loadu_ps(qj + 16 * c),
+                                          load16(Kh, rows[i] + 16 * c, F16), acc);
+                p[i] = acc;
+            }
+            _mm512_mask_storeu_ps(sc + j * L + l0, (__mmask16)((1u << n) - 1), reduce16(p));
+        }
+    }
+    for (int64_t j = 0; j < g; j++) {                    /* softmax of each head's row */
+        float *s = sc + j * L;
+        __m512 vm = _mm512_set1_ps(-INFINITY);
+        int64_t l = 0;
+        for (; l + 16 <= L; l += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(s + l));
+        float m = _mm512_reduce_max_ps(vm);
+        for (; l < L; l++) m = s[l] > m ? s[l] : m;
+        vm = _mm512_set1_ps(m);
+        __m512 vs = _mm512_setzero_ps();
+        for (l = 0; l < L; l += 16) {
+            const __mmask16 k = (__mmask16)(L - l >= 16 ? 0xFFFF : (1u << (L - l)) - 1);
+            __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + l), vm));
+            e = _mm512_maskz_mov_ps(k, e);
+            _mm512_mask_storeu_ps(s + l, k, e);
+            vs = _mm512_add_ps(vs, e);
+        }
+        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(vs));
+        for (l = 0; l < L; l += 16) {
+            const __mmask16 k = (__mmask16)(L - l >= 16 ? 0xFFFF : (1u << (L - l)) - 1);
+            _mm512_mask_storeu_ps(s + l, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + l), inv));
+        }
+    }
+    const int per = NC >= 16 ? 1 : 16 / NC;              /* heads per pass */
+    for (int64_t j0 = 0; j0 < g; j0 += per) {
+        const int jn = g - j0 < per ? (int)(g - j0) : per;
+        __m512 acc[16];
+        for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+        for (int64_t l = 0; l < L; l++) {
+            __m512 vr[16];
+            for (int c = 0; c < NC; c++) vr[c] = load16(Vh, l * hd + 16 * c, F16);
+            for (int jj = 0; jj < per; jj++) {
+                if (jj >= jn) break;
+                const __m512 w = _mm512_set1_ps(sc[(j0 + jj) * L + l]);
+                for (int c = 0; c < NC; c++)
+                    acc[jj * NC + c] = _mm512_fmadd_ps(w, vr[c], acc[jj * NC + c]);
+            }
+        }
+        for (int jj = 0; jj < jn; jj++)
+            for (int c = 0; c < NC; c++)
+                _mm512_storeu_ps(ob + (j0 + jj) * hd + 16 * c, acc[jj * NC + c]);
+    }
+}
+#endif
 
 static void attn_item(const void *p, int64_t it) {
     const AttnArgs *a = p;
     const int64_t b = it / a->Hkv, h = it % a->Hkv, g = a->Hq / a->Hkv, hd = a->hd;
     const int64_t lo = a->first[b], L = a->last[b] + 1 - lo;
     const int64_t base = ((a->slots[b] * a->Hkv + h) * a->ctx + lo) * hd;
-    const float *Kh = a->K + base, *Vh = a->V + base;
+    const size_t esz = a->f16 ? 2 : 4;
+    const void *Kh = (const char *)a->K + base * esz, *Vh = (const char *)a->V + base * esz;
     const float *qb = a->q + b * a->q_stride + h * g * hd;
     float *ob = a->out + b * a->out_stride + h * g * hd;
     if (L * g > attn_cap) {
@@ -1375,8 +1506,35 @@ static void attn_item(const void *p, int64_t it) {
         attn_cap = L * g;
     }
     float *sc = attn_buf;           /* [g][L] */
+#if defined(__AVX512F__)
+    if (a->f16) switch (attn_generic ? 0 : hd) {
+    case 64: attn_fast(qb, Kh, Vh, L, g, sc, ob, 4, 1); return;
+    case 128: attn_fast(qb, Kh, Vh, L, g, sc, ob, 8, 1); return;
+    case 256: attn_fast(qb, Kh, Vh, L, g, sc, ob, 16, 1); return;
+    default: break;
+    } else switch (attn_generic ? 0 : hd) {
+    case 64: attn_fast(qb, Kh, Vh, L, g, sc, ob, 4, 0); return;
+    case 128: attn_fast(qb, Kh, Vh, L, g, sc, ob, 8, 0); return;
+    case 256: attn_fast(qb, Kh, Vh, L, g, sc, ob, 16, 0); return;
+    default: break;
+    }
+#endif
+    const float *Kf = Kh, *Vf = Vh;
+    if (a->f16) {                   /* the portable loops read floats: widen the rows */
+        if (2 * L * hd > attn_wide_cap) {
+            float *nb = realloc(attn_wide, sizeof(float) * 2 * L * hd);
+            if (!nb) return;
+            attn_wide = nb;
+            attn_wide_cap = 2 * L * hd;
+        }
+        for (int64_t i = 0; i < L * hd; i++) {
+            attn_wide[i] = half_to_float(((const uint16_t *)Kh)[i]);
+            attn_wide[L * hd + i] = half_to_float(((const uint16_t *)Vh)[i]);
+        }
+        Kf = attn_wide, Vf = attn_wide + L * hd;
+    }
     for (int64_t l = 0; l < L; l++)
-        for (int64_t j = 0; j < g; j++) sc[j * L + l] = dotf(qb + j * hd, Kh + l * hd, hd);
+        for (int64_t j = 0; j < g; j++) sc[j * L + l] = dotf(qb + j * hd, Kf + l * hd, hd);
     for (int64_t j = 0; j < g; j++) {
         float *s = sc + j * L, m = s[0], sum = 0.0f;
         for (int64_t l = 1; l < L; l++) m = s[l] > m ? s[l] : m;
@@ -1396,7 +1554,7 @@ static void attn_item(const void *p, int64_t it) {
     }
     for (int64_t j = 0; j < g; j++) memset(ob + j * hd, 0, sizeof(float) * hd);
     for (int64_t l = 0; l < L; l++) {
-        const float *vr = Vh + l * hd;
+        const float *vr = Vf + l * hd;
         for (int64_t j = 0; j < g; j++) {
             const float w = sc[j * L + l];
             float *o = ob + j * hd;
@@ -1416,17 +1574,25 @@ static void attn_item(const void *p, int64_t it) {
  * = attention of q [B, Hq, hd] (scaled; rows q_stride apart) over K, V: query b reads
  * slot slots[b], positions first[b] .. last[b]. */
 void pn_attend_decodes(const float *q, int64_t q_stride, int64_t B, int64_t Hq, int64_t Hkv,
-                       int64_t hd, float *K, float *V, int64_t ctx, const int64_t *slots,
+                       int64_t hd, void *K, void *V, int64_t ctx, const int64_t *slots,
                        const int64_t *first, const int64_t *last, const float *knew,
                        int64_t k_stride, const float *vnew, int64_t v_stride, float *out,
-                       int64_t out_stride) {
+                       int64_t out_stride, int f16) {
     for (int64_t b = 0; b < B; b++)
         for (int64_t h = 0; h < Hkv; h++) {
             const int64_t at = ((slots[b] * Hkv + h) * ctx + last[b]) * hd;
-            memcpy(K + at, knew + b * k_stride + h * hd, sizeof(float) * hd);
-            memcpy(V + at, vnew + b * v_stride + h * hd, sizeof(float) * hd);
+            const float *kr = knew + b * k_stride + h * hd, *vr = vnew + b * v_stride + h * hd;
+            if (!f16) {
+                memcpy((float *)K + at, kr, sizeof(float) * hd);
+                memcpy((float *)V + at, vr, sizeof(float) * hd);
+                continue;
+            }
+            for (int64_t i = 0; i < hd; i++) {
+                ((uint16_t *)K)[at + i] = f32_to_f16(kr[i]);
+                ((uint16_t *)V)[at + i] = f32_to_f16(vr[i]);
+            }
         }
-    AttnArgs a = {q, q_stride, Hq, Hkv, hd, K, V, ctx, slots, first, last, out, out_stride};
+    AttnArgs a = {q, q_stride, Hq, Hkv, hd, K, V, ctx, slots, first, last, out, out_stride, f16};
     pool_run(attn_item, &a, B * Hkv);
 }
 
@@ -1478,7 +1644,108 @@ void pn_rope(const float *x, int64_t T, int64_t H, int64_t hd, int64_t stride,
     }
 }
 
+/* The same over [T, H, d] whose T rows of H * d are `stride` apart (each head's q or
+ * k of a fused qkv product): out [T, H, d] contiguous. */
+void pn_rms_norm_heads(const float *x, int64_t T, int64_t H, int64_t d, int64_t stride,
+                       const float *w, float eps, float *out) {
+    for (int64_t t = 0; t < T; t++) pn_rms_norm(x + t * stride, H, d, d, w, eps, out + t * H * d);
+}
+
+/* out[b, i] = silu(g[b, i]) * g[b, F + i] for g [B, 2F] (gate | up, fused): silu(x) =
+ * x * sigmoid(x), sigmoid through e^-|x| (never overflows). */
+void pn_silu_mul(const float *g, int64_t B, int64_t F, float *out) {
+    for (int64_t b = 0; b < B; b++) {
+        const float *gate = g + b * 2 * F, *up = gate + F;
+        float *o = out + b * F;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        const __m512 one = _mm512_set1_ps(1.0f);
+        for (; i + 16 <= F; i += 16) {
+            const __m512 x = _mm512_loadu_ps(gate + i);
+            const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+            const __m512 r = _mm512_div_ps(one, _mm512_add_ps(one, e));
+            const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+            const __m512 sig = _mm512_mask_mul_ps(r, neg, r, e);        /* x < 0: e / (1 + e) */
+            _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_mul_ps(x, sig), _mm512_loadu_ps(up + i)));
+        }
+#endif
+        for (; i < F; i++) {
+            const float x = gate[i], e = expf(-fabsf(x)), r = 1.0f / (1.0f + e);
+            o[i] = x * (x < 0.0f ? r * e : r) * up[i];
+        }
+    }
+}
+
 int pn_max_rows(void) { return MAXB; }
+
+/* -- a decode step's attention layer in one call (worker/layers/decode_cpu.py) --------
+ * Everything between two layers of a step whose spans are all single tokens, in the
+ * order and with the kernels the Python layer calls one by one (so the results are the
+ * same bits): norm, qkv product (+ bias), q/k norms, rotary, the cache write and
+ * attention, output product, residual, norm, gate|up product, silu * up, down product,
+ * residual. A projection is up to 3 matrices whose outputs are concatenated. */
+typedef struct {
+    const PnMat *qkv[3], *o[3], *gu[3], *down[3];
+    const float *bqkv, *norm1, *norm2, *q_norm, *k_norm;   /* bqkv, q/k norms: or NULL */
+    float eps, scale;
+    int64_t D, Hq, Hkv, hd, d_ff, half;
+    void *K, *V; int64_t ctx, kv16;                        /* the layer's caches (fp16: kv16) */
+} PnLayer;
+
+typedef struct {                  /* one step: its queries and scratch rows */
+    int64_t B; const int64_t *slots, *last;
+    float *h, *qkv, *part, *qn, *kn, *qr, *kr, *attn, *y, *gu, *act;
+    PnScratch s;
+} PnStep;
+
+static int proj(const PnMat *const *parts, const float *x, int64_t B, const PnScratch *s,
+                float *part, float *out) {
+    if (!parts[1]) return pn_matmul_int(parts[0], x, B, s, out);
+    int64_t N = 0, at = 0;
+    for (int i = 0; i < 3 && parts[i]; i++) N += parts[i]->N;
+    for (int i = 0; i < 3 && parts[i]; i++) {
+        const int64_t n = parts[i]->N;
+        if (!pn_matmul_int(parts[i], x, B, s, part)) return 0;
+        for (int64_t b = 0; b < B; b++) memcpy(out + b * N + at, part + b * n, sizeof(float) * n);
+        at += n;
+    }
+    return 1;
+}
+
+static void add_rows(float *restrict x, const float *restrict y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) x[i] += y[i];
+}
+
+/* x [B, D] updated in place; `first` [B]: each query's first key position (its window),
+ * cos, sin [B, half]. 0 where a product was not taken (pn_int_ok said it would be). */
+int pn_decode_layer(const PnLayer *L, const PnStep *S, const int64_t *first,
+                    const float *cos_, const float *sin_, float *x) {
+    const int64_t B = S->B, D = L->D, hd = L->hd, qd = L->Hq * hd, kvd = L->Hkv * hd;
+    const int64_t N = qd + 2 * kvd;
+    pn_rms_norm(x, B, D, D, L->norm1, L->eps, S->h);
+    if (!proj(L->qkv, S->h, B, &S->s, S->part, S->qkv)) return 0;
+    if (L->bqkv)
+        for (int64_t b = 0; b < B; b++) add_rows(S->qkv + b * N, L->bqkv, N);
+    const float *q = S->qkv, *k = S->qkv + qd;
+    int64_t q_stride = N, k_stride = N;
+    if (L->q_norm) {
+        pn_rms_norm_heads(q, B, L->Hq, hd, N, L->q_norm, L->eps, S->qn);
+        pn_rms_norm_heads(k, B, L->Hkv, hd, N, L->k_norm, L->eps, S->kn);
+        q = S->qn, k = S->kn, q_stride = qd, k_stride = kvd;
+    }
+    pn_rope(q, B, L->Hq, hd, q_stride, cos_, sin_, L->half, L->scale, S->qr);
+    pn_rope(k, B, L->Hkv, hd, k_stride, cos_, sin_, L->half, 1.0f, S->kr);
+    pn_attend_decodes(S->qr, qd, B, L->Hq, L->Hkv, hd, L->K, L->V, L->ctx, S->slots, first,
+                      S->last, S->kr, kvd, S->qkv + qd + kvd, N, S->attn, qd, (int)L->kv16);
+    if (!proj(L->o, S->attn, B, &S->s, S->part, S->y)) return 0;
+    add_rows(x, S->y, B * D);
+    pn_rms_norm(x, B, D, D, L->norm2, L->eps, S->h);
+    if (!proj(L->gu, S->h, B, &S->s, S->part, S->gu)) return 0;
+    pn_silu_mul(S->gu, B, L->d_ff, S->act);
+    if (!proj(L->down, S->act, B, &S->s, S->part, S->y)) return 0;
+    add_rows(x, S->y, B * D);
+    return 1;
+}
 
 /* -- repacking at load (worker/qmatrix.py's fast path for the K-quants) -------------- */
 #if defined(__F16C__)

@@ -135,8 +135,15 @@ def library():
         lib.pn_rope.argtypes = [p, i64, i64, i64, i64, p, p, i64, ctypes.c_float, p]
         lib.pn_rms_norm.restype = lib.pn_rope.restype = None
         lib.pn_attend_decodes.argtypes = [p, i64, i64, i64, i64, i64, p, p, i64, p, p, p,
-                                          p, i64, p, i64, p, i64]
+                                          p, i64, p, i64, p, i64, ctypes.c_int]
         lib.pn_attend_decodes.restype = None
+        lib.pn_rms_norm_heads.argtypes = [p, i64, i64, i64, i64, p, ctypes.c_float, p]
+        lib.pn_silu_mul.argtypes = [p, i64, i64, p]
+        lib.pn_rms_norm_heads.restype = lib.pn_silu_mul.restype = None
+        lib.pn_set_attn_generic.argtypes = [ctypes.c_int]
+        lib.pn_set_attn_generic.restype = None
+        lib.pn_int_ok.argtypes = [p, i64]
+        lib.pn_decode_layer.argtypes = [p, p, p, p, p, p]
         lib.pn_pool_init.argtypes = [ctypes.c_int, i64]
         lib.pn_pool_init.restype = ctypes.c_int
         for fn in (lib.pn_gemv, lib.pn_dequant_rows, lib.pn_gather, lib.pn_quantize_x,
@@ -328,14 +335,30 @@ def _rows(x: np.ndarray):
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float):
-    """x [T, d] (rows contiguous) / rms * w [d] → a new contiguous array, or None where
-    x's layout is not one the kernel reads."""
-    rows = _rows(x) if x.ndim == 2 else None
-    if rows is None or w.dtype != F32 or w.shape != (x.shape[1],) or not w.flags.c_contiguous:
+    """x [T, d] or [T, H, d] (each row of T contiguous: the heads of a fused qkv product)
+    / rms * w [d] → a new contiguous array, or None where x's layout is not one the
+    kernel reads."""
+    rows = _rows(x) if x.ndim in (2, 3) else None
+    d = x.shape[-1]
+    if rows is None or w.dtype != F32 or w.shape != (d,) or not w.flags.c_contiguous:
         return None
     out = np.empty(x.shape, dtype=F32)
-    (_lib or library()).pn_rms_norm(rows[1], x.shape[0], x.shape[1], rows[0], _cache_ptr(w),
-                                    eps, _ptr(out))
+    if x.ndim == 2:
+        (_lib or library()).pn_rms_norm(rows[1], x.shape[0], d, rows[0], _cache_ptr(w), eps,
+                                        _ptr(out))
+    else:
+        (_lib or library()).pn_rms_norm_heads(rows[1], x.shape[0], x.shape[1], d, rows[0],
+                                              _cache_ptr(w), eps, _ptr(out))
+    return out
+
+
+def silu_mul(g: np.ndarray, d_ff: int):
+    """silu(g[:, :d_ff]) * g[:, d_ff:] for g [T, 2 d_ff] (a fused gate | up product) → a
+    new [T, d_ff], or None where g's layout is not one the kernel reads."""
+    if g.dtype != F32 or g.ndim != 2 or g.shape[1] != 2 * d_ff or not g.flags.c_contiguous:
+        return None
+    out = np.empty((g.shape[0], d_ff), dtype=F32)
+    (_lib or library()).pn_silu_mul(_ptr(g), g.shape[0], d_ff, _ptr(out))
     return out
 
 
@@ -382,22 +405,27 @@ def _cache_ptr(a: np.ndarray) -> int:
     return hit[1]
 
 
+F16 = np.dtype(np.float16)
+KV_DTYPES = (np.dtype(F32), F16)     # what the C attention reads and writes
+
+
 def attend_decodes(q: np.ndarray, k_new: np.ndarray, v_new: np.ndarray, k: np.ndarray,
                    v: np.ndarray, bounds: DecodeBounds, out: np.ndarray) -> None:
     """Store the step's keys and values k_new, v_new [B, Hkv, hd] at each query's last
-    position of the fp32 caches k, v [slots, Hkv, ctx, hd], then write into out [B,
+    position of the caches k, v [slots, Hkv, ctx, hd] (float32, or float16: rounded to
+    nearest as NumPy's astype), then write into out [B,
     Hq * hd] the attention of q [B, Hq, hd] (scaled) over them as `bounds` says. q,
     k_new, v_new and out may be rows of wider matrices (each row contiguous)."""
     n, n_heads, hd = q.shape
     qr, kr, vr, orow = _rows(q), _rows(k_new), _rows(v_new), _rows(out)
     assert None not in (qr, kr, vr, orow) and n == bounds.n and out.shape == (n, n_heads * hd)
     assert k_new.shape == v_new.shape == (n, k.shape[1], hd)
-    assert k.dtype == F32 and v.dtype == F32 and k.shape == v.shape == bounds.cache_shape \
+    assert k.dtype in KV_DTYPES and v.dtype == k.dtype and k.shape == v.shape == bounds.cache_shape \
         and k.flags.c_contiguous and v.flags.c_contiguous and n_heads % k.shape[1] == 0
     slots, first, last = bounds.ptrs
     (_lib or library()).pn_attend_decodes(
         qr[1], qr[0], n, n_heads, k.shape[1], hd, _cache_ptr(k), _cache_ptr(v), k.shape[2],
-        slots, first, last, kr[1], kr[0], vr[1], vr[0], orow[1], orow[0])
+        slots, first, last, kr[1], kr[0], vr[1], vr[0], orow[1], orow[0], k.dtype == F16)
 
 
 def dequantize_rows(m: QMatrix, r0: int, r1: int) -> np.ndarray:

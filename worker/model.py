@@ -26,6 +26,7 @@ import numpy as np
 
 from ..common.model_file import ModelConfig
 from .layers import MIXERS, GatedMLP
+from .layers.decode_cpu import DecodeLayers
 from .layers.attention import attend, attend_decodes  # noqa: F401  (re-exported)
 from .layers.ops import linear, rms_norm, rope, silu  # noqa: F401  (re-exported)
 from . import kernels_cpu
@@ -138,8 +139,10 @@ class Model:
         # kernels cost in proportion to the rows and get none.
         dense = not is_quantized(weights.blocks[0].mlp.w_gate_up) if weights.blocks else True
         self.row_multiple = 8 if xp is np and dense else 1
+        self.decode_c = None
         if xp is np and not dense:      # each product tells the kernels what follows it
             kernels_cpu.chain(weights.forward_matrices())
+            self.decode_c = DecodeLayers(self.blocks, cfg.d_model)   # decodes: a layer per call
 
     def forward(self, tokens, spans: list[Span]):
         """Run one mixed batch; returns logits [n_sampled, V] float32 (on the die).
@@ -158,8 +161,10 @@ class Model:
         x[:batch.n] = w.embed_rows(tokens)
         if cfg.embed_scale != 1.0:
             x *= cfg.embed_scale
-        for block in self.blocks:
-            block(x, batch)
+        step = self.decode_c.step(batch) if self.decode_c is not None else None
+        for i, block in enumerate(self.blocks):
+            if step is None or not step.run(i, x):
+                block(x, batch)
         assert x.dtype == F32, f"activations drifted to {x.dtype}"
         rows = [int(batch.rows[i + 1]) - 1 for i, s in enumerate(spans) if s.logits]
         if not rows:

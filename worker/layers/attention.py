@@ -49,6 +49,8 @@ def attend(q, k, v, start: int, lo: int = 0, window: int | None = None):
     With a window, position start + i sees keys (start + i - window, start + i].
     """
     xp = xp_of(q)
+    if xp is np and k.dtype != F32:     # an fp16 cache on the CPU: products in float32
+        k, v = k.astype(F32), v.astype(F32)
     n, n_heads, hd = q.shape
     n_kv, length = k.shape[0], k.shape[1]
     group = n_heads // n_kv
@@ -79,6 +81,8 @@ def attend_decodes(q, k, v, bias, sel):
     slots each query belongs to. → [B, Hq * hd].
     """
     xp = xp_of(q)
+    if xp is np and k.dtype != F32:
+        k, v = k.astype(F32), v.astype(F32)
     n_seq, n_heads, hd = q.shape
     n_slots, n_kv = k.shape[0], k.shape[1]
     group = n_heads // n_kv
@@ -150,7 +154,7 @@ class DecodeGroup:
 
     def run(self, kv: KVState, q, k, v, out, window: int | None) -> None:
         """Write the group's k, v into the cache and its attention into `out` rows."""
-        if self.xp is np and kv.k.dtype == np.float32 and C_ATTENTION[0]:   # one C call
+        if self.xp is np and kv.k.dtype in kernels_cpu.KV_DTYPES and C_ATTENTION[0]:  # one C call
             bounds = self.bounds(window, kv.k.shape)
             if self.leading:                  # rows 0 .. size - 1: read and written in place
                 kernels_cpu.attend_decodes(q[:self.size], k[:self.size], v[:self.size],

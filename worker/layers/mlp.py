@@ -3,7 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from ...common.arch.stack import MLP
+from .. import kernels_cpu
 from .ops import ACTIVATIONS, linear
 
 
@@ -26,8 +29,13 @@ class GatedMLP:
         if spec.act not in ACTIVATIONS:
             raise ValueError(f"unknown MLP activation {spec.act!r}")
         self.d_ff, self.act, self.w = spec.d_ff, ACTIVATIONS[spec.act], w
+        self.silu = spec.act == "silu"
 
     def __call__(self, h):
         """h [T, D] → [T, D]."""
         gate_up = linear(h, self.w.w_gate_up)                          # [T, 2 d_ff]
+        if self.silu and isinstance(gate_up, np.ndarray):   # the CPU: one C call
+            inner = kernels_cpu.silu_mul(gate_up, self.d_ff)
+            if inner is not None:
+                return linear(inner, self.w.w_down)
         return linear(self.act(gate_up[:, :self.d_ff]) * gate_up[:, self.d_ff:], self.w.w_down)

@@ -219,3 +219,19 @@ def test_a_taken_address_fails_fast_with_a_clear_error(server, flag):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
     assert "cannot" in proc.stderr and "in use" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_an_fp16_kv_cache_is_reserved_at_its_size_and_serves_the_same_reply():
+    """`serve --kv-cache f16`: the workers it spawns hold fp16 KV, the replica's
+    reservation counts it at 2 bytes an element, and the greedy reply is unchanged."""
+    with Server("--slots", "2", "--ctx", "256", "--kv-cache", "f16",
+                "--admin-key", "k") as srv:
+        r = srv.client().chat.completions.create(model="SmolLM2-135M-Instruct",
+                                                 messages=QUESTION, temperature=0)
+        assert r.choices[0].message.content == "The capital of France is Paris."
+        models = httpx.get(f"{srv.url}/admin/models", headers={"Authorization": "Bearer k"},
+                           timeout=30).json()["models"]
+        reserved = models[0]["replicas"][0]["reserved_bytes"]
+        kv_token = 2 * 30 * 192 * 2          # layers x (k, v) x kv dim x fp16
+        assert 96e6 < reserved - 2 * 256 * kv_token < 98e6, reserved   # the 98.4 MB file
+        assert "MB KV" in srv.logs() and " 12 MB KV" in srv.logs(), srv.logs()

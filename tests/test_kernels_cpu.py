@@ -315,3 +315,19 @@ def test_q4_k_at_batch_1_through_int8_digits_equals_the_int16_path():
     np.testing.assert_allclose(digits, int16, rtol=0, atol=1e-6 * np.abs(int16).max())
     ref = x @ qm.dequantize(m).T
     np.testing.assert_allclose(digits, ref, rtol=0, atol=3e-4 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("n", [0, 1, 2 << 20, (5 << 20) + 3])
+def test_the_loads_copies_and_zeros_on_the_pool_move_every_byte(n):
+    """Weights out of the file's pages and the KV caches' first touch: pieces of 2 MiB,
+    the last one short; a strided view goes NumPy's way."""
+    src = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+    dst = np.full(n, 7, np.uint8)
+    kc.copy_into(dst, src)
+    np.testing.assert_array_equal(dst, src)
+    kc.zero(dst)
+    assert not dst.any()
+    wide = np.arange(24, dtype=np.int16).reshape(4, 6)
+    out = np.zeros((4, 3), np.int16)
+    kc.copy_into(out, wide[:, ::2])
+    np.testing.assert_array_equal(out, wide[:, ::2])

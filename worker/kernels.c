@@ -1678,6 +1678,23 @@ void pn_silu_mul(const float *g, int64_t B, int64_t F, float *out) {
 
 int pn_max_rows(void) { return MAXB; }
 
+/* dst[0 .. n) = src[0 .. n) in 2 MiB pieces over the pool: a load's copies of weights out
+ * of the file's pages, where the faults on both sides (not the bytes) cost the time */
+typedef struct { char *dst; const char *src; int64_t n, piece; } CopyArgs;
+
+static void copy_piece(const void *p, int64_t c) {
+    const CopyArgs *a = p;
+    const int64_t at = c * a->piece, len = a->n - at < a->piece ? a->n - at : a->piece;
+    if (a->src) memcpy(a->dst + at, a->src + at, (size_t)len);
+    else memset(a->dst + at, 0, (size_t)len);
+}
+
+/* (src NULL: zeros, as the KV caches are committed at load) */
+void pn_copy(void *dst, const void *src, int64_t n) {
+    CopyArgs a = {dst, src, n, 2 << 20};
+    pool_run(copy_piece, &a, (n + a.piece - 1) / a.piece);
+}
+
 /* -- a decode step's attention layer in one call (worker/layers/decode_cpu.py) --------
  * Everything between two layers of a step whose spans are all single tokens, in the
  * order and with the kernels the Python layer calls one by one (so the results are the

@@ -143,6 +143,8 @@ def library():
         lib.pn_set_attn_generic.argtypes = [ctypes.c_int]
         lib.pn_set_attn_generic.restype = None
         lib.pn_int_ok.argtypes = [p, i64]
+        lib.pn_copy.argtypes = [p, p, i64]
+        lib.pn_copy.restype = None
         lib.pn_decode_layer.argtypes = [p, p, p, p, p, p]
         lib.pn_pool_init.argtypes = [ctypes.c_int, i64]
         lib.pn_pool_init.restype = ctypes.c_int
@@ -350,6 +352,24 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float):
         (_lib or library()).pn_rms_norm_heads(rows[1], x.shape[0], x.shape[1], d, rows[0],
                                               _cache_ptr(w), eps, _ptr(out))
     return out
+
+
+def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
+    """dst[...] = src for arrays of one dtype and size, the bytes moved by the kernels'
+    threads in 2 MiB pieces (either may be a view; a non-contiguous one goes NumPy's way)."""
+    assert dst.dtype == src.dtype and dst.size == src.size
+    if not (dst.flags.c_contiguous and src.flags.c_contiguous):
+        dst[...] = src.reshape(dst.shape)
+    elif src.nbytes:
+        (_lib or library()).pn_copy(_ptr(dst), _ptr(src), src.nbytes)
+
+
+def zero(a: np.ndarray) -> None:
+    """a[...] = 0 (C-contiguous), written by the kernels' threads: the first touch of a
+    load's KV caches, bound by page faults like copy_into."""
+    assert a.flags.c_contiguous
+    if a.nbytes:
+        (_lib or library()).pn_copy(_ptr(a), None, a.nbytes)
 
 
 def silu_mul(g: np.ndarray, d_ff: int):

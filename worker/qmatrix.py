@@ -86,8 +86,27 @@ def stack(parts: list[QMatrix]) -> QMatrix:
         return first
     cat = (lambda name: None if getattr(first, name) is None else
            np.concatenate([getattr(p, name) for p in parts]))
-    return QMatrix(first.kind, sum(p.rows for p in parts), first.cols, cat("qs"), cat("scale"),
-                   cat("minv"), first.bs, "+".join(sorted({p.source for p in parts})))
+
+    return QMatrix(first.kind, sum(p.rows for p in parts), first.cols,
+                   _copied([p.qs for p in parts]), cat("scale"), cat("minv"), first.bs,
+                   "+".join(sorted({p.source for p in parts})))
+
+
+def _copied(arrays: list[np.ndarray]) -> np.ndarray:
+    """The row-stack of `arrays` in new memory: copied by the CPU kernels' threads (a
+    load's copies out of the file's pages are bound by page faults, which two threads
+    take in parallel), or by NumPy where those kernels cannot be built."""
+    out = np.empty((sum(a.shape[0] for a in arrays), *arrays[0].shape[1:]), arrays[0].dtype)
+    from . import kernels_cpu
+    try:
+        kernels_cpu.library()
+    except (kernels_cpu.KernelBuildError, OSError):    # no C compiler (a GPU host may have none)
+        return np.concatenate(arrays, out=out)
+    row = 0
+    for a in arrays:
+        kernels_cpu.copy_into(out[row:row + a.shape[0]], a)
+        row += a.shape[0]
+    return out
 
 
 def owned(m: QMatrix) -> QMatrix:
@@ -95,7 +114,7 @@ def owned(m: QMatrix) -> QMatrix:
     file's pages until copied (every other kind is built into new arrays)."""
     if m.kind not in NATIVE_KINDS or m.qs.flags.owndata:
         return m
-    return QMatrix(m.kind, m.rows, m.cols, m.qs.copy(), None, None, m.bs, m.source)
+    return QMatrix(m.kind, m.rows, m.cols, _copied([m.qs]), None, None, m.bs, m.source)
 
 
 def stackable(parts: list[QMatrix]) -> bool:

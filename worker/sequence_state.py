@@ -30,6 +30,21 @@ def _to_host(xp):
     return getattr(xp, "asnumpy", np.array)        # a copy on either die
 
 
+def _commit_zeros(a) -> None:
+    """a[...] = 0, every page written: on the CPU by the kernels' threads (the faults of
+    first touch are most of the cost), NumPy's way where they cannot be built."""
+    if isinstance(a, np.ndarray) and a.flags.c_contiguous:
+        from . import kernels_cpu
+        try:
+            kernels_cpu.library()
+        except (kernels_cpu.KernelBuildError, OSError):    # no C compiler
+            a.fill(0)
+            return
+        kernels_cpu.zero(a)
+        return
+    a.fill(0)
+
+
 class KVState:
     """Keys and values of one attention layer, every slot and position."""
 
@@ -42,8 +57,8 @@ class KVState:
         # after a load is then the steady state and no request needs new memory
         self.k = xp.empty(shape, dtype=dtype)
         self.v = xp.empty(shape, dtype=dtype)
-        self.k.fill(0)
-        self.v.fill(0)
+        for a in (self.k, self.v):
+            _commit_zeros(a)
 
     @property
     def nbytes(self) -> int:

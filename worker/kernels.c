@@ -1105,16 +1105,24 @@ static void gemv_k_rows(int code, const uint8_t *restrict qs, int64_t K, int64_t
  * 128-159, 192-223, 160-191, 224-255 (high digits first, then low: 2 x 256 bytes). */
 static const int DIGIT_ORDER[8] = {0, 2, 1, 3, 4, 6, 5, 7};   /* 32-chunks of a super-block */
 
-/* x [1, K] → digits (per super-block: 256 high, then 256 low), xd, xs as pn_quantize_xk. */
-static void quantize_digits(const float *x, int64_t K, int8_t *dg, float *xd, float *xs) {
+static const int NATURAL_ORDER[8] = {0, 1, 2, 3, 4, 5, 6, 7};    /* Q6_K's */
+
+/* x [1, K] → digits (per super-block: 256 high, then 256 low, 32-chunks in `order`), xd,
+ * xs as pn_quantize_xk; sums16 (if not NULL): each 16 values' int16 sum (Q6_K's -32). */
+static void quantize_digits(const float *x, int64_t K, int8_t *dg, float *xd, float *xs,
+                            const int *order, int32_t *sums16) {
     const int64_t nb = K / 256;
     int16_t q[256];
     for (int64_t blk = 0; blk < nb; blk++) {
         pn_quantize_xk(x + blk * 256, 1, 256, q, xd + blk, xs + blk * 8);
+        if (sums16)
+            for (int j = 0; j < 16; j++)
+                sums16[blk * 16 + j] = _mm512_reduce_add_epi32(
+                    _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(q + 16 * j))));
         int8_t *hi = dg + blk * 512, *lo = hi + 256;
         for (int c = 0; c < 8; c++) {
-            const __m512i v = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(q + 32 * DIGIT_ORDER[c])));
-            const __m512i v2 = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(q + 32 * DIGIT_ORDER[c] + 16)));
+            const __m512i v = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(q + 32 * order[c])));
+            const __m512i v2 = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(q + 32 * order[c] + 16)));
             for (int h = 0; h < 2; h++) {
                 const __m512i w = h ? v2 : v;
                 /* l = ((q + 128) & 255) - 128, h = (q - l) >> 8 */
@@ -1128,7 +1136,10 @@ static void quantize_digits(const float *x, int64_t K, int8_t *dg, float *xd, fl
     }
 }
 
-typedef struct { const uint8_t *qs; int64_t N, K; const int8_t *dg; const float *xd, *xs; float *out; int64_t rows; } DgArgs;
+typedef struct {
+    const uint8_t *qs; int64_t N, K; const int8_t *dg; const float *xd, *xs; float *out;
+    int64_t rows; const int32_t *s16;
+} DgArgs;
 
 static void q4k_digits_chunk(const void *p, int64_t c) {
     const DgArgs *a = p;
@@ -1176,6 +1187,62 @@ static void q4k_digits_chunk(const void *p, int64_t c) {
         a->out[n] = _mm512_reduce_add_ps(acc) + hsum(accm);
     }
 }
+
+/* Q6_K at batch 1 with int8 products: the 6-bit values (0 .. 63, still bytes) meet the
+ * digits in `vpdpbusd`; the file's -32 offset is taken off once per 16 values through
+ * the activations' sums (sum (q - 32) x = sum q x - 32 sum x). The two halves of a
+ * super-block accumulate apart (their int32 sums stay below 2^30). */
+static void q6k_digits_chunk(const void *p, int64_t c) {
+    const DgArgs *a = p;
+    const int64_t nb = a->K / 256, n0 = c * a->rows, n1 = n0 + a->rows < a->N ? n0 + a->rows : a->N;
+    const __m512i low4 = _mm512_set1_epi8(15), low2 = _mm512_set1_epi8(3);
+    const __m512i shiftA = _mm512_set_epi64(0x0002000200020002LL, 0x0002000200020002LL, 0x0002000200020002LL,
+                                            0x0002000200020002LL, 0, 0, 0, 0);
+    const __m512i shiftB = _mm512_add_epi16(shiftA, _mm512_set1_epi16(4));
+    __m512i pick[4];                /* lane i of the 64 values at 64 c: sub-scale 4 c + i / 4 */
+    for (int k = 0; k < 4; k++)
+        pick[k] = _mm512_add_epi32(_mm512_set1_epi32(4 * k), _mm512_srli_epi32(
+            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2));
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = a->qs + n * nb * Q6K_BYTES;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t blk = 0; blk < nb; blk++) {
+            const uint8_t *b = row + blk * Q6K_BYTES;
+            for (int64_t l = 0; l < Q6K_BYTES; l += 64)
+                _mm_prefetch((const char *)b + PF_AHEAD + l, _MM_HINT_T0);
+            const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)));
+            const int8_t *hi = a->dg + blk * 512, *lo = hi + 256;
+            __m512i tot[2];
+            for (int h = 0; h < 2; h++) {
+                const __m512i L = _mm512_loadu_si512((const void *)(b + 64 * h));
+                const __m512i H = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)));
+                const __m512i q[2] = {
+                    _mm512_or_si512(_mm512_and_si512(L, low4), _mm512_slli_epi16(
+                        _mm512_and_si512(_mm512_srlv_epi16(H, shiftA), low2), 4)),
+                    _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), low4), _mm512_slli_epi16(
+                        _mm512_and_si512(_mm512_srlv_epi16(H, shiftB), low2), 4))};
+                tot[h] = _mm512_setzero_si512();
+                for (int k = 0; k < 2; k++) {
+                    const int cc = 2 * h + k;      /* values 64 cc .. 64 cc + 63 */
+                    const __m512i rh = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[k],
+                                                           _mm512_loadu_si512((const void *)(hi + 64 * cc)));
+                    const __m512i rl = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[k],
+                                                           _mm512_loadu_si512((const void *)(lo + 64 * cc)));
+                    tot[h] = _mm512_add_epi32(tot[h], _mm512_mullo_epi32(
+                        _mm512_add_epi32(_mm512_slli_epi32(rh, 8), rl), _mm512_permutexvar_epi32(pick[cc], sc)));
+                }
+            }
+            const __m512i off = _mm512_mullo_epi32(sc, _mm512_loadu_si512((const void *)(a->s16 + blk * 16)));
+            const __m512 t = _mm512_sub_ps(_mm512_add_ps(_mm512_cvtepi32_ps(tot[0]), _mm512_cvtepi32_ps(tot[1])),
+                                           _mm512_mul_ps(_mm512_cvtepi32_ps(off), _mm512_set1_ps(32.0f)));
+            acc = _mm512_fmadd_ps(t, _mm512_set1_ps(half_to_float(load_u16(b + 208)) * a->xd[blk]), acc);
+        }
+        a->out[n] = _mm512_reduce_add_ps(acc);
+    }
+}
+
+static __thread int32_t *dg_sums;   /* a Q6_K product's per-16 activation sums */
+static __thread int64_t dg_sums_cap;
 #endif
 
 typedef struct {
@@ -1229,10 +1296,23 @@ int pn_matmul_int(const PnMat *m, const float *x, int64_t B, const PnScratch *s,
     }
 #if defined(PN_ZMM)
     if (m->code == Q4K && B == 1 && DIGITS[0]) {
-        quantize_digits(x, m->K, (int8_t *)s->xq, s->xd, s->xs);
-        DgArgs a = {m->qs, m->N, m->K, (const int8_t *)s->xq, s->xd, s->xs, out, piece_rows(m->N)};
+        quantize_digits(x, m->K, (int8_t *)s->xq, s->xd, s->xs, DIGIT_ORDER, NULL);
+        DgArgs a = {m->qs, m->N, m->K, (const int8_t *)s->xq, s->xd, s->xs, out, piece_rows(m->N), NULL};
         pool_run(q4k_digits_chunk, &a, (m->N + a.rows - 1) / a.rows);
         return 1;
+    }
+    if (m->code == Q6K && B == 1 && DIGITS[0]) {
+        if (m->K / 16 > dg_sums_cap) {
+            int32_t *nb = realloc(dg_sums, sizeof(int32_t) * (size_t)(m->K / 16));
+            if (nb) dg_sums = nb, dg_sums_cap = m->K / 16;
+        }
+        if (m->K / 16 <= dg_sums_cap) {
+            quantize_digits(x, m->K, (int8_t *)s->xq, s->xd, s->xs, NATURAL_ORDER, dg_sums);
+            DgArgs a = {m->qs, m->N, m->K, (const int8_t *)s->xq, s->xd, s->xs, out,
+                        piece_rows(m->N), dg_sums};
+            pool_run(q6k_digits_chunk, &a, (m->N + a.rows - 1) / a.rows);
+            return 1;
+        }
     }
 #endif
     if (is_k(m->code)) {

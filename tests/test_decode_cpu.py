@@ -162,3 +162,37 @@ def test_silu_mul_and_head_norms_in_c_equal_the_numpy_expressions():
     got = kc.rms_norm(heads, w, 1e-6)
     assert got.shape == (4, 3, 32) and got.flags.c_contiguous
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kv_cache", ["f32", "f16"])
+def test_prefill_chunks_attend_in_c_as_the_numpy_expression_does(tmp_path, kv_cache,
+                                                                   monkeypatch):
+    """A chunk's queries run through the decode kernel (each writes its key and value,
+    then attends causally, within its window): the NumPy expression's logits, the same
+    cache bits. F16 weights: products with float activations (an int16-quantized one
+    turns a 1e-6 difference into a step of its grid)."""
+    from pantheon.worker.layers import attention
+    monkeypatch.setenv("PANTHEON_KV_CACHE", kv_cache)
+    path = tm.write_gguf("qwen2", tmp_path / "q.gguf", tensor_type="F16")
+    ids = np.random.default_rng(3).integers(3, 300, 40)
+    runs = []
+    for c_attention in (False, True):
+        engine = load_engine(path, n_slots=2, ctx=64)
+        block = engine.model.blocks[0]
+        block.mixer.spec = dataclasses.replace(block.mixer.spec, window=7)
+        attention.C_ATTENTION[0] = c_attention
+        try:
+            out = [engine.model.forward(ids[:25], [Span(1, 0, 25)]),
+                   engine.model.forward(ids[25:], [Span(1, 25, 15)])]
+        finally:
+            attention.C_ATTENTION[0] = True
+        runs.append((out, [(b.mixer.state.k.copy(), b.mixer.state.v.copy())
+                           for b in engine.model.blocks]))
+    for a, b in zip(runs[0][0], runs[1][0]):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5)     # logits of order 1
+    (k1, v1), (k2, v2) = runs[0][1][0], runs[1][1][0]
+    np.testing.assert_array_equal(k1, k2)       # layer 0's keys and values: the same bits
+    np.testing.assert_array_equal(v1, v2)       # (the later layers' inputs differ by ~1e-6)
+    for (k1, v1), (k2, v2) in zip(runs[0][1], runs[1][1]):
+        np.testing.assert_allclose(k1.astype(np.float32), k2.astype(np.float32), rtol=1e-3, atol=1e-5)
+        np.testing.assert_allclose(v1.astype(np.float32), v2.astype(np.float32), rtol=1e-3, atol=1e-5)

@@ -214,6 +214,15 @@ def attend_batch(state: KVState, q, k, v, batch, window: int | None):
         decodes.run(state, q, k, v, attn, window)
     for row, s in batch.chunks:
         end, stop = row + s.n, s.start + s.n
+        if isinstance(q, np.ndarray) and C_ATTENTION[0] and state.k.dtype in kernels_cpu.KV_DTYPES:
+            # the CPU: a chunk is n queries of one slot at positions start .. stop - 1, each
+            # writing its own key and value first: the decode kernel, causal as it stands
+            pos = np.arange(s.start, stop)
+            first = np.zeros_like(pos) if window is None else np.maximum(pos - window + 1, 0)
+            bounds = kernels_cpu.DecodeBounds(np.full(s.n, s.slot), first, pos, state.k.shape)
+            kernels_cpu.attend_decodes(q[row:end], k[row:end], v[row:end], state.k, state.v,
+                                       bounds, attn[row:end])
+            continue
         lo = 0 if window is None else max(0, s.start - window + 1)
         state.write(s.slot, s.start, k[row:end], v[row:end])
         kc, vc = state.view(s.slot, lo, stop)

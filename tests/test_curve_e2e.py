@@ -82,7 +82,8 @@ def test_an_allowed_worker_joins_and_a_rogue_or_keyless_one_does_not(secured):
         rogue_key = keys.worker_pair(rogue_dir).public.decode()
         assert rogue_key in secured.logs()
         # the rogue hears why (libzmq does not always report the keyless one's failure)
-        assert wait_for(lambda: "authorized/ folder" in procs[0].log.read_text())
+        assert wait_for(lambda: "authorized/ folder" in procs[0].log.read_text()), \
+            procs[0].log.read_text()[-3000:]
         time.sleep(2)                      # both had as long as the allowed one, and more
         assert set(dies(secured)) == {"cpu", "cpu:ext"}
         assert all(p.poll() is None for p in procs)     # nothing crashed, on either side
@@ -114,7 +115,7 @@ def test_a_drop_before_the_handshake_is_reported_like_a_refusal():
     import zmq
     from pantheon.worker.main import Worker
     seen = []
-    w = types.SimpleNamespace(rehello=False, link_up=False,
+    w = types.SimpleNamespace(rehello=False, link_up=False, unacknowledged_since=None,
                               handshake_failed=lambda: seen.append("refused"))
     for event in (zmq.EVENT_CONNECTED, zmq.EVENT_DISCONNECTED):
         Worker.link_event(w, event)
@@ -124,3 +125,28 @@ def test_a_drop_before_the_handshake_is_reported_like_a_refusal():
     assert seen == ["refused"]
     Worker.link_event(w, zmq.EVENT_HANDSHAKE_FAILED_AUTH)
     assert seen == ["refused", "refused"]
+
+
+def test_a_connection_left_without_a_handshake_is_reported_like_a_refusal(monkeypatch):
+    """No event at all after CONNECTED (a refusal libzmq reports to neither side's
+    monitor): after HANDSHAKE_WAIT_S it is reported; a completed handshake never is."""
+    import types
+    import zmq
+    from pantheon.worker import main
+    seen, now = [], [1000.0]
+    monkeypatch.setattr(main.time, "monotonic", lambda: now[0])
+    w = types.SimpleNamespace(rehello=False, link_up=False, unacknowledged_since=None,
+                              handshake_failed=lambda: seen.append("refused"))
+    main.Worker.link_event(w, zmq.EVENT_CONNECTED)
+    now[0] += main.HANDSHAKE_WAIT_S - 0.1
+    main.Worker.check_handshake(w)
+    assert seen == []
+    now[0] += 0.2
+    main.Worker.check_handshake(w)
+    main.Worker.check_handshake(w)
+    assert seen == ["refused"]                   # once, not on every turn of the loop
+    main.Worker.link_event(w, zmq.EVENT_CONNECTED)
+    main.Worker.link_event(w, zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    now[0] += 100
+    main.Worker.check_handshake(w)
+    assert seen == ["refused"]

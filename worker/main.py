@@ -44,6 +44,7 @@ from .scheduler import Request
 log = logging.getLogger("pantheon.worker")
 
 IDLE_POLL_MS = 250           # threads wake the loop at once; this is only a backstop
+HANDSHAKE_WAIT_S = 5.0      # connected this long with no handshake: reported as refused
 HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
@@ -131,6 +132,7 @@ class Worker:
             | HANDSHAKE_FAILED)
         self.warned_at = -60.0                       # the last handshake failure logged
         self.link_up = False                         # the current connection's handshake done
+        self.unacknowledged_since = None             # a connection with no handshake yet
         self.sock.connect(frontend)
         self.replicas: dict[str, Replica] = {}
         self.owner: dict[str, Replica] = {}          # request id → replica
@@ -231,6 +233,7 @@ class Worker:
                         break
             if self.monitor in events:
                 self.link_event(recv_monitor_message(self.monitor)["event"])
+            self.check_handshake()
             if self.rehello:
                 self.rehello = False
                 self.send(self.hello())
@@ -257,13 +260,24 @@ class Worker:
         if event == zmq.EVENT_CONNECTED:
             self.rehello = True              # (re)connected: introduce ourselves
             self.link_up = False
+            if self.unacknowledged_since is None:
+                self.unacknowledged_since = time.monotonic()
         elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self.link_up = True
+            self.unacknowledged_since = None
         elif event == zmq.EVENT_DISCONNECTED:
             if not self.link_up:
                 self.handshake_failed()
             self.link_up = False
         else:
+            self.handshake_failed()
+
+    def check_handshake(self) -> None:
+        """Connected for HANDSHAKE_WAIT_S without a completed handshake: a refusal too,
+        whichever events libzmq gave (or did not give) for it."""
+        since = self.unacknowledged_since
+        if since is not None and time.monotonic() - since >= HANDSHAKE_WAIT_S:
+            self.unacknowledged_since = None
             self.handshake_failed()
 
     def handshake_failed(self) -> None:

@@ -354,22 +354,34 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float):
     return out
 
 
+def _built():
+    """The library, or None where it cannot be built (no C compiler: a GPU host may have
+    none); the load's copies then go NumPy's way."""
+    try:
+        return _lib or library()
+    except (KernelBuildError, OSError):
+        return None
+
+
 def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
     """dst[...] = src for arrays of one dtype and size, the bytes moved by the kernels'
     threads in 2 MiB pieces (either may be a view; a non-contiguous one goes NumPy's way)."""
     assert dst.dtype == src.dtype and dst.size == src.size
-    if not (dst.flags.c_contiguous and src.flags.c_contiguous):
+    lib = _built()
+    if lib is None or not (dst.flags.c_contiguous and src.flags.c_contiguous):
         dst[...] = src.reshape(dst.shape)
     elif src.nbytes:
-        (_lib or library()).pn_copy(_ptr(dst), _ptr(src), src.nbytes)
+        lib.pn_copy(_ptr(dst), _ptr(src), src.nbytes)
 
 
 def zero(a: np.ndarray) -> None:
-    """a[...] = 0 (C-contiguous), written by the kernels' threads: the first touch of a
-    load's KV caches, bound by page faults like copy_into."""
-    assert a.flags.c_contiguous
-    if a.nbytes:
-        (_lib or library()).pn_copy(_ptr(a), None, a.nbytes)
+    """a[...] = 0, written by the kernels' threads where a is C-contiguous: the first touch
+    of a load's KV caches, bound by page faults like copy_into."""
+    lib = _built()
+    if lib is None or not a.flags.c_contiguous:
+        a.fill(0)
+    elif a.nbytes:
+        lib.pn_copy(_ptr(a), None, a.nbytes)
 
 
 def silu_mul(g: np.ndarray, d_ff: int):

@@ -98,10 +98,6 @@ def _copied(arrays: list[np.ndarray]) -> np.ndarray:
     take in parallel), or by NumPy where those kernels cannot be built."""
     out = np.empty((sum(a.shape[0] for a in arrays), *arrays[0].shape[1:]), arrays[0].dtype)
     from . import kernels_cpu
-    try:
-        kernels_cpu.library()
-    except (kernels_cpu.KernelBuildError, OSError):    # no C compiler (a GPU host may have none)
-        return np.concatenate(arrays, out=out)
     row = 0
     for a in arrays:
         kernels_cpu.copy_into(out[row:row + a.shape[0]], a)

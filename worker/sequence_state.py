@@ -33,16 +33,11 @@ def _to_host(xp):
 def _commit_zeros(a) -> None:
     """a[...] = 0, every page written: on the CPU by the kernels' threads (the faults of
     first touch are most of the cost), NumPy's way where they cannot be built."""
-    if isinstance(a, np.ndarray) and a.flags.c_contiguous:
+    if isinstance(a, np.ndarray):
         from . import kernels_cpu
-        try:
-            kernels_cpu.library()
-        except (kernels_cpu.KernelBuildError, OSError):    # no C compiler
-            a.fill(0)
-            return
         kernels_cpu.zero(a)
-        return
-    a.fill(0)
+    else:
+        a.fill(0)
 
 
 class KVState:

@@ -25,3 +25,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def no_amx():
+    """Products of any number of rows keep the integer and BLAS paths (where a test is
+    about those paths' own properties), then the AMX tiles come back for the next test."""
+    from pantheon.worker import kernels_cpu
+    kernels_cpu.use_amx(0)
+    yield
+    kernels_cpu.use_amx(None)

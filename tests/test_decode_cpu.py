@@ -120,9 +120,9 @@ def test_c_layers_with_a_sliding_window(tmp_path, counted):
     assert counted[0] == 12
 
 
-def test_batches_the_kernels_do_not_take_stay_in_python(tmp_path, counted):
-    """q4 products take at most 16 rows a call: a step of 17 decodes runs the Python
-    layers (and the same numbers come out)."""
+def test_batches_the_kernels_do_not_take_stay_in_python(tmp_path, counted, no_amx):
+    """q4 products take at most 16 rows a call (without AMX tiles): a step of 17 decodes
+    runs the Python layers (and the same numbers come out)."""
     path = tm.write_gguf("llama", tmp_path / "l.gguf", tensor_type="Q4_1")
     engine = load_engine(path, n_slots=17, ctx=64)
     layer = next(iter(engine.model.decode_c.layers.values()))
@@ -131,6 +131,19 @@ def test_batches_the_kernels_do_not_take_stay_in_python(tmp_path, counted):
     engine = load_engine(path, n_slots=17, ctx=64)
     assert_same(python, steps(engine, True, n_slots=17))
     assert counted[0] == 2 * 2                   # only the two steps of two slots
+
+
+@pytest.mark.skipif(not (kc.library() and kc.HAS_AMX[0]), reason="no AMX tiles here")
+def test_with_amx_tiles_a_step_of_17_decodes_runs_the_c_layers(tmp_path, counted):
+    """The tiles take 17 rows: the C layers run that step, with the Python layers' bits."""
+    path = tm.write_gguf("llama", tmp_path / "l.gguf", tensor_type="Q4_1")
+    engine = load_engine(path, n_slots=17, ctx=64)
+    layer = next(iter(engine.model.decode_c.layers.values()))
+    assert layer.takes(17)
+    python = steps(engine, False, n_slots=17)
+    engine = load_engine(path, n_slots=17, ctx=64)
+    assert_same(python, steps(engine, True, n_slots=17))
+    assert counted[0] > 2 * 2
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "qwen35"])
@@ -166,7 +179,7 @@ def test_silu_mul_and_head_norms_in_c_equal_the_numpy_expressions():
 
 @pytest.mark.parametrize("kv_cache", ["f32", "f16"])
 def test_prefill_chunks_attend_in_c_as_the_numpy_expression_does(tmp_path, kv_cache,
-                                                                   monkeypatch):
+                                                                   monkeypatch, no_amx):
     """A chunk's queries run through the decode kernel (each writes its key and value,
     then attends causally, within its window): the NumPy expression's logits, the same
     cache bits. F16 weights: products with float activations (an int16-quantized one

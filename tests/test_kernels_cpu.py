@@ -46,9 +46,10 @@ def test_matmul_equals_numpy(name, batch, path):
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K])
-def test_k_quant_products_of_many_rows_cross_every_split(qtype):
+def test_k_quant_products_of_many_rows_cross_every_split(qtype, no_amx):
     """More rows of W than a sub-piece (64) and of the pool's pieces, and rows of x in
-    groups of 8 with a remainder: every output element is the same row-by-row product."""
+    groups of 8 with a remainder: every output element is the same row-by-row product
+    (the integer path's sums do not depend on the batch; the AMX tiles' do, below)."""
     raw, shape = random_tensor(qtype, 200, 2)
     m = qm.from_gguf(raw, qtype, shape)
     x = np.random.default_rng(7).standard_normal((131, m.cols)).astype(np.float32)
@@ -71,6 +72,33 @@ def test_blocked_products_with_an_odd_block_and_more_than_a_scale_load(qtype, bl
         x = np.random.default_rng(batch).standard_normal((batch, m.cols)).astype(np.float32)
         ref = x @ qm.dequantize(m).T
         np.testing.assert_allclose(kc.matmul(x, m), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+AMX = pytest.mark.skipif(not (kc.library() and kc.HAS_AMX[0]),
+                         reason="this host (or its kernel) has no AMX tiles")
+
+
+@AMX
+@pytest.mark.parametrize("name", list(MATS))
+@pytest.mark.parametrize("batch", [17, 32, 33, 131])
+def test_amx_tiles_equal_the_float64_product(name, batch):
+    """Many rows of x on the AMX tiles (bf16 hi / lo halves, three products): within
+    3e-5 of max |y| of the exact product, every kind, rows of x and of W that do not fill
+    a tile (40 rows of W, 33 and 131 of x); fewer rows than AMX_MIN_ROWS keep the other
+    paths (the same numbers as with the tiles switched off)."""
+    m = MATS[name]
+    x = np.random.default_rng(batch).standard_normal((batch, m.cols)).astype(np.float32)
+    ref = x.astype(np.float64) @ qm.dequantize(m).T.astype(np.float64)
+    got = kc.matmul(x, m)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=3e-5 * np.abs(ref).max())
+    kc.use_amx(0)
+    try:
+        other = kc.matmul(x, m)
+        small = kc.matmul(x[:16], m)
+    finally:
+        kc.use_amx(None)
+    assert not np.array_equal(got, other)       # the tiles did run
+    np.testing.assert_array_equal(kc.matmul(x[:16], m), small)
 
 
 @pytest.mark.parametrize("name", list(MATS))

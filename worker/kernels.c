@@ -413,6 +413,187 @@ typedef struct PnMat {
 } PnMat;
 typedef struct { int16_t *xq; float *xd, *xs; } PnScratch;   /* B x K, B x K/32, B x K/32 */
 
+/* -- many rows of x on AMX tiles (the prefill's products) -------------------------------
+ * TDPBF16PS adds a 16 x 32 bf16 tile times a 32 x 16 bf16 tile into 16 x 16 fp32 sums.
+ * Each float f is split into hi (f with its low 16 bits cleared: exact in bf16) and
+ * lo = bf16(f - hi); hi*hi + hi*lo + lo*hi leaves out lo*lo (2^-16 of a product) and lo's
+ * rounding (2^-17 of f), so three tile products per 32 k carry the fp32 product to about
+ * 2^-16, as close as the integer path's int16 activations. W is the A operand (16 of its
+ * rows x 32 k, as dequantized: row-major), x the B operand: pairs of k interleaved across
+ * 16 rows, packed once per call. A thread's chunk is 32 rows of W, dequantized once into
+ * its own buffers and multiplied by every row of x. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) \
+    && defined(__AVX512F__) && defined(__x86_64__) && defined(__linux__)
+#define PN_AMX 1
+#define AMX_MIN_ROWS 17
+extern long syscall(long number, ...);
+
+static int amx_state = -1;          /* -1 not asked yet, 0 refused, 1 granted */
+
+/* Ask the kernel for the tile state (once per process; a kernel before Linux 5.16 or a
+ * hypervisor that hides it refuses, and the callers keep the other paths). */
+int pn_amx_init(void) {
+    if (amx_state < 0) amx_state = syscall(158 /* arch_prctl */, 0x1023 /* REQ_XCOMP_PERM */,
+                                           18 /* XFEATURE_XTILEDATA */) == 0;
+    return amx_state;
+}
+
+typedef struct __attribute__((packed)) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileCfg;
+
+static void amx_config(void) {       /* 8 tiles of 16 rows x 64 bytes */
+    TileCfg c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 8; i++) c.colsb[i] = 64, c.rows[i] = 16;
+    _tile_loadconfig(&c);
+}
+
+/* hi and lo bf16 halves of 32 floats, as 16 pairs each */
+static inline void split_bf16(__m512 a, __m512 b, __m512i *hi, __m512i *lo) {
+    const __m512i top = _mm512_set1_epi32((int)0xFFFF0000u);
+    __m512 ah = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a), top));
+    __m512 bh = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(b), top));
+    *hi = (__m512i)_mm512_cvtne2ps_pbh(bh, ah);
+    *lo = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(b, bh), _mm512_sub_ps(a, ah));
+}
+
+typedef struct { const float *x; int64_t M, K; uint32_t *xp; } PackArgs;
+
+/* x's rows 16g .. 16g+15 (zeros past M) → per 32 k two tiles, hi then lo: tile row p,
+ * column m holds the pair (k = 32s + 2p, 32s + 2p + 1) of row 16g + m. */
+static void amx_pack_chunk(const void *p, int64_t g) {
+    const PackArgs *a = p;
+    const int64_t KS = a->K / 32;
+    uint32_t hi[16][16], lo[16][16];
+    for (int64_t s = 0; s < KS; s++) {
+        for (int m = 0; m < 16; m++) {
+            int64_t row = 16 * g + m;
+            __m512i h = _mm512_setzero_si512(), l = h;
+            if (row < a->M) {
+                const float *src = a->x + row * a->K + 32 * s;
+                split_bf16(_mm512_loadu_ps(src), _mm512_loadu_ps(src + 16), &h, &l);
+            }
+            _mm512_storeu_si512(hi[m], h);
+            _mm512_storeu_si512(lo[m], l);
+        }
+        uint32_t *t = a->xp + ((g * KS + s) * 2) * 256;
+        for (int q = 0; q < 16; q++)
+            for (int m = 0; m < 16; m++) t[q * 16 + m] = hi[m][q], t[256 + q * 16 + m] = lo[m][q];
+    }
+}
+
+typedef struct { const PnMat *m; const uint32_t *xp; int64_t M, Mp; float *out; } AmxArgs;
+
+static __thread float *amx_row;      /* a thread's buffers: one row as floats, 32 rows of */
+static __thread uint16_t *amx_w;     /* W as bf16 hi then lo */
+static __thread int64_t amx_cap;
+
+static void amx_row_floats(const PnMat *m, int64_t r, float *out) {
+    if (is_k(m->code)) { dequant_k_row(m->code, m->qs, m->K, r, out); return; }
+    int64_t run = block_of(m->code, m->bs), nb = m->K / run;
+    for (int64_t blk = 0; blk < nb; blk++)
+        dequant_block(m->code, m->qs, m->sc, m->mn, m->K, run, r, blk, out + blk * run);
+}
+
+static void amx_chunk(const void *p, int64_t c) {
+    const AmxArgs *a = p;
+    const PnMat *m = a->m;
+    const int64_t K = m->K, KS = K / 32, N = m->N, n0 = 32 * c;
+    if (amx_cap < K) {
+        free(amx_row), free(amx_w);
+        amx_row = aligned_alloc(64, (size_t)K * 4);
+        amx_w = aligned_alloc(64, (size_t)K * 2 * 64);
+        amx_cap = amx_row && amx_w ? K : 0;
+        if (!amx_cap) abort();      /* a few MiB at most: the host is out of memory */
+    }
+    uint16_t *whi = amx_w, *wlo = amx_w + 32 * K;
+    for (int r = 0; r < 32; r++) {
+        if (n0 + r < N) amx_row_floats(m, n0 + r, amx_row);
+        else memset(amx_row, 0, (size_t)K * 4);
+        for (int64_t k = 0; k < K; k += 32) {
+            __m512i h, l;
+            split_bf16(_mm512_load_ps(amx_row + k), _mm512_load_ps(amx_row + k + 16), &h, &l);
+            _mm512_storeu_si512(whi + r * K + k, h);
+            _mm512_storeu_si512(wlo + r * K + k, l);
+        }
+    }
+    amx_config();
+    float tile[4][16][16];
+    const int64_t wstride = K * 2, tb = 256;   /* bytes per W row; uint32 per x tile */
+    for (int64_t g = 0; g < a->Mp / 16; g += 2) {
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        const uint32_t *x0 = a->xp + g * KS * 2 * tb, *x1 = x0 + KS * 2 * tb;
+        for (int64_t s = 0; s < KS; s++) {
+            const uint32_t *h0 = x0 + 2 * s * tb, *h1 = x1 + 2 * s * tb;
+            _tile_loadd(4, whi + 32 * s, wstride);
+            _tile_loadd(5, whi + 16 * K + 32 * s, wstride);
+            _tile_loadd(6, h0, 64);
+            _tile_loadd(7, h1, 64);
+            _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+            _tile_loadd(6, h0 + tb, 64);            /* x lo */
+            _tile_loadd(7, h1 + tb, 64);
+            _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+            _tile_loadd(4, wlo + 32 * s, wstride);
+            _tile_loadd(5, wlo + 16 * K + 32 * s, wstride);
+            _tile_loadd(6, h0, 64);
+            _tile_loadd(7, h1, 64);
+            _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, tile[0], 64); _tile_stored(1, tile[1], 64);
+        _tile_stored(2, tile[2], 64); _tile_stored(3, tile[3], 64);
+        for (int t = 0; t < 4; t++) {              /* tile t: rows n of W, columns m of x */
+            const int64_t nb = n0 + 16 * (t >> 1), mb = 16 * (g + (t & 1));
+            for (int j = 0; j < 16 && mb + j < a->M; j++) {
+                float *o = a->out + (mb + j) * N + nb;
+                for (int i = 0; i < 16 && nb + i < N; i++) o[i] = tile[t][i][j];
+            }
+        }
+    }
+}
+
+static __thread uint32_t *amx_xp;   /* the calling thread's packing of x */
+static __thread int64_t amx_xp_cap;
+
+/* out[M, N] = x[M, K] @ W.T on AMX tiles; 0 where they do not apply (no tiles granted,
+ * K not in runs of 32, or memory for x's packing refused): the caller takes another path. */
+int pn_matmul_amx(const PnMat *m, const float *x, int64_t M, float *out) {
+    if (pn_amx_init() != 1 || m->K % 32 || M < 1) return 0;
+    const int64_t Mp = (M + 31) / 32 * 32, need = Mp * m->K * 2;   /* uint32 words */
+    if (need > amx_xp_cap) {
+        free(amx_xp);
+        amx_xp = aligned_alloc(64, (size_t)need * 4);
+        amx_xp_cap = amx_xp ? need : 0;
+        if (!amx_xp) return 0;
+    }
+    PackArgs pa = {x, M, m->K, amx_xp};
+    pool_run(amx_pack_chunk, &pa, Mp / 16);
+    AmxArgs a = {m, amx_xp, M, Mp, out};
+    pool_run(amx_chunk, &a, (m->N + 31) / 32);
+    return 1;
+}
+int pn_has_amx(void) { return pn_amx_init(); }
+
+/* Rows of x from which the tiles beat the integer products (measured: see kernels_cpu) */
+static int64_t amx_min_rows = AMX_MIN_ROWS;
+void pn_set_amx(int64_t min_rows) { amx_min_rows = min_rows < 0 ? AMX_MIN_ROWS : min_rows; }
+static inline int amx_takes(const PnMat *m, int64_t B) {
+    return amx_min_rows > 0 && B >= amx_min_rows && m->K % 32 == 0 && pn_amx_init() == 1;
+}
+#else
+int pn_amx_init(void) { return 0; }
+int pn_has_amx(void) { return 0; }
+int pn_matmul_amx(const PnMat *m, const float *x, int64_t M, float *out) { return 0; }
+void pn_set_amx(int64_t min_rows) { (void)min_rows; }
+#endif
+
+
 #if defined(__AVX2__)
 #include <immintrin.h>
 /* Integer path (decode): x is quantized per block of 32 to int16 with a float scale
@@ -1289,6 +1470,9 @@ static void next_spans(const PnMat *m, Span_ out[3]) {
 /* out[B, N] = x @ W.T through the integer products; 0 where they do not apply (the
  * caller then takes another path): K-quants at any B, q4 / q8 up to MAXB rows. */
 int pn_matmul_int(const PnMat *m, const float *x, int64_t B, const PnScratch *s, float *out) {
+#if defined(PN_AMX)
+    if (amx_takes(m, B) && pn_matmul_amx(m, x, B, out)) return 1;
+#endif
     Span_ next[3];
     if (m->next) {
         next_spans(m->next, next);
@@ -1332,6 +1516,9 @@ int pn_matmul_int(const PnMat *m, const float *x, int64_t B, const PnScratch *s,
 
 /* whether pn_matmul_int takes m at B rows (its conditions above, asked before a step) */
 int pn_int_ok(const PnMat *m, int64_t B) {
+#if defined(PN_AMX)
+    if (amx_takes(m, B)) return 1;
+#endif
     if (is_k(m->code)) return 1;
     return (m->code == Q4 || m->code == Q8 || m->code == Q8M) && B <= MAXB
            && m->K / m->bs <= MAX_RUNS;

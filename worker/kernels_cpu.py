@@ -58,6 +58,7 @@ SOURCE = Path(__file__).with_name("kernels.c")
 
 _lib = None
 HAS_INT_PATH = [False]      # the build has the AVX2 integer decode path (set at load)
+HAS_AMX = [False]           # the build has the AMX tile products and the kernel grants them
 _NO_SCALE = np.zeros((1, 1), dtype=np.uint16)
 
 
@@ -143,6 +144,9 @@ def library():
         lib.pn_set_attn_generic.argtypes = [ctypes.c_int]
         lib.pn_set_attn_generic.restype = None
         lib.pn_int_ok.argtypes = [p, i64]
+        lib.pn_matmul_amx.argtypes = [p, p, i64, p]
+        lib.pn_set_amx.argtypes = [i64]
+        lib.pn_set_amx.restype = None
         lib.pn_copy.argtypes = [p, p, i64]
         lib.pn_copy.restype = None
         lib.pn_decode_layer.argtypes = [p, p, p, p, p, p]
@@ -154,9 +158,16 @@ def library():
             fn.restype = None
         assert lib.pn_max_rows() == GEMV_MAX_ROWS
         HAS_INT_PATH[0] = bool(lib.pn_has_i8())
+        HAS_AMX[0] = bool(lib.pn_has_amx())
         lib.pn_pool_init(threads(), POOL_SPIN_US)
         _lib = lib
     return _lib
+
+
+def use_amx(min_rows: int | None = None) -> None:
+    """Products of at least `min_rows` rows of x take the AMX tiles where the host has
+    them (0: never; None: kernels.c's AMX_MIN_ROWS, the default). For tests and benchmarks."""
+    library().pn_set_amx(-1 if min_rows is None else min_rows)
 
 
 def _ptr(a: np.ndarray) -> int:

@@ -425,7 +425,8 @@ typedef struct { int16_t *xq; float *xd, *xs; } PnScratch;   /* B x K, B x K/32,
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) \
     && defined(__AVX512F__) && defined(__x86_64__) && defined(__linux__)
 #define PN_AMX 1
-#define AMX_MIN_ROWS 17
+#define AMX_MIN_ROWS 9           /* q4, q8, f16, bf16 (see amx_takes) */
+#define AMX_MIN_ROWS_K 12        /* Q4_K, Q6_K */
 extern long syscall(long number, ...);
 
 static int amx_state = -1;          /* -1 not asked yet, 0 refused, 1 granted */
@@ -499,6 +500,62 @@ static void amx_row_floats(const PnMat *m, int64_t r, float *out) {
         dequant_block(m->code, m->qs, m->sc, m->mn, m->K, run, r, blk, out + blk * run);
 }
 
+static inline void store_split(uint16_t *hi, uint16_t *lo, __m512 a, __m512 b) {
+    __m512i h, l;
+    split_bf16(a, b, &h, &l);
+    _mm512_storeu_si512(hi, h);
+    _mm512_storeu_si512(lo, l);
+}
+
+/* Row r of W as bf16 hi and lo halves: the K-quants, q4 and q8 (runs of 32) decoded in
+ * registers; other kinds through a row of floats. */
+static void amx_row_bf16(const PnMat *m, int64_t r, float *row, uint16_t *hi, uint16_t *lo) {
+    const int64_t K = m->K;
+#if defined(PN_ZMM)
+    if (is_k(m->code)) {
+        const int64_t nb = K / 256, bytes = k_bytes(m->code);
+        for (int64_t blk = 0; blk < nb; blk++) {
+            Super512 S;
+            load_super512(m->code, m->qs + (r * nb + blk) * bytes, &S);
+            float mins[8];
+            _mm256_storeu_ps(mins, S.mf);
+            const __m512 d = _mm512_set1_ps(S.d);
+            for (int j = 0; j < 8; j++) {
+                const __m512 mj = _mm512_set1_ps(mins[j]);
+                __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(S.w[j])));
+                __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(S.w[j], 1)));
+                const int64_t k = 256 * blk + 32 * j;
+                store_split(hi + k, lo + k, _mm512_fmadd_ps(a, d, mj), _mm512_fmadd_ps(b, d, mj));
+            }
+        }
+        return;
+    }
+#endif
+    if (m->code == Q4 || ((m->code == Q8 || m->code == Q8M) && m->bs == 32)) {
+        const int64_t nb = K / 32;
+        for (int64_t blk = 0; blk < nb; blk++) {
+            const __m512 s = _mm512_set1_ps(half_to_float(m->sc[r * nb + blk]));
+            const __m512 mn = _mm512_set1_ps(m->code == Q8 ? 0.0f : half_to_float(m->mn[r * nb + blk]));
+            __m512 a, b;
+            if (m->code == Q4) {
+                const __m128i raw = _mm_loadu_si128((const __m128i *)(m->qs + r * (K / 2) + 16 * blk));
+                const __m128i low4 = _mm_set1_epi8(15);
+                a = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, low4)));
+                b = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low4)));
+            } else {
+                const int8_t *q = (const int8_t *)m->qs + r * K + 32 * blk;
+                a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
+                b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16))));
+            }
+            store_split(hi + 32 * blk, lo + 32 * blk, _mm512_fmadd_ps(a, s, mn), _mm512_fmadd_ps(b, s, mn));
+        }
+        return;
+    }
+    amx_row_floats(m, r, row);
+    for (int64_t k = 0; k < K; k += 32)
+        store_split(hi + k, lo + k, _mm512_load_ps(row + k), _mm512_load_ps(row + k + 16));
+}
+
 static void amx_chunk(const void *p, int64_t c) {
     const AmxArgs *a = p;
     const PnMat *m = a->m;
@@ -511,19 +568,36 @@ static void amx_chunk(const void *p, int64_t c) {
         if (!amx_cap) abort();      /* a few MiB at most: the host is out of memory */
     }
     uint16_t *whi = amx_w, *wlo = amx_w + 32 * K;
-    for (int r = 0; r < 32; r++) {
-        if (n0 + r < N) amx_row_floats(m, n0 + r, amx_row);
-        else memset(amx_row, 0, (size_t)K * 4);
-        for (int64_t k = 0; k < K; k += 32) {
-            __m512i h, l;
-            split_bf16(_mm512_load_ps(amx_row + k), _mm512_load_ps(amx_row + k + 16), &h, &l);
-            _mm512_storeu_si512(whi + r * K + k, h);
-            _mm512_storeu_si512(wlo + r * K + k, l);
-        }
-    }
+    for (int r = 0; r < 32; r++)
+        if (n0 + r < N) amx_row_bf16(m, n0 + r, amx_row, whi + r * K, wlo + r * K);
+        else memset(whi + r * K, 0, (size_t)K * 2), memset(wlo + r * K, 0, (size_t)K * 2);
     amx_config();
     float tile[4][16][16];
     const int64_t wstride = K * 2, tb = 256;   /* bytes per W row; uint32 per x tile */
+    if (a->Mp == 16) {              /* one tile of x's rows (a decode step): W's two tiles */
+        _tile_zero(0); _tile_zero(1);
+        for (int64_t s = 0; s < KS; s++) {
+            const uint32_t *h0 = a->xp + 2 * s * tb;
+            _tile_loadd(2, h0, 64);
+            _tile_loadd(3, h0 + tb, 64);
+            _tile_loadd(4, whi + 32 * s, wstride);
+            _tile_loadd(5, whi + 16 * K + 32 * s, wstride);
+            _tile_loadd(6, wlo + 32 * s, wstride);
+            _tile_loadd(7, wlo + 16 * K + 32 * s, wstride);
+            _tile_dpbf16ps(0, 4, 2); _tile_dpbf16ps(1, 5, 2);
+            _tile_dpbf16ps(0, 4, 3); _tile_dpbf16ps(1, 5, 3);
+            _tile_dpbf16ps(0, 6, 2); _tile_dpbf16ps(1, 7, 2);
+        }
+        _tile_stored(0, tile[0], 64); _tile_stored(1, tile[1], 64);
+        for (int t = 0; t < 2; t++) {
+            const int64_t nb = n0 + 16 * t;
+            for (int j = 0; j < a->M; j++) {
+                float *o = a->out + j * N + nb;
+                for (int i = 0; i < 16 && nb + i < N; i++) o[i] = tile[t][i][j];
+            }
+        }
+        return;
+    }
     for (int64_t g = 0; g < a->Mp / 16; g += 2) {
         _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
         const uint32_t *x0 = a->xp + g * KS * 2 * tb, *x1 = x0 + KS * 2 * tb;
@@ -565,7 +639,7 @@ static __thread int64_t amx_xp_cap;
  * K not in runs of 32, or memory for x's packing refused): the caller takes another path. */
 int pn_matmul_amx(const PnMat *m, const float *x, int64_t M, float *out) {
     if (pn_amx_init() != 1 || m->K % 32 || M < 1) return 0;
-    const int64_t Mp = (M + 31) / 32 * 32, need = Mp * m->K * 2;   /* uint32 words */
+    const int64_t Mp = M <= 16 ? 16 : (M + 31) / 32 * 32, need = Mp * m->K * 2;  /* words */
     if (need > amx_xp_cap) {
         free(amx_xp);
         amx_xp = aligned_alloc(64, (size_t)need * 4);
@@ -580,11 +654,19 @@ int pn_matmul_amx(const PnMat *m, const float *x, int64_t M, float *out) {
 }
 int pn_has_amx(void) { return pn_amx_init(); }
 
-/* Rows of x from which the tiles beat the integer products (measured: see kernels_cpu) */
-static int64_t amx_min_rows = AMX_MIN_ROWS;
-void pn_set_amx(int64_t min_rows) { amx_min_rows = min_rows < 0 ? AMX_MIN_ROWS : min_rows; }
+/* Rows of x from which the tiles beat the integer products, which take rows of x in
+ * groups of 8 (measured on a Xeon with AMX, 2 threads, Qwen2.5-1.5B's and SmolLM2's
+ * shapes): a tile of x costs the same for 1 to 16 rows, about what the integer path
+ * takes for 8 (q4: 0.27 vs 0.26 ms for 3072 x 576 at 8 rows, 0.28 vs 0.35 at 10; Q4_K
+ * 17920 x 1536: 4.1 vs 2.6 ms at 8, 4.1 vs 4.0 at 12, 4.3 vs 4.8 at 14) */
+static int64_t amx_min_rows = AMX_MIN_ROWS, amx_min_rows_k = AMX_MIN_ROWS_K;
+void pn_set_amx(int64_t min_rows) {
+    amx_min_rows = min_rows < 0 ? AMX_MIN_ROWS : min_rows;
+    amx_min_rows_k = min_rows < 0 ? AMX_MIN_ROWS_K : min_rows;
+}
 static inline int amx_takes(const PnMat *m, int64_t B) {
-    return amx_min_rows > 0 && B >= amx_min_rows && m->K % 32 == 0 && pn_amx_init() == 1;
+    const int64_t from = is_k(m->code) ? amx_min_rows_k : amx_min_rows;
+    return from > 0 && B >= from && m->K % 32 == 0 && pn_amx_init() == 1;
 }
 #else
 int pn_amx_init(void) { return 0; }

@@ -166,7 +166,8 @@ def library():
 
 def use_amx(min_rows: int | None = None) -> None:
     """Products of at least `min_rows` rows of x take the AMX tiles where the host has
-    them (0: never; None: kernels.c's AMX_MIN_ROWS, the default). For tests and benchmarks."""
+    them (0: never; None: kernels.c's AMX_MIN_ROWS / AMX_MIN_ROWS_K, the defaults). For
+    tests and benchmarks."""
     library().pn_set_amx(-1 if min_rows is None else min_rows)
 
 

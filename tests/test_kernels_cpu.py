@@ -148,7 +148,8 @@ def test_the_pool_serves_concurrent_callers_with_right_answers():
     kc.library()
     m, w = _q4_case()
     rng = np.random.default_rng(4)
-    xs = [rng.standard_normal((b, 256)).astype(np.float32) for b in (1, 2, 5, 8) * 4]
+    # (12 and 33 rows take the AMX tiles where the host has them: per-thread buffers)
+    xs = [rng.standard_normal((b, 256)).astype(np.float32) for b in (1, 2, 5, 8, 12, 33) * 3]
     alone = [kc.matmul(x, m) for x in xs]
     assert all(_close(a, x @ w.T) for a, x in zip(alone, xs))
     errors = []
@@ -172,9 +173,10 @@ def test_a_forked_child_without_the_pool_threads_still_computes():
     kc.library()
     m, w = _q4_case()
     x = np.random.default_rng(5).standard_normal((3, 256)).astype(np.float32)
+    x33 = np.random.default_rng(6).standard_normal((33, 256)).astype(np.float32)
     pid = os.fork()
     if pid == 0:    # the child has the pool's state but none of its threads
-        ok = _close(kc.matmul(x, m), x @ w.T)
+        ok = _close(kc.matmul(x, m), x @ w.T) and _close(kc.matmul(x33, m), x33 @ w.T)
         os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     assert os.WEXITSTATUS(status) == 0

@@ -427,17 +427,10 @@ typedef struct { int16_t *xq; float *xd, *xs; } PnScratch;   /* B x K, B x K/32,
 #define PN_AMX 1
 #define AMX_MIN_ROWS 9           /* q4, q8, f16, bf16 (see amx_takes) */
 #define AMX_MIN_ROWS_K 12        /* Q4_K, Q6_K */
-extern long syscall(long number, ...);
-
-static int amx_state = -1;          /* -1 not asked yet, 0 refused, 1 granted */
-
-/* Ask the kernel for the tile state (once per process; a kernel before Linux 5.16 or a
- * hypervisor that hides it refuses, and the callers keep the other paths). */
-int pn_amx_init(void) {
-    if (amx_state < 0) amx_state = syscall(158 /* arch_prctl */, 0x1023 /* REQ_XCOMP_PERM */,
-                                           18 /* XFEATURE_XTILEDATA */) == 0;
-    return amx_state;
-}
+extern long syscall(long number, ...);     /* <unistd.h> hides these under -std=c11 */
+extern int fork(void);
+extern int waitpid(int pid, int *status, int options);
+extern void _exit(int status);
 
 typedef struct __attribute__((packed)) {
     uint8_t palette, start_row, reserved[14];
@@ -451,6 +444,30 @@ static void amx_config(void) {       /* 8 tiles of 16 rows x 64 bytes */
     c.palette = 1;
     for (int i = 0; i < 8; i++) c.colsb[i] = 64, c.rows[i] = 16;
     _tile_loadconfig(&c);
+}
+
+static int amx_state = -1;          /* -1 not asked yet, 0 refused, 1 granted */
+
+/* Ask the kernel for the tile state (once per process; a kernel before Linux 5.16 or a
+ * hypervisor that hides it refuses), then run one tile product in a forked child: where
+ * the instructions trap anyway (a virtual machine that lists AMX but does not pass it
+ * through), only the child dies and the callers keep the other paths. */
+int pn_amx_init(void) {
+    if (amx_state >= 0) return amx_state;
+    amx_state = 0;
+    if (syscall(158 /* arch_prctl */, 0x1023 /* REQ_XCOMP_PERM */, 18 /* XTILEDATA */) != 0)
+        return 0;
+    int pid = fork(), status = 0;
+    if (pid == 0) {
+        amx_config();
+        _tile_zero(0); _tile_zero(1); _tile_zero(2);
+        _tile_dpbf16ps(0, 1, 2);
+        _tile_release();
+        _exit(0);
+    }
+    if (pid > 0 && waitpid(pid, &status, 0) == pid)
+        amx_state = (status & 0x7f) == 0 && ((status >> 8) & 0xff) == 0;  /* exited with 0 */
+    return amx_state;
 }
 
 /* hi and lo bf16 halves of 32 floats, as 16 pairs each */

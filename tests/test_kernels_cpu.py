@@ -78,15 +78,27 @@ AMX = pytest.mark.skipif(not (kc.library() and kc.HAS_AMX[0]),
                          reason="this host (or its kernel) has no AMX tiles")
 
 
+def _amx_matrices():
+    out = dict(MATS)
+    for qtype, rows, blocks in ((QT.Q4_K, 200, 2), (QT.Q6_K, 145, 3), (QT.Q4_1, 300, 37)):
+        raw, shape = random_tensor(qtype, rows, blocks)
+        out[f"{qtype.name}x{rows}"] = qm.from_gguf(raw, qtype, shape)
+    return out
+
+
+AMX_MATS = _amx_matrices()
+
+
 @AMX
-@pytest.mark.parametrize("name", list(MATS))
+@pytest.mark.parametrize("name", list(AMX_MATS))
 @pytest.mark.parametrize("batch", [1, 8, 16, 17, 32, 33, 131])
 def test_amx_tiles_equal_the_float64_product(name, batch):
-    """x on the AMX tiles (bf16 hi / lo halves, three products): within 3e-5 of max |y|
-    of the exact product, every kind, one tile of x's rows (16 or fewer: a decode step)
-    or pairs of them, rows of x and of W that do not fill a tile (40 rows of W, 33 and 131
-    of x)."""
-    m = MATS[name]
+    """x on the AMX tiles: within 3e-5 of max |y| of the exact product, every kind. Up to
+    16 rows of x (a decode step) the weights' codes meet x's bf16 halves, run by run
+    (runs in pairs: 37 blocks leave an odd one; W in pieces of 128 rows: 200, 300); more
+    rows meet weights decoded into bf16 halves (three products), in pairs of x's tiles;
+    rows of x and of W that do not fill a tile (40 rows of W, 33 and 131 of x)."""
+    m = AMX_MATS[name]
     x = np.random.default_rng(batch).standard_normal((batch, m.cols)).astype(np.float32)
     ref = x.astype(np.float64) @ qm.dequantize(m).T.astype(np.float64)
     kc.use_amx(1)

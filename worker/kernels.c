@@ -423,9 +423,10 @@ typedef struct { int16_t *xq; float *xd, *xs; } PnScratch;   /* B x K, B x K/32,
  * 16 rows, packed once per call. A thread's chunk is 32 rows of W, dequantized once into
  * its own buffers and multiplied by every row of x. */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) \
+    && defined(__AVX512BW__) && defined(__AVX512VNNI__) \
     && defined(__AVX512F__) && defined(__x86_64__) && defined(__linux__)
 #define PN_AMX 1
-#define AMX_MIN_ROWS 9           /* q4, q8, f16, bf16 (see amx_takes) */
+#define AMX_MIN_ROWS 8           /* q4, q8, f16, bf16 (see amx_takes) */
 #define AMX_MIN_ROWS_K 12        /* Q4_K, Q6_K */
 extern long syscall(long number, ...);     /* <unistd.h> hides these under -std=c11 */
 extern int fork(void);
@@ -504,7 +505,15 @@ static void amx_pack_chunk(const void *p, int64_t g) {
     }
 }
 
-typedef struct { const PnMat *m; const uint32_t *xp; int64_t M, Mp; float *out; } AmxArgs;
+typedef struct {
+    const PnMat *m; const uint32_t *xp; int64_t M, Mp; float *out;
+    const float *xs;                /* Mp == 16: x's sums per run of 32, [K / 32][16] */
+} AmxArgs;
+
+#define AMX_CODES_ROWS 128          /* rows of W per piece of the decode steps' way */
+/* the decode steps' way for some kinds (defined with the integer kernels, below) */
+static int amx_codes_ok(const PnMat *m);
+static void amx_codes_chunk(const void *p, int64_t c);
 
 static __thread float *amx_row;      /* a thread's buffers: one row as floats, 32 rows of */
 static __thread uint16_t *amx_w;     /* W as bf16 hi then lo */
@@ -649,33 +658,53 @@ static void amx_chunk(const void *p, int64_t c) {
     }
 }
 
-static __thread uint32_t *amx_xp;   /* the calling thread's packing of x */
-static __thread int64_t amx_xp_cap;
+static __thread uint32_t *amx_xp;   /* the calling thread's packing of x, and its sums */
+static __thread int64_t amx_xp_cap, amx_xs_cap;
+static __thread float *amx_xs;
 
 /* out[M, N] = x[M, K] @ W.T on AMX tiles; 0 where they do not apply (no tiles granted,
  * K not in runs of 32, or memory for x's packing refused): the caller takes another path. */
 int pn_matmul_amx(const PnMat *m, const float *x, int64_t M, float *out) {
-    if (pn_amx_init() != 1 || m->K % 32 || M < 1) return 0;
+    const Span_ *next = tl_next;    /* what the pool's idle threads fetch during the product */
+    tl_next = NULL;
+    if (pn_amx_init() != 1 || m->K % 32 || M < 1) return tl_next = next, 0;
     const int64_t Mp = M <= 16 ? 16 : (M + 31) / 32 * 32, need = Mp * m->K * 2;  /* words */
     if (need > amx_xp_cap) {
         free(amx_xp);
         amx_xp = aligned_alloc(64, (size_t)need * 4);
         amx_xp_cap = amx_xp ? need : 0;
-        if (!amx_xp) return 0;
+        if (!amx_xp) return tl_next = next, 0;
+    }
+    if (Mp == 16 && amx_codes_ok(m) && m->K / 2 > amx_xs_cap) {
+        free(amx_xs);
+        amx_xs = aligned_alloc(64, (size_t)m->K / 2 * 4);
+        amx_xs_cap = amx_xs ? m->K / 2 : 0;
+        if (!amx_xs) return tl_next = next, 0;
     }
     PackArgs pa = {x, M, m->K, amx_xp};
-    pool_run(amx_pack_chunk, &pa, Mp / 16);
-    AmxArgs a = {m, amx_xp, M, Mp, out};
-    pool_run(amx_chunk, &a, (m->N + 31) / 32);
+    pool_run_next(amx_pack_chunk, &pa, Mp / 16, NULL);
+    AmxArgs a = {m, amx_xp, M, Mp, out, NULL};
+    if (Mp == 16 && amx_codes_ok(m)) {
+        for (int64_t s = 0; s < m->K / 32; s++)
+            for (int64_t r = 0; r < 16; r++) {
+                float t = 0.0f;
+                for (int64_t k = 0; r < M && k < 32; k++) t += x[r * m->K + 32 * s + k];
+                amx_xs[16 * s + r] = t;
+            }
+        a.xs = amx_xs;
+        pool_run_next(amx_codes_chunk, &a, (m->N + AMX_CODES_ROWS - 1) / AMX_CODES_ROWS, next);
+        return 1;
+    }
+    pool_run_next(amx_chunk, &a, (m->N + 31) / 32, next);
     return 1;
 }
 int pn_has_amx(void) { return pn_amx_init(); }
 
-/* Rows of x from which the tiles beat the integer products, which take rows of x in
- * groups of 8 (measured on a Xeon with AMX, 2 threads, Qwen2.5-1.5B's and SmolLM2's
- * shapes): a tile of x costs the same for 1 to 16 rows, about what the integer path
- * takes for 8 (q4: 0.27 vs 0.26 ms for 3072 x 576 at 8 rows, 0.28 vs 0.35 at 10; Q4_K
- * 17920 x 1536: 4.1 vs 2.6 ms at 8, 4.1 vs 4.0 at 12, 4.3 vs 4.8 at 14) */
+/* Rows of x from which the tiles beat the integer products (measured on a Xeon with AMX,
+ * 2 threads, whole models: `pantheon bench engine`, the threshold moved): a tile of x
+ * costs the same for 1 to 16 rows. SmolLM2 (q4) batch 8: 376-380 tok/s on the tiles
+ * against 342-345, batch 16 611-622 against 334-369. Qwen2.5-1.5B (Q4_K / Q6_K, read
+ * from memory): batch 4 21 against 43, batch 8 39 against 45, batch 16 71 against 64. */
 static int64_t amx_min_rows = AMX_MIN_ROWS, amx_min_rows_k = AMX_MIN_ROWS_K;
 void pn_set_amx(int64_t min_rows) {
     amx_min_rows = min_rows < 0 ? AMX_MIN_ROWS : min_rows;
@@ -1566,17 +1595,209 @@ static void next_spans(const PnMat *m, Span_ out[3]) {
     out[2] = (Span_){(const char *)m->mn, m->mn == m->sc ? 0 : scales};
 }
 
+#if defined(PN_AMX) && defined(PN_ZMM)
+/* -- decode steps on AMX tiles: the weights' own codes, exact in bf16 --------------------
+ * For 16 rows of x or fewer, decoding every weight into float halves costs more than the
+ * integer products (above). Here a weight's code (q4: 0 .. 15, q8: -128 .. 127, Q6_K's
+ * q - 32) is already an exact bf16, so one tile of codes meets x's hi and lo halves in two
+ * tile products per run (32 values; Q6_K's runs of 16), and each run's sums take their
+ * scale (and min, times x's sum over the run) in the vector registers: 16 rows of W, one
+ * accumulator per row, the run's products summed exactly as a float product would be, to
+ * x's hi + lo (~2^-17). */
+static uint16_t lut_codes[96];      /* bf16 of 0 .. 15 (q4), then of -32 .. 31 (Q6_K) */
+
+static int amx_codes_ok(const PnMat *m) {
+    if (!lut_codes[1]) {
+        for (int i = 0; i < 96; i++) {
+            float f = i < 32 ? (float)(i & 15) : (float)(i - 64);
+            uint32_t u;
+            memcpy(&u, &f, 4);
+            __atomic_store_n(&lut_codes[i], (uint16_t)(u >> 16), __ATOMIC_RELAXED);
+        }
+    }
+    return m->code == Q4K || m->code == Q6K || m->code == Q4
+           || ((m->code == Q8 || m->code == Q8M) && m->bs == 32);
+}
+
+#define UNIT 256                    /* values of a row decoded at a time (a super-block) */
+
+/* Codes of row r, values [k0, k0 + n) (n <= UNIT, k0 on a super-block for K-quants),
+ * into codes[0 ..), with each run's scale and min (the min multiplies x's sum over it). */
+static void row_codes(const PnMat *m, int64_t r, int64_t k0, int64_t n, uint16_t *codes,
+                      float *sc, float *mn) {
+    const int64_t K = m->K;
+    if (m->code == Q4K) {
+        const uint8_t *b = m->qs + (r * (K / 256) + k0 / 256) * Q4K_BYTES;
+        const __m512i lut = _mm512_loadu_si512((const void *)lut_codes);
+        const __m256i low4 = _mm256_set1_epi8(15);
+        uint8_t sm[16];
+        k_scales_fast(b + 4, sm);
+        const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+            _mm_loadu_si128((const __m128i *)sm))), _mm512_mask_blend_ps(0xFF00,
+            _mm512_set1_ps(half_to_float(load_u16(b))), _mm512_set1_ps(-half_to_float(load_u16(b + 2)))));
+        _mm256_storeu_ps(sc, _mm512_castps512_ps256(f));             /* d * sc[j] */
+        _mm256_storeu_ps(mn, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f), 1)));
+        for (int g = 0; g < 4; g++) {  /* bytes 32g..: low nibbles 64g + i, high 64g + 32 + i */
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * g));
+            _mm512_storeu_si512(codes + 64 * g, _mm512_permutexvar_epi16(
+                _mm512_cvtepu8_epi16(_mm256_and_si256(raw, low4)), lut));
+            _mm512_storeu_si512(codes + 64 * g + 32, _mm512_permutexvar_epi16(
+                _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low4)), lut));
+        }
+        return;
+    }
+    if (m->code == Q6K) {
+        const uint8_t *b = m->qs + (r * (K / 256) + k0 / 256) * Q6K_BYTES;
+        const uint8_t *ql = b, *qh = b + 128;
+        const __m512i lo = _mm512_loadu_si512((const void *)(lut_codes + 32));
+        const __m512i hi = _mm512_loadu_si512((const void *)(lut_codes + 64));
+        const __m512i low4 = _mm512_set1_epi16(15), two = _mm512_set1_epi16(0x30);
+        _mm512_storeu_ps(sc, _mm512_mul_ps(_mm512_set1_ps(half_to_float(load_u16(b + 208))),
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192))))));
+        (void)mn;                   /* no mins */
+        for (int h = 0; h < 2; h++) {   /* as load_super512: elements 128h + 32k + l */
+            __m512i l0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(ql + 64 * h)));
+            __m512i l1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32)));
+            __m512i bits = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(qh + 32 * h)));
+            __m512i q[4] = {
+                _mm512_or_si512(_mm512_and_si512(l0, low4), _mm512_and_si512(_mm512_slli_epi16(bits, 4), two)),
+                _mm512_or_si512(_mm512_and_si512(l1, low4), _mm512_and_si512(_mm512_slli_epi16(bits, 2), two)),
+                _mm512_or_si512(_mm512_srli_epi16(l0, 4), _mm512_and_si512(bits, two)),
+                _mm512_or_si512(_mm512_srli_epi16(l1, 4), _mm512_and_si512(_mm512_srli_epi16(bits, 2), two))};
+            for (int k = 0; k < 4; k++)
+                _mm512_storeu_si512(codes + 128 * h + 32 * k, _mm512_permutex2var_epi16(lo, q[k], hi));
+        }
+        return;
+    }
+    const int64_t nb = K / 32;
+    for (int64_t blk = k0 / 32, j = 0; j < n / 32; blk++, j++) {
+        sc[j] = half_to_float(m->sc[r * nb + blk]);
+        mn[j] = m->code == Q8 ? 0.0f : half_to_float(m->mn[r * nb + blk]);
+        __m512i v;
+        if (m->code == Q4) {
+            const __m128i raw = _mm_loadu_si128((const __m128i *)(m->qs + r * (K / 2) + 16 * blk));
+            const __m128i low4 = _mm_set1_epi8(15);
+            const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(
+                _mm_and_si128(raw, low4)), _mm_and_si128(_mm_srli_epi16(raw, 4), low4), 1);
+            v = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(both),
+                                         _mm512_loadu_si512((const void *)lut_codes));
+        } else {
+            const int8_t *q = (const int8_t *)m->qs + r * K + 32 * blk;
+            __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
+            __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16))));
+            v = (__m512i)_mm512_cvtne2ps_pbh(b, a);       /* integers of 8 bits: exact */
+        }
+        _mm512_storeu_si512(codes + 32 * j, v);
+    }
+}
+
+static void amx_codes_config(int run) {
+    TileCfg c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 2; t++) {   /* two runs in flight: tiles t, 2 + t, 4 + 2t, 5 + 2t */
+        c.colsb[t] = 64, c.rows[t] = 16;                        /* sums: rows of W x 16 of x */
+        c.colsb[2 + t] = (uint16_t)(2 * run), c.rows[2 + t] = 16;   /* codes: rows of W x run */
+        c.colsb[4 + 2 * t] = c.colsb[5 + 2 * t] = 64;               /* x's hi and lo halves */
+        c.rows[4 + 2 * t] = c.rows[5 + 2 * t] = (uint8_t)(run / 2);
+    }
+    _tile_loadconfig(&c);
+}
+
+static __thread uint16_t *amx_codes;   /* a thread's 16 rows of codes, UNIT each */
+
+/* acc[i] += run j's sums of row i times its scale (+ its min times x's sums xs) */
+static inline void codes_scale(__m512 acc[16], float sums[16][16], float sc[16][16],
+                               float mn[16][16], int64_t j, const float *xs) {
+    if (xs) {
+        const __m512 s = _mm512_load_ps(xs);
+        #pragma GCC unroll 16
+        for (int i = 0; i < 16; i++)
+            acc[i] = _mm512_fmadd_ps(s, _mm512_set1_ps(mn[i][j]), _mm512_fmadd_ps(
+                _mm512_loadu_ps(sums[i]), _mm512_set1_ps(sc[i][j]), acc[i]));
+        return;
+    }
+    #pragma GCC unroll 16
+    for (int i = 0; i < 16; i++)
+        acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(sums[i]), _mm512_set1_ps(sc[i][j]), acc[i]);
+}
+
+/* run j of the codes (tile A) against x's halves (tiles XH, XL) into sums tile C */
+#define CODES_RUN(C, A, XH, XL, j) do {                                                   \
+        const int64_t k_ = k0 + (j) * run;                                                 \
+        const uint32_t *xh_ = a->xp + 2 * (k_ / 32) * 256 + (k_ % 32) / 2 * 16;            \
+        _tile_zero(C);                                                                     \
+        _tile_loadd(A, amx_codes + (j) * run, UNIT * 2);                                   \
+        _tile_loadd(XH, xh_, 64);                                                          \
+        _tile_loadd(XL, xh_ + 256, 64);                                                    \
+        _tile_dpbf16ps(C, A, XH);                                                          \
+        _tile_dpbf16ps(C, A, XL);                                                          \
+    } while (0)
+
+static void amx_codes_chunk(const void *p, int64_t c) {
+    const AmxArgs *a = p;
+    const PnMat *m = a->m;
+    const int64_t K = m->K, N = m->N;
+    const int run = m->code == Q6K ? 16 : 32;
+    const int has_min = m->code == Q4K || m->code == Q4 || m->code == Q8M;
+    if (!amx_codes && !(amx_codes = aligned_alloc(64, 16 * UNIT * 2))) abort();
+    float sc[16][16], mn[16][16], sums[16][16];
+    const int64_t rowb = is_k(m->code) ? K / 256 * k_bytes(m->code) : m->code == Q4 ? K / 2 : K,
+                  tile_b = 16 * rowb;   /* bytes of 16 rows of W */
+    amx_codes_config(run);
+    const int64_t first = AMX_CODES_ROWS * c;
+    for (int64_t o = 0; o < tile_b; o += 64)    /* this piece's first 16 rows, all at once */
+        _mm_prefetch((const char *)m->qs + first * rowb + o, _MM_HINT_T0);
+    for (int64_t n0 = first; n0 < first + AMX_CODES_ROWS && n0 < N; n0 += 16) {
+        __m512 acc[16];
+        for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+        for (int64_t k0 = 0; k0 < K; k0 += UNIT) {
+            const int64_t n = K - k0 < UNIT ? K - k0 : UNIT;
+            if (n0 + 16 < N && n0 + 16 < first + AMX_CODES_ROWS) {
+                /* the next 16 rows' part (one stream, not 16 sparse ones) */
+                const char *nx = (const char *)m->qs + (n0 + 16) * rowb;
+                for (int64_t o = k0 * tile_b / K; o < (k0 + n) * tile_b / K; o += 64)
+                    _mm_prefetch(nx + o, _MM_HINT_T0);
+            }
+            for (int i = 0; i < 16; i++)
+                if (n0 + i < N) row_codes(m, n0 + i, k0, n, amx_codes + i * UNIT, sc[i], mn[i]);
+                else {
+                    memset(amx_codes + i * UNIT, 0, UNIT * 2);
+                    memset(sc[i], 0, sizeof sc[i]), memset(mn[i], 0, sizeof mn[i]);
+                }
+            /* runs in pairs: the second's products run on the tiles while the first's
+             * sums take their scales */
+            const int64_t nr = n / run;
+            for (int64_t j = 0; j < nr; j += 2) {
+                CODES_RUN(0, 2, 4, 5, j);
+                if (j + 1 < nr) CODES_RUN(1, 3, 6, 7, j + 1);
+                _tile_stored(0, sums, 64);
+                codes_scale(acc, sums, sc, mn, j, has_min ? a->xs + 16 * ((k0 + j * run) / 32) : NULL);
+                if (j + 1 < nr) {
+                    _tile_stored(1, sums, 64);
+                    codes_scale(acc, sums, sc, mn, j + 1,
+                                has_min ? a->xs + 16 * ((k0 + (j + 1) * run) / 32) : NULL);
+                }
+            }
+        }
+        for (int i = 0; i < 16; i++) _mm512_storeu_ps(sums[i], acc[i]);
+        for (int64_t r = 0; r < a->M; r++)
+            for (int i = 0; i < 16 && n0 + i < N; i++) a->out[r * N + n0 + i] = sums[i][r];
+    }
+}
+#endif
+
 /* out[B, N] = x @ W.T through the integer products; 0 where they do not apply (the
  * caller then takes another path): K-quants at any B, q4 / q8 up to MAXB rows. */
 int pn_matmul_int(const PnMat *m, const float *x, int64_t B, const PnScratch *s, float *out) {
-#if defined(PN_AMX)
-    if (amx_takes(m, B) && pn_matmul_amx(m, x, B, out)) return 1;
-#endif
     Span_ next[3];
     if (m->next) {
         next_spans(m->next, next);
         tl_next = next;             /* read by the pool_run below, on this thread */
     }
+#if defined(PN_AMX)
+    if (amx_takes(m, B) && pn_matmul_amx(m, x, B, out)) return 1;
+#endif
 #if defined(PN_ZMM)
     if (m->code == Q4K && B == 1 && DIGITS[0]) {
         quantize_digits(x, m->K, (int8_t *)s->xq, s->xd, s->xs, DIGIT_ORDER, NULL);

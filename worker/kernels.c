@@ -427,7 +427,7 @@ typedef struct { int16_t *xq; float *xd, *xs; } PnScratch;   /* B x K, B x K/32,
     && defined(__AVX512F__) && defined(__x86_64__) && defined(__linux__)
 #define PN_AMX 1
 #define AMX_MIN_ROWS 8           /* q4, q8, f16, bf16 (see amx_takes) */
-#define AMX_MIN_ROWS_K 12        /* Q4_K, Q6_K */
+#define AMX_MIN_ROWS_K 8         /* Q4_K, Q6_K */
 extern long syscall(long number, ...);     /* <unistd.h> hides these under -std=c11 */
 extern int fork(void);
 extern int waitpid(int pid, int *status, int options);
@@ -480,10 +480,11 @@ static inline void split_bf16(__m512 a, __m512 b, __m512i *hi, __m512i *lo) {
     *lo = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(b, bh), _mm512_sub_ps(a, ah));
 }
 
-typedef struct { const float *x; int64_t M, K; uint32_t *xp; } PackArgs;
+typedef struct { const float *x; int64_t M, K; uint32_t *xp; int side; } PackArgs;
 
 /* x's rows 16g .. 16g+15 (zeros past M) → per 32 k two tiles, hi then lo: tile row p,
- * column m holds the pair (k = 32s + 2p, 32s + 2p + 1) of row 16g + m. */
+ * column m holds the pair (k = 32s + 2p, 32s + 2p + 1) of row 16g + m. `side` (M <= 8,
+ * the decode steps' way): one tile, the rows' hi halves in columns 0-7, lo in 8-15. */
 static void amx_pack_chunk(const void *p, int64_t g) {
     const PackArgs *a = p;
     const int64_t KS = a->K / 32;
@@ -500,14 +501,19 @@ static void amx_pack_chunk(const void *p, int64_t g) {
             _mm512_storeu_si512(lo[m], l);
         }
         uint32_t *t = a->xp + ((g * KS + s) * 2) * 256;
-        for (int q = 0; q < 16; q++)
-            for (int m = 0; m < 16; m++) t[q * 16 + m] = hi[m][q], t[256 + q * 16 + m] = lo[m][q];
+        if (a->side)                /* 8 rows or fewer: their hi halves, then their lo ones */
+            for (int q = 0; q < 16; q++)
+                for (int m = 0; m < 8; m++) t[q * 16 + m] = hi[m][q], t[q * 16 + 8 + m] = lo[m][q];
+        else
+            for (int q = 0; q < 16; q++)
+                for (int m = 0; m < 16; m++) t[q * 16 + m] = hi[m][q], t[256 + q * 16 + m] = lo[m][q];
     }
 }
 
 typedef struct {
     const PnMat *m; const uint32_t *xp; int64_t M, Mp; float *out;
     const float *xs;                /* Mp == 16: x's sums per run of 32, [K / 32][16] */
+    int side;                       /* x's halves side by side in one tile (M <= 8) */
 } AmxArgs;
 
 #define AMX_CODES_ROWS 128          /* rows of W per piece of the decode steps' way */
@@ -681,9 +687,10 @@ int pn_matmul_amx(const PnMat *m, const float *x, int64_t M, float *out) {
         amx_xs_cap = amx_xs ? m->K / 2 : 0;
         if (!amx_xs) return tl_next = next, 0;
     }
-    PackArgs pa = {x, M, m->K, amx_xp};
+    const int side = M <= 8 && amx_codes_ok(m);
+    PackArgs pa = {x, M, m->K, amx_xp, side};
     pool_run_next(amx_pack_chunk, &pa, Mp / 16, NULL);
-    AmxArgs a = {m, amx_xp, M, Mp, out, NULL};
+    AmxArgs a = {m, amx_xp, M, Mp, out, NULL, side};
     if (Mp == 16 && amx_codes_ok(m)) {
         for (int64_t s = 0; s < m->K / 32; s++)
             for (int64_t r = 0; r < 16; r++) {
@@ -702,9 +709,9 @@ int pn_has_amx(void) { return pn_amx_init(); }
 
 /* Rows of x from which the tiles beat the integer products (measured on a Xeon with AMX,
  * 2 threads, whole models: `pantheon bench engine`, the threshold moved): a tile of x
- * costs the same for 1 to 16 rows. SmolLM2 (q4) batch 8: 376-380 tok/s on the tiles
- * against 342-345, batch 16 611-622 against 334-369. Qwen2.5-1.5B (Q4_K / Q6_K, read
- * from memory): batch 4 21 against 43, batch 8 39 against 45, batch 16 71 against 64. */
+ * costs about the same for 1 to 16 rows. SmolLM2 (q4) batch 8: 376-405 tok/s on the
+ * tiles against 342-345, batch 16 611-657 against 334-369. Qwen2.5-1.5B (Q4_K / Q6_K, read
+ * from memory): batch 4 40 against 46, batch 8 50 against 46, batch 16 83 against 64. */
 static int64_t amx_min_rows = AMX_MIN_ROWS, amx_min_rows_k = AMX_MIN_ROWS_K;
 void pn_set_amx(int64_t min_rows) {
     amx_min_rows = min_rows < 0 ? AMX_MIN_ROWS : min_rows;
@@ -1691,10 +1698,17 @@ static void row_codes(const PnMat *m, int64_t r, int64_t k0, int64_t n, uint16_t
     }
 }
 
-static void amx_codes_config(int run) {
+static void amx_codes_config(int run, int side) {
     TileCfg c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
+    if (side) {                     /* sums 0-3, codes 4-5, x 6-7 */
+        for (int t = 0; t < 4; t++) c.colsb[t] = 64, c.rows[t] = 16;
+        for (int t = 4; t < 6; t++) c.colsb[t] = (uint16_t)(2 * run), c.rows[t] = 16;
+        for (int t = 6; t < 8; t++) c.colsb[t] = 64, c.rows[t] = (uint8_t)(run / 2);
+        _tile_loadconfig(&c);
+        return;
+    }
     for (int t = 0; t < 2; t++) {   /* two runs in flight: tiles t, 2 + t, 4 + 2t, 5 + 2t */
         c.colsb[t] = 64, c.rows[t] = 16;                        /* sums: rows of W x 16 of x */
         c.colsb[2 + t] = (uint16_t)(2 * run), c.rows[2 + t] = 16;   /* codes: rows of W x run */
@@ -1722,6 +1736,15 @@ static inline void codes_scale(__m512 acc[16], float sums[16][16], float sc[16][
         acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(sums[i]), _mm512_set1_ps(sc[i][j]), acc[i]);
 }
 
+/* run j of the codes (tile A) against x's halves side by side (tile X) into sums tile C */
+#define CODES_RUN1(C, A, X, j) do {                                                        \
+        const int64_t k_ = k0 + (j) * run;                                                 \
+        _tile_zero(C);                                                                     \
+        _tile_loadd(A, amx_codes + (j) * run, UNIT * 2);                                   \
+        _tile_loadd(X, a->xp + 2 * (k_ / 32) * 256 + (k_ % 32) / 2 * 16, 64);              \
+        _tile_dpbf16ps(C, A, X);                                                           \
+    } while (0)
+
 /* run j of the codes (tile A) against x's halves (tiles XH, XL) into sums tile C */
 #define CODES_RUN(C, A, XH, XL, j) do {                                                   \
         const int64_t k_ = k0 + (j) * run;                                                 \
@@ -1744,7 +1767,7 @@ static void amx_codes_chunk(const void *p, int64_t c) {
     float sc[16][16], mn[16][16], sums[16][16];
     const int64_t rowb = is_k(m->code) ? K / 256 * k_bytes(m->code) : m->code == Q4 ? K / 2 : K,
                   tile_b = 16 * rowb;   /* bytes of 16 rows of W */
-    amx_codes_config(run);
+    amx_codes_config(run, a->side);
     const int64_t first = AMX_CODES_ROWS * c;
     for (int64_t o = 0; o < tile_b; o += 64)    /* this piece's first 16 rows, all at once */
         _mm_prefetch((const char *)m->qs + first * rowb + o, _MM_HINT_T0);
@@ -1768,6 +1791,29 @@ static void amx_codes_chunk(const void *p, int64_t c) {
             /* runs in pairs: the second's products run on the tiles while the first's
              * sums take their scales */
             const int64_t nr = n / run;
+            if (a->side) {
+                /* one product per run (x's hi and lo halves side by side), four runs' sums
+                 * tiles in turn: a run's sums take their scales two runs after its product
+                 * was issued, while the next ones run on the tiles */
+#define CODES_FIX(C, j) do {                                                               \
+        _tile_stored(C, sums, 64);                                                         \
+        codes_scale(acc, sums, sc, mn, j, has_min ? a->xs + 16 * ((k0 + (j) * run) / 32) : NULL); \
+    } while (0)
+                if (nr > 0) CODES_RUN1(0, 4, 6, 0);
+                if (nr > 1) CODES_RUN1(1, 5, 7, 1);
+                for (int64_t j = 0; j < nr; j += 4) {
+                    if (j + 2 < nr) CODES_RUN1(2, 4, 6, j + 2);
+                    CODES_FIX(0, j);
+                    if (j + 3 < nr) CODES_RUN1(3, 5, 7, j + 3);
+                    if (j + 1 < nr) CODES_FIX(1, j + 1);
+                    if (j + 4 < nr) CODES_RUN1(0, 4, 6, j + 4);
+                    if (j + 2 < nr) CODES_FIX(2, j + 2);
+                    if (j + 5 < nr) CODES_RUN1(1, 5, 7, j + 5);
+                    if (j + 3 < nr) CODES_FIX(3, j + 3);
+                }
+#undef CODES_FIX
+                continue;
+            }
             for (int64_t j = 0; j < nr; j += 2) {
                 CODES_RUN(0, 2, 4, 5, j);
                 if (j + 1 < nr) CODES_RUN(1, 3, 6, 7, j + 1);
@@ -1780,7 +1826,9 @@ static void amx_codes_chunk(const void *p, int64_t c) {
                 }
             }
         }
-        for (int i = 0; i < 16; i++) _mm512_storeu_ps(sums[i], acc[i]);
+        for (int i = 0; i < 16; i++)    /* side by side: lanes 8-15 hold the lo halves' sums */
+            _mm512_storeu_ps(sums[i], a->side ? _mm512_add_ps(acc[i], _mm512_shuffle_f32x4(
+                acc[i], acc[i], 0x4E)) : acc[i]);
         for (int64_t r = 0; r < a->M; r++)
             for (int i = 0; i < 16 && n0 + i < N; i++) a->out[r * N + n0 + i] = sums[i][r];
     }

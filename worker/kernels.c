@@ -526,7 +526,6 @@ static __thread uint16_t *amx_w;     /* W as bf16 hi then lo */
 static __thread int64_t amx_cap;
 
 static void amx_row_floats(const PnMat *m, int64_t r, float *out) {
-    if (is_k(m->code)) { dequant_k_row(m->code, m->qs, m->K, r, out); return; }
     int64_t run = block_of(m->code, m->bs), nb = m->K / run;
     for (int64_t blk = 0; blk < nb; blk++)
         dequant_block(m->code, m->qs, m->sc, m->mn, m->K, run, r, blk, out + blk * run);
@@ -539,30 +538,20 @@ static inline void store_split(uint16_t *hi, uint16_t *lo, __m512 a, __m512 b) {
     _mm512_storeu_si512(lo, l);
 }
 
+/* a K-quant super-block's 256 weights as bf16 hi and lo halves (with the integer
+ * kernels' decoding, below) */
+static void super_bf16(int code, const uint8_t *b, uint16_t *hi, uint16_t *lo);
+
 /* Row r of W as bf16 hi and lo halves: the K-quants, q4 and q8 (runs of 32) decoded in
  * registers; other kinds through a row of floats. */
 static void amx_row_bf16(const PnMat *m, int64_t r, float *row, uint16_t *hi, uint16_t *lo) {
     const int64_t K = m->K;
-#if defined(PN_ZMM)
     if (is_k(m->code)) {
         const int64_t nb = K / 256, bytes = k_bytes(m->code);
-        for (int64_t blk = 0; blk < nb; blk++) {
-            Super512 S;
-            load_super512(m->code, m->qs + (r * nb + blk) * bytes, &S);
-            float mins[8];
-            _mm256_storeu_ps(mins, S.mf);
-            const __m512 d = _mm512_set1_ps(S.d);
-            for (int j = 0; j < 8; j++) {
-                const __m512 mj = _mm512_set1_ps(mins[j]);
-                __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(S.w[j])));
-                __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(S.w[j], 1)));
-                const int64_t k = 256 * blk + 32 * j;
-                store_split(hi + k, lo + k, _mm512_fmadd_ps(a, d, mj), _mm512_fmadd_ps(b, d, mj));
-            }
-        }
+        for (int64_t blk = 0; blk < nb; blk++)
+            super_bf16(m->code, m->qs + (r * nb + blk) * bytes, hi + 256 * blk, lo + 256 * blk);
         return;
     }
-#endif
     if (m->code == Q4 || ((m->code == Q8 || m->code == Q8M) && m->bs == 32)) {
         const int64_t nb = K / 32;
         for (int64_t blk = 0; blk < nb; blk++) {
@@ -635,22 +624,23 @@ static void amx_chunk(const void *p, int64_t c) {
         const uint32_t *x0 = a->xp + g * KS * 2 * tb, *x1 = x0 + KS * 2 * tb;
         for (int64_t s = 0; s < KS; s++) {
             const uint32_t *h0 = x0 + 2 * s * tb, *h1 = x1 + 2 * s * tb;
+            /* the four sums tiles += W's two tiles (4, 5) x x's two (6, 7) */
+#define QUAD() do { _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); \
+                     _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7); } while (0)
             _tile_loadd(4, whi + 32 * s, wstride);
             _tile_loadd(5, whi + 16 * K + 32 * s, wstride);
             _tile_loadd(6, h0, 64);
             _tile_loadd(7, h1, 64);
-            _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
-            _tile_loadd(6, h0 + tb, 64);            /* x lo */
+            QUAD();                                 /* hi x hi */
+            _tile_loadd(6, h0 + tb, 64);
             _tile_loadd(7, h1 + tb, 64);
-            _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+            QUAD();                                 /* hi x lo */
             _tile_loadd(4, wlo + 32 * s, wstride);
             _tile_loadd(5, wlo + 16 * K + 32 * s, wstride);
             _tile_loadd(6, h0, 64);
             _tile_loadd(7, h1, 64);
-            _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+            QUAD();                                 /* lo x hi */
+#undef QUAD
         }
         _tile_stored(0, tile[0], 64); _tile_stored(1, tile[1], 64);
         _tile_stored(2, tile[2], 64); _tile_stored(3, tile[3], 64);
@@ -1603,6 +1593,20 @@ static void next_spans(const PnMat *m, Span_ out[3]) {
 }
 
 #if defined(PN_AMX) && defined(PN_ZMM)
+static void super_bf16(int code, const uint8_t *b, uint16_t *hi, uint16_t *lo) {
+    Super512 S;
+    load_super512(code, b, &S);
+    float mins[8];
+    _mm256_storeu_ps(mins, S.mf);
+    const __m512 d = _mm512_set1_ps(S.d);
+    for (int j = 0; j < 8; j++) {
+        const __m512 mj = _mm512_set1_ps(mins[j]);
+        __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(S.w[j])));
+        __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(S.w[j], 1)));
+        store_split(hi + 32 * j, lo + 32 * j, _mm512_fmadd_ps(a, d, mj), _mm512_fmadd_ps(c, d, mj));
+    }
+}
+
 /* -- decode steps on AMX tiles: the weights' own codes, exact in bf16 --------------------
  * For 16 rows of x or fewer, decoding every weight into float halves costs more than the
  * integer products (above). Here a weight's code (q4: 0 .. 15, q8: -128 .. 127, Q6_K's

@@ -283,6 +283,18 @@ def kv_cache() -> str:
     return raw
 
 
+AMX_MODES = ("auto", "off")
+
+
+def amx() -> str:
+    """Whether the CPU kernels may use AMX tiles (`PANTHEON_AMX`): auto (the default: where
+    the CPU and the kernel have them) or off (the integer and BLAS paths only)."""
+    raw = os.environ.get("PANTHEON_AMX", "").strip().lower() or "auto"
+    if raw not in AMX_MODES:
+        raise ValueError(f"PANTHEON_AMX must be one of {', '.join(AMX_MODES)}, not {raw!r}")
+    return raw
+
+
 def c_compiler() -> str:
     """The C compiler that builds the CPU kernels on first use (`CC`, default `cc`)."""
     return os.environ.get("CC") or "cc"

@@ -353,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("httpx").setLevel(logging.WARNING)   # one line per request: noise
         if args.command in ("run", "serve", "worker", "bench"):
             settings.kv_cache()             # a bad PANTHEON_KV_CACHE stops here, named
+            settings.amx()                  # and a bad PANTHEON_AMX
         return args.func(args) or 0
     except KeyboardInterrupt:
         return 130

@@ -57,6 +57,15 @@ def test_bench_engine_with_an_fp16_kv_cache_halves_the_kv(tmp_path):
     assert bad.returncode == 2 and "invalid choice: 'q8'" in bad.stderr
 
 
+def test_a_bad_pantheon_amx_stops_the_command_with_the_choices(tmp_path):
+    path = tm.write_gguf("llama", tmp_path / "tiny.gguf", tensor_type="Q8_0")
+    bad = pantheon("bench", "engine", "-m", str(path), env={"PANTHEON_AMX": "maybe"})
+    assert bad.returncode == 1 and "PANTHEON_AMX must be one of auto, off, not 'maybe'" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    good = pantheon("bench", "engine", "-m", str(path), "--steps", "2", env={"PANTHEON_AMX": "off"})
+    assert good.returncode == 0, good.stderr
+
+
 def test_bench_engine_times_decode_at_each_context(tmp_path):
     path = tm.write_gguf("qwen35", tmp_path / "q35.gguf")
     proc = pantheon("bench", "engine", "-m", str(path), "--steps", "2", "--contexts", "16,200")

@@ -112,6 +112,25 @@ def test_amx_tiles_equal_the_float64_product(name, batch):
     assert not np.array_equal(got, other)       # the tiles did run
 
 
+def test_pantheon_amx_off_keeps_the_tiles_out_and_a_bad_value_is_refused(monkeypatch):
+    m = MATS["Q4_1"]
+    x = np.random.default_rng(9).standard_normal((33, m.cols)).astype(np.float32)
+    lib = kc.library()
+    try:
+        kc.use_amx(0)
+        plain = kc.matmul(x, m)
+        monkeypatch.setenv("PANTHEON_AMX", "off")
+        kc.apply_amx_setting(lib)
+        assert not kc.HAS_AMX[0]
+        np.testing.assert_array_equal(kc.matmul(x, m), plain)
+        monkeypatch.setenv("PANTHEON_AMX", "sometimes")
+        with pytest.raises(ValueError, match="PANTHEON_AMX must be one of auto, off, not 'sometimes'"):
+            kc.apply_amx_setting(lib)
+    finally:
+        monkeypatch.delenv("PANTHEON_AMX")
+        kc.apply_amx_setting(lib)
+
+
 @pytest.mark.parametrize("name", list(MATS))
 def test_gather_and_dequantize_rows(name):
     m = MATS[name]

@@ -158,10 +158,17 @@ def library():
             fn.restype = None
         assert lib.pn_max_rows() == GEMV_MAX_ROWS
         HAS_INT_PATH[0] = bool(lib.pn_has_i8())
-        HAS_AMX[0] = bool(lib.pn_has_amx())
+        apply_amx_setting(lib)
         lib.pn_pool_init(threads(), POOL_SPIN_US)
         _lib = lib
     return _lib
+
+
+def apply_amx_setting(lib) -> None:
+    """PANTHEON_AMX: `off` keeps every product off the AMX tiles (read at load)."""
+    off = settings.amx() == "off"
+    HAS_AMX[0] = not off and bool(lib.pn_has_amx())
+    lib.pn_set_amx(0 if off else -1)
 
 
 def use_amx(min_rows: int | None = None) -> None:

@@ -1,6 +1,6 @@
 """CPU kernels for QMatrix weights: y[B, N] = x[B, K] @ W.T, straight from the blocks.
 
-Two paths, one interface (`matmul`):
+Paths behind one interface (`matmul`):
 - decode (B <= GEMV_MAX_ROWS): worker/kernels.c dequantizes each block of 32
   weights into registers and multiplies it into every row of x; rows of W are
   split over the kernels' own thread pool (threads claim chunks of rows, so a
@@ -11,6 +11,10 @@ Two paths, one interface (`matmul`):
   (q4k, q6k) skip this: their integer products serve any number of rows (kernels.c
   keeps sub-pieces of W in cache while every group of x's rows passes), 1.5-1.8x the
   tiles' speed on a Qwen2.5-1.5B prefill.
+- AMX tiles (Xeons that have them; kernels.c asks the kernel for the tile state and
+  probes it in a forked child): from 8 rows of x, every kind runs on bf16 tile products
+  instead (x split into exact hi and rounded lo bf16 halves); PANTHEON_AMX=off keeps
+  them out.
 
 Why C and not numba: measured here (Zen 4, one thread, a [17920, 1536] q4
 matrix, B = 1), numba's best formulation of the block loop ran 8-13 ms because
@@ -173,9 +177,12 @@ def apply_amx_setting(lib) -> None:
 
 def use_amx(min_rows: int | None = None) -> None:
     """Products of at least `min_rows` rows of x take the AMX tiles where the host has
-    them (0: never; None: kernels.c's AMX_MIN_ROWS / AMX_MIN_ROWS_K, the defaults). For
-    tests and benchmarks."""
-    library().pn_set_amx(-1 if min_rows is None else min_rows)
+    them (0: never; None: back to PANTHEON_AMX and kernels.c's AMX_MIN_ROWS /
+    AMX_MIN_ROWS_K). For tests and benchmarks."""
+    if min_rows is None:
+        apply_amx_setting(library())
+    else:
+        library().pn_set_amx(min_rows)
 
 
 def _ptr(a: np.ndarray) -> int:

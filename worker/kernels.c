@@ -480,7 +480,10 @@ static inline void split_bf16(__m512 a, __m512 b, __m512i *hi, __m512i *lo) {
     *lo = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(b, bh), _mm512_sub_ps(a, ah));
 }
 
-typedef struct { const float *x; int64_t M, K; uint32_t *xp; int side; } PackArgs;
+typedef struct {
+    const float *x; int64_t M, K; uint32_t *xp; int side;
+    float *xs;                      /* or NULL: also x's sums per run of 32, [K / 32][16] */
+} PackArgs;
 
 /* x's rows 16g .. 16g+15 (zeros past M) → per 32 k two tiles, hi then lo: tile row p,
  * column m holds the pair (k = 32s + 2p, 32s + 2p + 1) of row 16g + m. `side` (M <= 8,
@@ -493,10 +496,14 @@ static void amx_pack_chunk(const void *p, int64_t g) {
         for (int m = 0; m < 16; m++) {
             int64_t row = 16 * g + m;
             __m512i h = _mm512_setzero_si512(), l = h;
+            float sum = 0.0f;
             if (row < a->M) {
                 const float *src = a->x + row * a->K + 32 * s;
-                split_bf16(_mm512_loadu_ps(src), _mm512_loadu_ps(src + 16), &h, &l);
+                const __m512 v0 = _mm512_loadu_ps(src), v1 = _mm512_loadu_ps(src + 16);
+                split_bf16(v0, v1, &h, &l);
+                if (a->xs) sum = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
             }
+            if (a->xs) a->xs[16 * s + m] = sum;     /* (one group of rows: g = 0) */
             _mm512_storeu_si512(hi[m], h);
             _mm512_storeu_si512(lo[m], l);
         }
@@ -677,18 +684,11 @@ int pn_matmul_amx(const PnMat *m, const float *x, int64_t M, float *out) {
         amx_xs_cap = amx_xs ? m->K / 2 : 0;
         if (!amx_xs) return tl_next = next, 0;
     }
-    const int side = M <= 8 && amx_codes_ok(m);
-    PackArgs pa = {x, M, m->K, amx_xp, side};
+    const int codes = Mp == 16 && amx_codes_ok(m), side = codes && M <= 8;
+    PackArgs pa = {x, M, m->K, amx_xp, side, codes ? amx_xs : NULL};
     pool_run_next(amx_pack_chunk, &pa, Mp / 16, NULL);
-    AmxArgs a = {m, amx_xp, M, Mp, out, NULL, side};
-    if (Mp == 16 && amx_codes_ok(m)) {
-        for (int64_t s = 0; s < m->K / 32; s++)
-            for (int64_t r = 0; r < 16; r++) {
-                float t = 0.0f;
-                for (int64_t k = 0; r < M && k < 32; k++) t += x[r * m->K + 32 * s + k];
-                amx_xs[16 * s + r] = t;
-            }
-        a.xs = amx_xs;
+    AmxArgs a = {m, amx_xp, M, Mp, out, pa.xs, side};
+    if (codes) {
         pool_run_next(amx_codes_chunk, &a, (m->N + AMX_CODES_ROWS - 1) / AMX_CODES_ROWS, next);
         return 1;
     }

@@ -7,7 +7,10 @@ Two halves:
   lacks: a deadline for a request's headers (slowloris) and for its body, a cap on the
   header bytes, a cap on open connections (a 503 beyond it), and a deadline for a
   peer that stops reading (its connection is dropped). Each refusal is a JSON error
-  body with `connection: close`.
+  body with `connection: close`, and a lingering close: our side is shut for writing
+  (the peer reads the answer and then end of stream) while what the peer still sends is
+  read and dropped for up to `LINGER_S`, so the kernel never answers those bytes with a
+  reset that could discard the answer before the peer read it.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from ..common import settings
 from .errors import APIError
 
 log = logging.getLogger("pantheon.frontend.limits")
+LINGER_S = 2.0      # a refused peer's bytes are read and dropped this long, at most
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,6 +130,7 @@ class BoundedHttp(HttpToolsProtocol):
         self.timers = {}
         self.header_bytes = self.parsed_bytes = 0   # read in the header phase; parsed
         self.in_headers = True
+        self.lingering = False
         sock = transport.get_extra_info("socket")
         if sock is not None and self.limits.send_buffer_bytes:
             # what a peer that reads nothing can leave queued here: the kernel's buffer
@@ -153,6 +158,8 @@ class BoundedHttp(HttpToolsProtocol):
 
     # -- reading -----------------------------------------------------------------------
     def data_received(self, data: bytes) -> None:
+        if self.lingering:                        # refused: read and dropped
+            return
         if self.in_headers:
             self.header_bytes += len(data)
         super().data_received(data)
@@ -218,18 +225,34 @@ class BoundedHttp(HttpToolsProtocol):
     def refuse(self, status: int, reason: str, err: APIError) -> None:
         """Answer `err` where no response is under way, and close the connection; the
         handler of a request whose body was still coming sees a disconnect."""
-        if self.transport.is_closing():
+        if self.transport.is_closing() or self.lingering:
             return
         cycle = self.cycle        # in the header phase: the previous request's, if any
         reading_body = cycle is not None and not self.in_headers and not cycle.response_complete
-        if cycle is None or (cycle.response_complete if self.in_headers
-                             else not cycle.response_started):
-            self.transport.write(error_response(status, reason, err))
+        ours = cycle is None or (cycle.response_complete if self.in_headers
+                                 else not cycle.response_started)
         if reading_body:
             cycle.disconnected = True             # its handler's answer goes nowhere
             cycle.message_event.set()
         log.info("closed a connection from %s: %s", self.peer(), err.message)
-        self.transport.close()
+        if ours:
+            self.transport.write(error_response(status, reason, err))
+        if ours and self.transport.can_write_eof():
+            self.linger()
+        else:
+            self.transport.close()                # a response under way ends here
+
+    def linger(self) -> None:
+        """Shut our side once the answer is flushed, drop what the peer still sends,
+        and close when it closes or after `LINGER_S`, whichever comes first."""
+        self.lingering = True
+        for timer in self.timers.values():
+            timer.cancel()
+        self.timers.clear()
+        if not self.transport.is_reading():       # paused by flow control: drain anyway
+            self.transport.resume_reading()
+        self.transport.write_eof()
+        self.arm("linger", LINGER_S, self.transport.close)
 
     def peer(self) -> str:
         return "%s:%s" % self.client if self.client else "?"

@@ -89,6 +89,22 @@ def test_a_slowloris_is_cut_off_at_the_header_deadline(server):
     ok(server)
 
 
+def test_a_peer_still_sending_after_the_408_reads_it_and_a_clean_end(server):
+    """Bytes that reach a closed socket make the kernel answer with a reset, which can
+    cost the peer the 408 still unread; the server shuts only its side and drops what
+    comes, so the peer reads the answer and then end of stream."""
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+    start = time.monotonic()
+    while time.monotonic() - start < 3.0:     # past the 2 s deadline, still sending
+        sock.sendall(b"X-Pad: a\r\n")
+        time.sleep(0.05)
+    status, err = error_of(read_all(sock))    # a reset here is the failure
+    sock.close()
+    assert status == 408 and err["code"] == "request_timeout"
+    ok(server)
+
+
 def test_an_idle_connection_is_closed_too(server):
     sock = raw(server)
     start = time.monotonic()

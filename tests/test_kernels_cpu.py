@@ -262,7 +262,22 @@ def _check_decode_attention(at, n_heads, n_kv, hd, window, dtype):
         want = at.attend_decodes(q[b:b + 1], k[slots[b]:slots[b] + 1].astype(np.float32),
                                  v[slots[b]:slots[b] + 1].astype(np.float32),
                                  bias[None, None, None, :], np.zeros(1, dtype=np.int64))
-        np.testing.assert_allclose(got[b], want[0], rtol=2e-5, atol=1e-5)   # |out| ~ 1
+        exact = _attention_f64(q[b], k[slots[b], :, first[b]:pos[b] + 1],
+                               v[slots[b], :, first[b]:pos[b] + 1])
+        # scores reach ~250 here, so float32's rounding of them is ~1e-5 of |out| ~ 1:
+        # both sides are held to the float64 computation, and to each other
+        np.testing.assert_allclose(got[b], exact, rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(want[0], exact, rtol=2e-5, atol=4e-5)
+        np.testing.assert_allclose(got[b], want[0], rtol=2e-5, atol=5e-5)
+
+
+def _attention_f64(q, k, v):
+    """One query's attention [Hq * hd] in float64 over k, v [Hkv, L, hd] (q scaled)."""
+    n_heads, hd = q.shape
+    qg = q.astype(np.float64).reshape(k.shape[0], n_heads // k.shape[0], hd)
+    s = qg @ k.astype(np.float64).transpose(0, 2, 1)
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    return ((p / p.sum(axis=-1, keepdims=True)) @ v.astype(np.float64)).reshape(-1)
 
 
 def test_an_fp16_cache_stores_new_rows_as_numpy_rounds_them():

@@ -2022,10 +2022,15 @@ static inline float dotf(const float *restrict a, const float *restrict b, int64
         acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
     t = _mm512_reduce_add_ps(acc);
 #elif defined(__AVX2__) && defined(__FMA__)
-    __m256 acc = _mm256_setzero_ps();
+    /* two chains, 16 lanes as the 512-bit build: half the rounding steps per lane */
+    __m256 acc = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+        acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc2);
+    }
     for (; i + 8 <= n; i += 8)
         acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    t = hsum(acc);
+    t = hsum(_mm256_add_ps(acc, acc2));
 #endif
     double tail = 0.0;          /* the portable build's whole sum: in double, as BLAS is close */
     for (; i < n; i++) tail += (double)a[i] * b[i];

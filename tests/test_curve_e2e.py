@@ -133,20 +133,47 @@ def test_a_connection_left_without_a_handshake_is_reported_like_a_refusal(monkey
     import types
     import zmq
     from pantheon.worker import main
-    seen, now = [], [1000.0]
+    said, now = [], [1000.0]
     monkeypatch.setattr(main.time, "monotonic", lambda: now[0])
     w = types.SimpleNamespace(rehello=False, link_up=False, unacknowledged_since=None,
-                              handshake_failed=lambda: seen.append("refused"))
+                              connected_once=False,
+                              handshake_failed=lambda seen=True: said.append(
+                                  "refused" if seen else "no link"))
     main.Worker.link_event(w, zmq.EVENT_CONNECTED)
     now[0] += main.HANDSHAKE_WAIT_S - 0.1
     main.Worker.check_handshake(w)
-    assert seen == []
+    assert said == []
     now[0] += 0.2
     main.Worker.check_handshake(w)
     main.Worker.check_handshake(w)
-    assert seen == ["refused"]                   # once, not on every turn of the loop
+    assert said == ["refused"]                   # once, not on every turn of the loop
     main.Worker.link_event(w, zmq.EVENT_CONNECTED)
     main.Worker.link_event(w, zmq.EVENT_HANDSHAKE_SUCCEEDED)
     now[0] += 100
     main.Worker.check_handshake(w)
-    assert seen == ["refused"]
+    assert said == ["refused"]
+
+
+def test_a_link_with_no_event_at_all_is_reported_after_the_wait(monkeypatch):
+    """Not even CONNECTED (a loaded host, or a frontend not up): the wait runs from the
+    connect itself, and the line says both causes."""
+    import zmq
+    from pantheon.worker import main
+    now = [1000.0]
+    monkeypatch.setattr(main.time, "monotonic", lambda: now[0])
+    w = main.Worker.__new__(main.Worker)
+    w.unacknowledged_since, w.connected_once, w.warned_at = now[0], False, -60.0
+    w.keys = (b"server", None)
+    lines = []
+    monkeypatch.setattr(main.log, "warning", lambda fmt, *a: lines.append(fmt % a))
+    now[0] += main.HANDSHAKE_WAIT_S - 0.1
+    main.Worker.check_handshake(w)
+    assert lines == []
+    now[0] += 0.2
+    main.Worker.check_handshake(w)
+    assert len(lines) == 1 and "not up yet" in lines[0] and "authorized/ folder" in lines[0]
+    main.Worker.link_event(w, zmq.EVENT_CONNECTED)   # now it connects: refused in time
+    w.link_up = False
+    now[0] += 61
+    main.Worker.link_event(w, zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+    assert "refused the link's handshake" in lines[-1]

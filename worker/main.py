@@ -132,7 +132,10 @@ class Worker:
             | HANDSHAKE_FAILED)
         self.warned_at = -60.0                       # the last handshake failure logged
         self.link_up = False                         # the current connection's handshake done
-        self.unacknowledged_since = None             # a connection with no handshake yet
+        # since when the link waits for a handshake: from the connect itself, so that a
+        # refusal libzmq reports with no event at all is still said (check_handshake)
+        self.unacknowledged_since = time.monotonic()
+        self.connected_once = False                  # a TCP connection was ever made
         self.sock.connect(frontend)
         self.replicas: dict[str, Replica] = {}
         self.owner: dict[str, Replica] = {}          # request id → replica
@@ -231,7 +234,7 @@ class Worker:
                             break
                     except BlockingIOError:
                         break
-            if self.monitor in events:
+            while self.monitor.poll(0, zmq.POLLIN):          # every event since the last turn
                 self.link_event(recv_monitor_message(self.monitor)["event"])
             self.check_handshake()
             if self.rehello:
@@ -260,6 +263,7 @@ class Worker:
         if event == zmq.EVENT_CONNECTED:
             self.rehello = True              # (re)connected: introduce ourselves
             self.link_up = False
+            self.connected_once = True
             if self.unacknowledged_since is None:
                 self.unacknowledged_since = time.monotonic()
         elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
@@ -278,15 +282,20 @@ class Worker:
         since = self.unacknowledged_since
         if since is not None and time.monotonic() - since >= HANDSHAKE_WAIT_S:
             self.unacknowledged_since = None
-            self.handshake_failed()
+            self.handshake_failed(seen=self.connected_once)
 
-    def handshake_failed(self) -> None:
-        """The frontend refused the link (keys, or their absence): say so, once a minute."""
+    def handshake_failed(self, seen: bool = True) -> None:
+        """The frontend refused the link (keys, or their absence): say so, once a minute.
+        `seen`: libzmq reported the connection; without that the frontend may not be up."""
         if time.monotonic() - self.warned_at >= 60:
             self.warned_at = time.monotonic()
-            log.warning("the frontend refused the link's handshake: %s",
-                        "is this worker's key in its authorized/ folder, and server.key "
-                        "its server's?" if self.keys else "it uses CURVE: pass --keys DIR")
+            why = ("is this worker's key in its authorized/ folder, and server.key its "
+                   "server's?" if self.keys else "it uses CURVE: pass --keys DIR")
+            if seen:
+                log.warning("the frontend refused the link's handshake: %s", why)
+            else:
+                log.warning("no handshake with the frontend after %g s: it is not up yet, "
+                            "or it refuses the link (%s)", HANDSHAKE_WAIT_S, why)
 
     def receive(self, data: bytes) -> None:
         try:

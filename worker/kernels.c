@@ -1388,6 +1388,9 @@ static void gemv_k_rows(int code, const uint8_t *restrict qs, int64_t K, int64_t
                 for (int64_t b = 0; b < g; b++) acc[b] = _mm256_setzero_ps();
                 for (int64_t blk = 0; blk < nb; blk++) {
                     Super S;
+                    if (b0 == 0)        /* the first group of x meets W from memory */
+                        for (int64_t l = 0; l < bytes; l += 64)
+                            _mm_prefetch((const char *)row + blk * bytes + PF_AHEAD + l, _MM_HINT_T0);
                     load_super(code, row + blk * bytes, &S);
                     for (int64_t b = 0; b < g; b++)
                         acc[b] = super_dot(&S, xg + b * K + blk * 256, sg + (b * nb + blk) * 8,

@@ -252,7 +252,15 @@ class BoundedHttp(HttpToolsProtocol):
         if not self.transport.is_reading():       # paused by flow control: drain anyway
             self.transport.resume_reading()
         self.transport.write_eof()
-        self.arm("linger", LINGER_S, self.transport.close)
+        self.arm("linger", LINGER_S, self.end_linger)
+
+    def end_linger(self) -> None:
+        """The linger's end: closed, or dropped if the peer has not even read the answer
+        (a close would wait on it for ever)."""
+        if self.transport.get_write_buffer_size():
+            self.transport.abort()
+        else:
+            self.transport.close()
 
     def peer(self) -> str:
         return "%s:%s" % self.client if self.client else "?"

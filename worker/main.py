@@ -234,8 +234,9 @@ class Worker:
                             break
                     except BlockingIOError:
                         break
-            while self.monitor.poll(0, zmq.POLLIN):          # every event since the last turn
-                self.link_event(recv_monitor_message(self.monitor)["event"])
+            if self.monitor in events:
+                while self.monitor.poll(0, zmq.POLLIN):      # every event since the last turn
+                    self.link_event(recv_monitor_message(self.monitor)["event"])
             self.check_handshake()
             if self.rehello:
                 self.rehello = False

@@ -167,7 +167,8 @@ def test_client_disconnect_mid_stream_frees_the_worker(server):
         lines = r.iter_lines()
         for _ in range(6):
             next(lines)
-        assert wait_for(lambda: active(server) == 1)   # the worker reports it running
+        assert wait_for(lambda: active(server) == 1), \
+            httpx.get(server.url + "/health").json()["workers"]   # the worker reports it running
     # gone after a few chunks: 450 tokens would take far longer than this wait
     assert wait_for(lambda: active(server) == 0, timeout=8)
     assert active(server, "in_flight") == 0

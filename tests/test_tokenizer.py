@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
 from tokenizers import Regex, pre_tokenizers
 
@@ -116,6 +117,14 @@ def test_fast_reader_matches_stock_reader(spm_path):
         a, b = stock[key], fast[key]
         assert (a.types, a.data, len(a.parts)) == (b.types, b.data, len(b.parts)), key
         assert a.contents() == b.contents(), key
+        assert all(x.dtype == y.dtype and np.array_equal(x, y)
+                   for x, y in zip(a.parts, b.parts)), key
+    tokens = fast["tokenizer.ggml.tokens"].parts      # made when read, as a sequence
+    assert np.array_equal(tokens[-1], stock["tokenizer.ggml.tokens"].parts[-1])
+    assert [bytes(t) for t in tokens[5:9:2]] == \
+        [bytes(t) for t in stock["tokenizer.ggml.tokens"].parts[5:9:2]]
+    with pytest.raises(IndexError):
+        tokens[len(tokens)]
 
 
 # --- a hand-built SentencePiece (`llama`) vocabulary ---------------------------------------

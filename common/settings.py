@@ -197,6 +197,20 @@ def test_stall(die: str) -> tuple[int, float] | None:
     return stall if not only or only == die else None
 
 
+def test_step_floor() -> float:
+    """A test hook (`PANTHEON_TEST_STEP_FLOOR=SECONDS`): every scheduler step of a worker
+    lasts at least SECONDS (it sleeps out the rest), so that a test can hold a stream
+    open for a known time with few tokens, whatever the host's speed."""
+    raw = os.environ.get("PANTHEON_TEST_STEP_FLOOR")
+    try:
+        floor = float(raw) if raw else 0.0
+    except ValueError:
+        floor = -1.0
+    if not 0.0 <= floor <= 10.0:
+        raise ValueError(f"PANTHEON_TEST_STEP_FLOOR must be seconds in [0, 10], not {raw!r}")
+    return floor
+
+
 def test_load_stall() -> float:
     """A test hook (`PANTHEON_TEST_LOAD_STALL=SECONDS`): a worker's model load sleeps
     SECONDS before it starts, so that a test can act while a load is under way."""

@@ -188,3 +188,20 @@ def test_the_specs_variables_map_onto_flags(monkeypatch):
         assert settings.refused_knobs() == []
     monkeypatch.setenv("QWEN35_BS_STATS", "1")
     assert settings.bs_stats()
+
+
+def test_the_test_hooks_read_their_values_and_refuse_bad_ones(monkeypatch):
+    from pantheon.common import settings
+    monkeypatch.delenv("PANTHEON_TEST_STEP_FLOOR", raising=False)
+    assert settings.test_step_floor() == 0.0
+    monkeypatch.setenv("PANTHEON_TEST_STEP_FLOOR", "0.05")
+    assert settings.test_step_floor() == 0.05
+    for bad in ("soon", "-1", "11", "nan"):
+        monkeypatch.setenv("PANTHEON_TEST_STEP_FLOOR", bad)
+        with pytest.raises(ValueError, match="PANTHEON_TEST_STEP_FLOOR must be seconds"):
+            settings.test_step_floor()
+    monkeypatch.setenv("PANTHEON_TEST_STALL", "4:6@cpu")
+    assert settings.test_stall("cpu") == (4, 6.0) and settings.test_stall("cpu:1") is None
+    monkeypatch.setenv("PANTHEON_TEST_STALL", "4")
+    with pytest.raises(ValueError, match="STEP:SECONDS"):
+        settings.test_stall("cpu")

@@ -20,6 +20,7 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not cached_path().exists(), reason="default model not fetched")]
 
 FAST = {"PANTHEON_HEARTBEAT_S": "0.5"}
+STEP_FLOOR, STREAM_TOKENS = 0.05, 300     # the draining stream: 15 s at least
 WORDS = ("amber basalt cinder delta ember fjord glacier harbor island juniper kettle "
          "lantern meadow nectar orchard pebble quartz raven saffron timber").split()
 
@@ -173,8 +174,9 @@ def test_sigterm_deregisters_first_finishes_its_stream_and_gets_no_new_requests(
         vllm_router, cluster):
     a = cluster.a
     with Router(vllm_router) as router, \
-            Server("--slots", "4", "--ctx", "2048", "--shutdown-timeout", "120",
-                   env={"PANTHEON_REGISTRY_URL": router.url, **FAST}) as c:
+            Server("--slots", "4", "--ctx", "1024", "--shutdown-timeout", "120",
+                   env={"PANTHEON_REGISTRY_URL": router.url, **FAST,
+                        "PANTHEON_TEST_STEP_FLOOR": str(STEP_FLOOR)}) as c:
         httpx.post(router.url + "/add_worker", params={"url": a.url}, timeout=30)
         wait_until(lambda: sorted(router.healthy()) == sorted([a.url, c.url]), 30,
                    router.logs)
@@ -184,8 +186,9 @@ def test_sigterm_deregisters_first_finishes_its_stream_and_gets_no_new_requests(
                 break
         else:
             pytest.fail("no session hashed to the draining instance")
-        # long enough to outlast the drain's checks at ~170 tok/s (about 10 s)
-        stream = Stream(router.url, {"messages": opening(900), "max_tokens": 1600,
+        # c's steps last at least STEP_FLOOR: the stream outlasts the drain's checks
+        # (a few seconds) on any host, 15 s or more
+        stream = Stream(router.url, {"messages": opening(900), "max_tokens": STREAM_TOKENS,
                                      "logit_bias": {"2": -100, "0": -100}},
                         {"X-Session-Id": session})
         stream.start()
@@ -205,7 +208,7 @@ def test_sigterm_deregisters_first_finishes_its_stream_and_gets_no_new_requests(
         chunks = [json.loads(e) for e in stream.events if e != "[DONE]"]
         assert stream.status == 200 and stream.events[-1] == "[DONE]"
         assert not any("error" in ch for ch in chunks), ([ch for ch in chunks if "error" in ch], len(chunks), c.logs())
-        assert [ch for ch in chunks if ch.get("usage")][-1]["usage"]["completion_tokens"] == 1600
+        assert [ch for ch in chunks if ch.get("usage")][-1]["usage"]["completion_tokens"] == STREAM_TOKENS
         assert c.proc.wait(30) == 0
         logs = c.logs()
         assert logs.index("deregistered") < logs.index("drain: every request finished"), logs

@@ -1115,26 +1115,37 @@ void pn_quantize_xk(const float *x, int64_t B, int64_t K, int16_t *xq, float *xd
             }
             xd[b * nb + blk] = d;
         }
-#else
+#else           /* AVX2 */
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u));
+    const __m256 half = _mm256_set1_ps(0.5f);
     for (int64_t b = 0; b < B; b++)
         for (int64_t blk = 0; blk < nb; blk++) {
             const float *v = x + b * K + blk * 256;
             int16_t *q = xq + b * K + blk * 256;
-            float amax = 0.0f;
-            for (int i = 0; i < 256; i++) {
-                float a = v[i] < 0 ? -v[i] : v[i];
-                amax = a > amax ? a : amax;
-            }
-            float d = amax / XK_MAX, inv = d > 0 ? 1.0f / d : 0.0f;
-            for (int j = 0; j < 8; j++) {
-                int sum = 0;
-                for (int i = 0; i < 32; i++) {
-                    float r = v[32 * j + i] * inv;
-                    int qv = (int)(r < 0 ? r - 0.5f : r + 0.5f);
-                    q[32 * j + i] = (int16_t)qv;
-                    sum += qv;
+            __m256 m = _mm256_setzero_ps();
+            for (int i = 0; i < 256; i += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(v + i), absmask));
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            const float d = _mm_cvtss_f32(m4) / XK_MAX, inv = d > 0 ? 1.0f / d : 0.0f;
+            const __m256 vinv = _mm256_set1_ps(inv);
+            for (int j = 0; j < 8; j++) {       /* r = v * inv, plus copysign(0.5, r), truncated */
+                __m256i iv[4], tot = _mm256_setzero_si256();
+                for (int h = 0; h < 4; h++) {
+                    __m256 r = _mm256_mul_ps(_mm256_loadu_ps(v + 32 * j + 8 * h), vinv);
+                    r = _mm256_add_ps(r, _mm256_or_ps(_mm256_and_ps(r, sign), half));
+                    iv[h] = _mm256_cvttps_epi32(r);
+                    tot = _mm256_add_epi32(tot, iv[h]);
                 }
-                xs[(b * nb + blk) * 8 + j] = (float)sum * d;
+                _mm256_storeu_si256((__m256i *)(q + 32 * j), _mm256_permute4x64_epi64(
+                    _mm256_packs_epi32(iv[0], iv[1]), 0xD8));
+                _mm256_storeu_si256((__m256i *)(q + 32 * j + 16), _mm256_permute4x64_epi64(
+                    _mm256_packs_epi32(iv[2], iv[3]), 0xD8));
+                __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(tot), _mm256_extracti128_si256(tot, 1));
+                t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
+                t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
+                xs[(b * nb + blk) * 8 + j] = (float)_mm_cvtsi128_si32(t4) * d;
             }
             xd[b * nb + blk] = d;
         }
@@ -1328,6 +1339,107 @@ static inline __m512 super_dot512(const Super512 *S, const int16_t *restrict x, 
 }
 #endif
 
+#define KGROUP_AVX2 8   /* rows of x per pass on the 256-bit path */
+#if !defined(PN_ZMM)
+/* AVX2 (16 vector registers): a super-block is taken 64 values at a time (a quad: four
+ * vectors of 16 int16, times their sub-scales) and each quad meets every row of the
+ * group at once, so the weights never leave registers; the int32 sums of the whole
+ * super-block stay in one register per row of x (Q6_K: 32 x 4096 x 16000 < 2^31). The
+ * earlier way widened all 256 values (16 vectors, the whole register file) into a
+ * stored struct and read them back for every row. */
+static inline __attribute__((always_inline)) void k_quad(
+        int code, const uint8_t *restrict b, const uint8_t *restrict sm, int t, __m256i w[4]) {
+    const __m256i low4 = _mm256_set1_epi8(15);
+    if (code == Q4K) {          /* bytes 32t..: low nibbles values 64t + i, high 64t + 32 + i */
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * t));
+        const __m256i lo = _mm256_and_si256(raw, low4);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+        const __m256i s0 = _mm256_set1_epi16(sm[2 * t]), s1 = _mm256_set1_epi16(sm[2 * t + 1]);
+        w[0] = _mm256_mullo_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(lo)), s0);
+        w[1] = _mm256_mullo_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(lo, 1)), s0);
+        w[2] = _mm256_mullo_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(hi)), s1);
+        w[3] = _mm256_mullo_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(hi, 1)), s1);
+        return;
+    }
+    /* Q6_K: quad t is runs 2t, 2t + 1 (values 64t ..), from half h = t / 2 of the block:
+     * low nibbles of ql (t even) or high ones (t odd), 2 bits of qh each */
+    const int h = t >> 1, up = t & 1;
+    const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+    const int8_t *sc = (const int8_t *)(b + 192) + 4 * t;
+    const __m256i two = _mm256_set1_epi8(3), off = _mm256_set1_epi16(32);
+    __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
+    __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+    __m256i bits = _mm256_loadu_si256((const __m256i *)qh);
+    if (up) {
+        l0 = _mm256_srli_epi16(l0, 4);
+        l1 = _mm256_srli_epi16(l1, 4);
+        bits = _mm256_srli_epi16(bits, 4);
+    }
+    const __m256i r0 = _mm256_or_si256(_mm256_and_si256(l0, low4),
+                                       _mm256_slli_epi16(_mm256_and_si256(bits, two), 4));
+    const __m256i r1 = _mm256_or_si256(_mm256_and_si256(l1, low4),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bits, 2), two), 4));
+    w[0] = _mm256_mullo_epi16(_mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(r0)), off),
+                              _mm256_set1_epi16(sc[0]));
+    w[1] = _mm256_mullo_epi16(_mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(r0, 1)), off),
+                              _mm256_set1_epi16(sc[1]));
+    w[2] = _mm256_mullo_epi16(_mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(r1)), off),
+                              _mm256_set1_epi16(sc[2]));
+    w[3] = _mm256_mullo_epi16(_mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(r1, 1)), off),
+                              _mm256_set1_epi16(sc[3]));
+}
+
+/* One row of W (nb super-blocks) against G rows of x (xq0 / xd0 / xs0, row stride K),
+ * G a constant at each call: out[b * N] for b < G. `fetch`: prefetch W's stream. */
+static inline __attribute__((always_inline)) void k_row_avx2(
+        int code, const uint8_t *restrict row, int64_t nb, int64_t K,
+        const int16_t *restrict xq0, const float *restrict xd0, const float *restrict xs0,
+        float *restrict out, int64_t N, int fetch, const int G) {
+    const int64_t bytes = k_bytes(code);
+    __m256 acc[KGROUP_AVX2];
+    for (int b = 0; b < G; b++) acc[b] = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < nb; blk++) {
+        const uint8_t *p = row + blk * bytes;
+        if (fetch)
+            for (int64_t l = 0; l < bytes; l += 64)
+                _mm_prefetch((const char *)p + PF_AHEAD + l, _MM_HINT_T0);
+        uint8_t sm[16];
+        float d;
+        __m256 mf = _mm256_setzero_ps();
+        if (code == Q4K) {
+            k_scales_fast(p + 4, sm);
+            d = half_to_float(load_u16(p));
+            mf = _mm256_mul_ps(_mm256_set1_ps(-half_to_float(load_u16(p + 2))), _mm256_cvtepi32_ps(
+                _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + 8)))));
+        } else {
+            d = half_to_float(load_u16(p + 208));
+        }
+        __m256i c[KGROUP_AVX2];
+        for (int b = 0; b < G; b++) c[b] = _mm256_setzero_si256();
+        for (int t = 0; t < 4; t++) {
+            __m256i w[4];
+            k_quad(code, p, sm, t, w);
+            for (int b = 0; b < G; b++) {
+                const int16_t *x = xq0 + b * K + blk * 256 + 64 * t;
+                const __m256i u = _mm256_add_epi32(
+                    _mm256_madd_epi16(w[0], _mm256_loadu_si256((const __m256i *)x)),
+                    _mm256_madd_epi16(w[1], _mm256_loadu_si256((const __m256i *)(x + 16))));
+                const __m256i v = _mm256_add_epi32(
+                    _mm256_madd_epi16(w[2], _mm256_loadu_si256((const __m256i *)(x + 32))),
+                    _mm256_madd_epi16(w[3], _mm256_loadu_si256((const __m256i *)(x + 48))));
+                c[b] = _mm256_add_epi32(c[b], _mm256_add_epi32(u, v));
+            }
+        }
+        for (int b = 0; b < G; b++) {
+            const int64_t xb = (int64_t)b * nb + blk;
+            __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c[b]), _mm256_set1_ps(d * xd0[xb]), acc[b]);
+            acc[b] = code == Q4K ? _mm256_fmadd_ps(mf, _mm256_loadu_ps(xs0 + xb * 8), t) : t;
+        }
+    }
+    for (int b = 0; b < G; b++) out[b * N] = hsum(acc[b]);
+}
+#endif
+
 #define KGROUP 8        /* rows of x per pass over a piece of W (accumulators in registers) */
 #define KSUB 64         /* rows of W per sub-piece: its blocks stay in L2 across x's groups */
 
@@ -1384,19 +1496,21 @@ static void gemv_k_rows(int code, const uint8_t *restrict qs, int64_t K, int64_t
                 for (int64_t b = 0; b < g; b++)
                     out[(b0 + b) * N + n] = _mm512_reduce_add_ps(acc[b]) + hsum(accm[b]);
 #else
-                __m256 acc[KGROUP];
-                for (int64_t b = 0; b < g; b++) acc[b] = _mm256_setzero_ps();
-                for (int64_t blk = 0; blk < nb; blk++) {
-                    Super S;
-                    if (b0 == 0)        /* the first group of x meets W from memory */
-                        for (int64_t l = 0; l < bytes; l += 64)
-                            _mm_prefetch((const char *)row + blk * bytes + PF_AHEAD + l, _MM_HINT_T0);
-                    load_super(code, row + blk * bytes, &S);
-                    for (int64_t b = 0; b < g; b++)
-                        acc[b] = super_dot(&S, xg + b * K + blk * 256, sg + (b * nb + blk) * 8,
-                                           dg[b * nb + blk], acc[b]);
-                }
-                for (int64_t b = 0; b < g; b++) out[(b0 + b) * N + n] = hsum(acc[b]);
+                const int16_t *x0 = xg;
+                float *o = out + b0 * N + n;
+                const int fetch = b0 == 0;      /* the first group of x meets W from memory */
+                if (g == 8) k_row_avx2(code, row, nb, K, x0, dg, sg, o, N, fetch, 8);
+                else if (g >= 4) {
+                    k_row_avx2(code, row, nb, K, x0, dg, sg, o, N, fetch, 4);
+                    for (int64_t b = 4; b < g; b++)
+                        k_row_avx2(code, row, nb, K, x0 + b * K, dg + b * nb, sg + b * nb * 8,
+                                   o + b * N, N, 0, 1);
+                } else if (g >= 2) {
+                    k_row_avx2(code, row, nb, K, x0, dg, sg, o, N, fetch, 2);
+                    if (g == 3)
+                        k_row_avx2(code, row, nb, K, x0 + 2 * K, dg + 2 * nb, sg + 2 * nb * 8,
+                                   o + 2 * N, N, 0, 1);
+                } else k_row_avx2(code, row, nb, K, x0, dg, sg, o, N, fetch, 1);
 #endif
             }
         }

@@ -158,6 +158,7 @@ class Worker:
         self.bs_stats = settings.bs_stats()                  # QWEN35_BS_STATS=1: a line each
         self.traces: dict[str, str] = {}                     # request id → client's id
         self.stall = settings.test_stall(die)
+        self.step_floor = settings.test_step_floor()
         self.heartbeats = Heartbeats(self, frontend, ident)
 
     # -- edges ----------------------------------------------------------------------
@@ -490,6 +491,8 @@ class Worker:
         started = time.perf_counter()
         try:
             outputs = sched.step()
+            if self.step_floor:
+                time.sleep(max(0.0, self.step_floor - (time.perf_counter() - started)))
         except Exception as exc:  # a failed step fails its requests, not the worker
             log.exception("step failed on %s", replica.model_id)
             for req_id in list(sched.by_id):

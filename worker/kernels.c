@@ -1185,7 +1185,9 @@ void pn_quantize_xk(const float *x, int64_t B, int64_t K, int16_t *xq, float *xd
 
 /* One super-block's weights as 16 vectors of 16 int16 (elements 16k..16k+15), each
  * times its integer sub-scale; Q4_K's mins per 32 as floats (mf) and the factors
- * d and -dmin (Q6_K: no offset term, the 32 is taken off the values). */
+ * d and -dmin (Q6_K: no offset term, the 32 is taken off the values). The tiles'
+ * decoding (dequant_superblock_avx2) reads it; the products take 64 values at a time
+ * (k_quad below). */
 typedef struct {
     __m256i w[16];
     __m256 mf;
@@ -1282,23 +1284,6 @@ static void dequant_superblock_avx2(int code, const uint8_t *restrict b, float *
     }
 }
 
-
-/* acc (8 float lanes) += d * dx * (W . x) + the min term, one super-block and row. Two
- * int32 chains of 8 products each: each stays below 2^31 (Q6_K: 8 x 2 x 4096 x 16000). */
-static inline __m256 super_dot(const Super *S, const int16_t *restrict x,
-                               const float *restrict xs, float dx, __m256 acc) {
-    __m256i c0 = _mm256_setzero_si256(), c1 = _mm256_setzero_si256();
-    for (int k = 0; k < 16; k += 2) {
-        c0 = madd_acc(c0, S->w[k], _mm256_loadu_si256((const __m256i *)(x + 16 * k)));
-        c1 = madd_acc(c1, S->w[k + 1], _mm256_loadu_si256((const __m256i *)(x + 16 * k + 16)));
-    }
-    const __m256 dd = _mm256_set1_ps(S->d * dx);
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c0), dd, acc);
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c1), dd, acc);
-    /* Q4_K: - dmin * m[j] * (sum of x over run j), lane j (xs holds the sums as values) */
-    return _mm256_fmadd_ps(_mm256_mul_ps(S->mf, _mm256_set1_ps(S->off_d)),
-                           _mm256_loadu_ps(xs), acc);
-}
 
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 /* AVX-512 (VNNI, BW): a super-block's 256 weights widen to 8 vectors of 32 int16 (one

@@ -408,3 +408,18 @@ def test_the_loads_copies_and_zeros_on_the_pool_move_every_byte(n):
     out = np.zeros((4, 3), np.int16)
     kc.copy_into(out, wide[:, ::2])
     np.testing.assert_array_equal(out, wide[:, ::2])
+
+
+@pytest.mark.parametrize("shape,dtype", [((1, 1), np.int16), ((8, 1536), np.int16),
+                                         ((3, 35), np.float32), ((16, 8960), np.int16)])
+def test_the_scratch_x_is_read_from_is_zeroed_and_cache_line_aligned(shape, dtype):
+    for _ in range(8):              # malloc's addresses vary: 16-byte steps
+        a = kc.aligned_zeros(shape, dtype)
+        assert a.shape == shape and a.dtype == dtype and a.flags.c_contiguous
+        assert a.ctypes.data % 64 == 0 and not a.any()
+        a[...] = 7                  # writable, and its own memory's end is not overrun
+        assert (a == 7).all()
+    kc._local.__dict__.pop("cbufs", None)
+    kc._cscratch(shape[0], 256)
+    arrays = kc._local.cbufs[(shape[0], 256)][0]
+    assert all(x.ctypes.data % 64 == 0 for x in arrays)

@@ -1609,11 +1609,10 @@ static void q4k_digits_chunk(const void *p, int64_t c) {
                                       _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4)};
                 for (int k = 0; k < 2; k++) {
                     const int c = 2 * g + k;          /* 64 digits at 64 c */
-                    __m512i rh = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[k],
-                                                     _mm512_loadu_si512((const void *)(hi + 64 * c)));
-                    __m512i rl = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[k],
-                                                     _mm512_loadu_si512((const void *)(lo + 64 * c)));
-                    __m512i t = _mm512_add_epi32(_mm512_slli_epi32(rh, 8), rl);
+                    /* 256 x (nibbles . high digits) + nibbles . low digits */
+                    __m512i t = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), v[k],
+                        _mm512_loadu_si512((const void *)(hi + 64 * c))), 8);
+                    t = _mm512_dpbusd_epi32(t, v[k], _mm512_loadu_si512((const void *)(lo + 64 * c)));
                     tot = _mm512_add_epi32(tot, _mm512_mullo_epi32(t, _mm512_permutexvar_epi32(pick[c], sc)));
                 }
             }
@@ -1663,12 +1662,10 @@ static void q6k_digits_chunk(const void *p, int64_t c) {
                 tot[h] = _mm512_setzero_si512();
                 for (int k = 0; k < 2; k++) {
                     const int cc = 2 * h + k;      /* values 64 cc .. 64 cc + 63 */
-                    const __m512i rh = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[k],
-                                                           _mm512_loadu_si512((const void *)(hi + 64 * cc)));
-                    const __m512i rl = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[k],
-                                                           _mm512_loadu_si512((const void *)(lo + 64 * cc)));
-                    tot[h] = _mm512_add_epi32(tot[h], _mm512_mullo_epi32(
-                        _mm512_add_epi32(_mm512_slli_epi32(rh, 8), rl), _mm512_permutexvar_epi32(pick[cc], sc)));
+                    __m512i t = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q[k],
+                        _mm512_loadu_si512((const void *)(hi + 64 * cc))), 8);
+                    t = _mm512_dpbusd_epi32(t, q[k], _mm512_loadu_si512((const void *)(lo + 64 * cc)));
+                    tot[h] = _mm512_add_epi32(tot[h], _mm512_mullo_epi32(t, _mm512_permutexvar_epi32(pick[cc], sc)));
                 }
             }
             const __m512i off = _mm512_mullo_epi32(sc, _mm512_loadu_si512((const void *)(a->s16 + blk * 16)));
@@ -1991,9 +1988,9 @@ int pn_matmul_int(const PnMat *m, const float *x, int64_t B, const PnScratch *s,
         return 1;
     }
     if (m->code == Q6K && B == 1 && DIGITS[0]) {
-        if (m->K / 16 > dg_sums_cap) {
-            int32_t *nb = realloc(dg_sums, sizeof(int32_t) * (size_t)(m->K / 16));
-            if (nb) dg_sums = nb, dg_sums_cap = m->K / 16;
+        if (m->K / 16 > dg_sums_cap) {     /* 64-byte aligned: read 16 at a time */
+            int32_t *nb = aligned_alloc(64, sizeof(int32_t) * (size_t)((m->K / 16 + 15) / 16 * 16));
+            if (nb) free(dg_sums), dg_sums = nb, dg_sums_cap = m->K / 16;
         }
         if (m->K / 16 <= dg_sums_cap) {
             quantize_digits(x, m->K, (int8_t *)s->xq, s->xd, s->xs, NATURAL_ORDER, dg_sums);

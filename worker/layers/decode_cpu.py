@@ -138,10 +138,11 @@ class _Buffers:
                  "gu": max(2 * c.d_ff for c in cs), "act": max(c.d_ff for c in cs)}
         width |= {"qr": width["qn"], "kr": width["kn"], "attn": width["qn"], "y": width["h"]}
         cols = max(max(m.cols for p in layer.mats.values() for m in p) for layer in layers)
-        self.arrays = {name: np.zeros((batch, n), dtype=F32) for name, n in width.items()}
-        self.arrays |= {"xq": np.zeros((batch, cols), dtype=np.int16),
-                        "xd": np.zeros((batch, cols // 32), dtype=F32),
-                        "xs": np.zeros((batch, cols // 32), dtype=F32)}
+        zeros = kernels_cpu.aligned_zeros
+        self.arrays = {name: zeros((batch, n), F32) for name, n in width.items()}
+        self.arrays |= {"xq": zeros((batch, cols), np.int16),
+                        "xd": zeros((batch, cols // 32), F32),
+                        "xs": zeros((batch, cols // 32), F32)}
         c = self.c = _CStep()
         c.B = batch
         for name, a in self.arrays.items():

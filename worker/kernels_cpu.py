@@ -359,7 +359,10 @@ def matmul(x: np.ndarray, m: QMatrix, path: str = "auto") -> np.ndarray:
         r1 = min(m.rows, r0 + step)
         t = tile[:r1 - r0]
         lib.pn_dequant_rows(code, qs, sc, mn, m.cols, bs, r0, r1, _ptr(t), TILE_THREADS)
-        out[:, r0:r1] = x @ t.T
+        if r1 - r0 == m.rows:       # one tile: BLAS writes out itself (no copy of [B, N])
+            np.matmul(x, t.T, out=out)
+        else:
+            out[:, r0:r1] = x @ t.T
     return out
 
 

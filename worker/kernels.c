@@ -1344,15 +1344,6 @@ static inline void load_super512(int code, const uint8_t *restrict b, Super512 *
     }
 }
 
-/* acc + d * dx * (W . x), one super-block and row of x (the mins are added apart). One
- * int32 chain: each lane sums 16 products (Q6_K: 16 x 4096 x 16000 < 2^31). */
-static inline __m512 super_dot512(const Super512 *S, const int16_t *restrict x, float dx,
-                                  __m512 acc) {
-    __m512i c = _mm512_setzero_si512();
-    for (int j = 0; j < 8; j++)
-        c = _mm512_dpwssd_epi32(c, S->w[j], _mm512_loadu_si512((const void *)(x + 32 * j)));
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(S->d * dx), acc);
-}
 #endif
 
 #define KGROUP_AVX2 8   /* rows of x per pass on the 256-bit path */
@@ -1456,6 +1447,48 @@ static inline __attribute__((always_inline)) void k_row_avx2(
 }
 #endif
 
+#define KGROUP_ZMM 8    /* rows of x per pass on the 512-bit path */
+#if defined(PN_ZMM)
+/* One row of W against G rows of x (G a constant, so every accumulator stays in a
+ * register): per super-block the weights widen once, then the G rows' int32 sums grow
+ * one sub-block at a time, so G independent vpdpwssd chains interleave instead of one
+ * chain of 8 dependent products per row (latency 4 cycles, issue 1 a cycle). The mins'
+ * term (Q4_K) goes into the same float accumulator through its 8 low lanes. Each int32
+ * lane sums 16 products per super-block (Q6_K: 16 x 4096 x 16000 < 2^31). */
+static inline __attribute__((always_inline)) void k_row512(
+        int code, const uint8_t *restrict row, int64_t nb, int64_t K, const int16_t *restrict x,
+        const float *restrict dx, const float *restrict xs, float *restrict out, int64_t N,
+        int fetch, const int G) {
+    const int64_t bytes = k_bytes(code);
+    __m512 acc[KGROUP_ZMM];
+    for (int b = 0; b < G; b++) acc[b] = _mm512_setzero_ps();
+    for (int64_t blk = 0; blk < nb; blk++) {
+        Super512 S;
+        if (fetch)
+            for (int64_t l = 0; l < bytes; l += 64)
+                _mm_prefetch((const char *)row + blk * bytes + PF_AHEAD + l, _MM_HINT_T0);
+        load_super512(code, row + blk * bytes, &S);
+        __m512i c[KGROUP_ZMM];
+        for (int b = 0; b < G; b++) c[b] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++)
+#pragma GCC unroll 8
+            for (int b = 0; b < G; b++)
+                c[b] = _mm512_dpwssd_epi32(c[b], S.w[j], _mm512_loadu_si512(
+                    (const void *)(x + b * K + blk * 256 + 32 * j)));
+        const __m512 mf = _mm512_castps256_ps512(S.mf);     /* upper lanes undefined: */
+#pragma GCC unroll 8
+        for (int b = 0; b < G; b++) {                        /* masked off below */
+            acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c[b]), _mm512_set1_ps(S.d * dx[b * nb + blk]),
+                                     acc[b]);
+            acc[b] = _mm512_mask3_fmadd_ps(mf, _mm512_castps256_ps512(
+                _mm256_loadu_ps(xs + (b * nb + blk) * 8)), acc[b], 0x00FF);
+        }
+    }
+    for (int b = 0; b < G; b++) out[b * N] = _mm512_reduce_add_ps(acc[b]);
+}
+#endif
+
 #define KGROUP 8        /* rows of x per pass over a piece of W (accumulators in registers) */
 #define KSUB 64         /* rows of W per sub-piece: its blocks stay in L2 across x's groups */
 
@@ -1476,41 +1509,18 @@ static void gemv_k_rows(int code, const uint8_t *restrict qs, int64_t K, int64_t
             for (int64_t n = s0; n < s1; n++) {
                 const uint8_t *row = qs + n * nb * bytes;
 #if defined(PN_ZMM)
-                if (g == 1) {       /* the weights stay in registers: no stores of S */
-                    __m512 a1 = _mm512_setzero_ps();
-                    __m256 m1 = _mm256_setzero_ps();
-                    for (int64_t blk = 0; blk < nb; blk++) {
-                        Super512 S;
-                        const uint8_t *p = row + blk * bytes;
-                        for (int64_t l = 0; l < bytes; l += 64)    /* PF_AHEAD bytes on */
-                            _mm_prefetch((const char *)p + PF_AHEAD + l, _MM_HINT_T0);
-                        load_super512(code, p, &S);
-                        a1 = super_dot512(&S, xg + blk * 256, dg[blk], a1);
-                        m1 = _mm256_fmadd_ps(S.mf, _mm256_loadu_ps(sg + blk * 8), m1);
-                    }
-                    out[b0 * N + n] = _mm512_reduce_add_ps(a1) + hsum(m1);
-                    continue;
+                float *o = out + b0 * N + n;
+                const int f = b0 == 0;      /* the first group of x meets W from memory */
+                switch (g) {        /* a constant G each, so the accumulators stay in registers */
+                case 8: k_row512(code, row, nb, K, xg, dg, sg, o, N, f, 8); break;
+                case 7: k_row512(code, row, nb, K, xg, dg, sg, o, N, f, 7); break;
+                case 6: k_row512(code, row, nb, K, xg, dg, sg, o, N, f, 6); break;
+                case 5: k_row512(code, row, nb, K, xg, dg, sg, o, N, f, 5); break;
+                case 4: k_row512(code, row, nb, K, xg, dg, sg, o, N, f, 4); break;
+                case 3: k_row512(code, row, nb, K, xg, dg, sg, o, N, f, 3); break;
+                case 2: k_row512(code, row, nb, K, xg, dg, sg, o, N, f, 2); break;
+                default: k_row512(code, row, nb, K, xg, dg, sg, o, N, f, 1); break;
                 }
-                __m512 acc[KGROUP];
-                __m256 accm[KGROUP];
-                for (int64_t b = 0; b < g; b++) {
-                    acc[b] = _mm512_setzero_ps();
-                    accm[b] = _mm256_setzero_ps();
-                }
-                for (int64_t blk = 0; blk < nb; blk++) {
-                    Super512 S;
-                    if (b0 == 0)        /* the first group of x meets W from memory */
-                        for (int64_t l = 0; l < bytes; l += 64)
-                            _mm_prefetch((const char *)row + blk * bytes + PF_AHEAD + l, _MM_HINT_T0);
-                    load_super512(code, row + blk * bytes, &S);
-                    for (int64_t b = 0; b < g; b++) {
-                        acc[b] = super_dot512(&S, xg + b * K + blk * 256, dg[b * nb + blk], acc[b]);
-                        accm[b] = _mm256_fmadd_ps(S.mf, _mm256_loadu_ps(sg + (b * nb + blk) * 8),
-                                                  accm[b]);
-                    }
-                }
-                for (int64_t b = 0; b < g; b++)
-                    out[(b0 + b) * N + n] = _mm512_reduce_add_ps(acc[b]) + hsum(accm[b]);
 #else
                 const int16_t *x0 = xg;
                 float *o = out + b0 * N + n;

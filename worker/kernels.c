@@ -1346,7 +1346,7 @@ static inline void load_super512(int code, const uint8_t *restrict b, Super512 *
 
 #endif
 
-#define KGROUP_AVX2 8   /* rows of x per pass on the 256-bit path */
+#define KGROUP 8        /* rows of x per pass over a piece of W (accumulators in registers) */
 #if !defined(PN_ZMM)
 /* AVX2 (16 vector registers): a super-block is taken 64 values at a time (a quad: four
  * vectors of 16 int16, times their sub-scales) and each quad meets every row of the
@@ -1403,7 +1403,7 @@ static inline __attribute__((always_inline)) void k_row_avx2(
         const int16_t *restrict xq0, const float *restrict xd0, const float *restrict xs0,
         float *restrict out, int64_t N, int fetch, const int G) {
     const int64_t bytes = k_bytes(code);
-    __m256 acc[KGROUP_AVX2];
+    __m256 acc[KGROUP];
     for (int b = 0; b < G; b++) acc[b] = _mm256_setzero_ps();
     for (int64_t blk = 0; blk < nb; blk++) {
         const uint8_t *p = row + blk * bytes;
@@ -1421,7 +1421,7 @@ static inline __attribute__((always_inline)) void k_row_avx2(
         } else {
             d = half_to_float(load_u16(p + 208));
         }
-        __m256i c[KGROUP_AVX2];
+        __m256i c[KGROUP];
         for (int b = 0; b < G; b++) c[b] = _mm256_setzero_si256();
         for (int t = 0; t < 4; t++) {
             __m256i w[4];
@@ -1447,7 +1447,6 @@ static inline __attribute__((always_inline)) void k_row_avx2(
 }
 #endif
 
-#define KGROUP_ZMM 8    /* rows of x per pass on the 512-bit path */
 #if defined(PN_ZMM)
 /* One row of W against G rows of x (G a constant, so every accumulator stays in a
  * register): per super-block the weights widen once, then the G rows' int32 sums grow
@@ -1460,7 +1459,7 @@ static inline __attribute__((always_inline)) void k_row512(
         const float *restrict dx, const float *restrict xs, float *restrict out, int64_t N,
         int fetch, const int G) {
     const int64_t bytes = k_bytes(code);
-    __m512 acc[KGROUP_ZMM];
+    __m512 acc[KGROUP];
     for (int b = 0; b < G; b++) acc[b] = _mm512_setzero_ps();
     for (int64_t blk = 0; blk < nb; blk++) {
         Super512 S;
@@ -1468,7 +1467,7 @@ static inline __attribute__((always_inline)) void k_row512(
             for (int64_t l = 0; l < bytes; l += 64)
                 _mm_prefetch((const char *)row + blk * bytes + PF_AHEAD + l, _MM_HINT_T0);
         load_super512(code, row + blk * bytes, &S);
-        __m512i c[KGROUP_ZMM];
+        __m512i c[KGROUP];
         for (int b = 0; b < G; b++) c[b] = _mm512_setzero_si512();
 #pragma GCC unroll 8
         for (int j = 0; j < 8; j++)
@@ -1489,7 +1488,6 @@ static inline __attribute__((always_inline)) void k_row512(
 }
 #endif
 
-#define KGROUP 8        /* rows of x per pass over a piece of W (accumulators in registers) */
 #define KSUB 64         /* rows of W per sub-piece: its blocks stay in L2 across x's groups */
 
 /* Rows [n0, n1) of W against B rows of x, any B: sub-pieces of KSUB rows of W, each met

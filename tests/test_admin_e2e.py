@@ -268,9 +268,16 @@ def test_unload_deadline_aborts_what_remains(fleet):
     threads = [threading.Thread(target=stream) for _ in range(2)]
     for t in threads:
         t.start()
-    time.sleep(1.5)
-    busy = [r for m in admin(fleet, "models").json()["models"] if m["name"] == NAME
-            for r in m["replicas"] if r["in_flight"]]
+    # unload as soon as both streams run on their replica: a fixed sleep let a fast host
+    # finish one of the 400 tokens before the deadline
+    deadline = time.monotonic() + 30
+    while True:
+        busy = [r for m in admin(fleet, "models").json()["models"] if m["name"] == NAME
+                for r in m["replicas"] if r["in_flight"]]
+        if (busy and busy[0]["in_flight"] == len(threads)) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    time.sleep(0.3)                           # both past their prefill, generating
     die = busy[0]["die"]                      # unload a replica that is generating
     r = admin(fleet, "unload", {"name": NAME, "die": die, "timeout_s": 0.5})
     for t in threads:

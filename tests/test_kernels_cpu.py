@@ -423,3 +423,28 @@ def test_the_scratch_x_is_read_from_is_zeroed_and_cache_line_aligned(shape, dtyp
     kc._cscratch(shape[0], 256)
     arrays = kc._local.cbufs[(shape[0], 256)][0]
     assert all(x.ctypes.data % 64 == 0 for x in arrays)
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
+def test_k_quant_products_in_spans_of_the_row_equal_whole_rows(qtype):
+    """A long row meets 8 rows of x in spans of super-blocks that keep x in L1, each
+    span's sums added to the output: the same products as whole rows for every group size
+    (1-8 rows of x, and a group of 8 plus a short one), and as the float64 product."""
+    raw, shape = random_tensor(qtype, 70, 12)      # K = 3072: spans of 6, 3, ... blocks
+    m = qm.from_gguf(raw, qtype, shape)
+    lib = kc.library()
+    ref_w = qm.dequantize(m).astype(np.float64)
+    for batch in (2, 3, 5, 8, 11):
+        x = np.random.default_rng(batch).standard_normal((batch, m.cols)).astype(np.float32)
+        got = {}
+        try:
+            for span in (0, 512, 24 << 10):      # whole rows, one block, the default
+                lib.pn_set_xspan(span)
+                got[span] = kc.matmul(x, m)
+        finally:
+            lib.pn_set_xspan(24 << 10)
+        whole = got[0]
+        for span in (512, 24 << 10):
+            np.testing.assert_allclose(got[span], whole, rtol=0, atol=2e-6 * np.abs(whole).max())
+        ref = x.astype(np.float64) @ ref_w.T
+        np.testing.assert_allclose(got[24 << 10], ref, rtol=0, atol=3e-4 * np.abs(ref).max())

@@ -1396,20 +1396,21 @@ static inline __attribute__((always_inline)) void k_quad(
                               _mm256_set1_epi16(sc[3]));
 }
 
-/* One row of W (nb super-blocks) against G rows of x (xq0 / xd0 / xs0, row stride K),
- * G a constant at each call: out[b * N] for b < G. `fetch`: prefetch W's stream. */
+/* Super-blocks [blk0, blk1) of one row of W (nb in all) against G rows of x (xq0 / xd0 /
+ * xs0, row stride K), G a constant at each call: out[b * N] for b < G, or added to it
+ * (`add`). `fetch`: prefetch W's stream this many bytes on (0: not at all). */
 static inline __attribute__((always_inline)) void k_row_avx2(
-        int code, const uint8_t *restrict row, int64_t nb, int64_t K,
+        int code, const uint8_t *restrict row, int64_t nb, int64_t blk0, int64_t blk1, int64_t K,
         const int16_t *restrict xq0, const float *restrict xd0, const float *restrict xs0,
-        float *restrict out, int64_t N, int fetch, const int G) {
+        float *restrict out, int64_t N, int64_t fetch, int add, const int G) {
     const int64_t bytes = k_bytes(code);
     __m256 acc[KGROUP];
     for (int b = 0; b < G; b++) acc[b] = _mm256_setzero_ps();
-    for (int64_t blk = 0; blk < nb; blk++) {
+    for (int64_t blk = blk0; blk < blk1; blk++) {
         const uint8_t *p = row + blk * bytes;
         if (fetch)
             for (int64_t l = 0; l < bytes; l += 64)
-                _mm_prefetch((const char *)p + PF_AHEAD + l, _MM_HINT_T0);
+                _mm_prefetch((const char *)p + fetch + l, _MM_HINT_T0);
         uint8_t sm[16];
         float d;
         __m256 mf = _mm256_setzero_ps();
@@ -1443,7 +1444,7 @@ static inline __attribute__((always_inline)) void k_row_avx2(
             acc[b] = code == Q4K ? _mm256_fmadd_ps(mf, _mm256_loadu_ps(xs0 + xb * 8), t) : t;
         }
     }
-    for (int b = 0; b < G; b++) out[b * N] = hsum(acc[b]);
+    for (int b = 0; b < G; b++) out[b * N] = (add ? out[b * N] : 0.0f) + hsum(acc[b]);
 }
 #endif
 
@@ -1453,19 +1454,20 @@ static inline __attribute__((always_inline)) void k_row_avx2(
  * one sub-block at a time, so G independent vpdpwssd chains interleave instead of one
  * chain of 8 dependent products per row (latency 4 cycles, issue 1 a cycle). The mins'
  * term (Q4_K) goes into the same float accumulator through its 8 low lanes. Each int32
- * lane sums 16 products per super-block (Q6_K: 16 x 4096 x 16000 < 2^31). */
+ * lane sums 16 products per super-block (Q6_K: 16 x 4096 x 16000 < 2^31). Arguments as
+ * k_row_avx2's. */
 static inline __attribute__((always_inline)) void k_row512(
-        int code, const uint8_t *restrict row, int64_t nb, int64_t K, const int16_t *restrict x,
-        const float *restrict dx, const float *restrict xs, float *restrict out, int64_t N,
-        int fetch, const int G) {
+        int code, const uint8_t *restrict row, int64_t nb, int64_t blk0, int64_t blk1, int64_t K,
+        const int16_t *restrict x, const float *restrict dx, const float *restrict xs,
+        float *restrict out, int64_t N, int64_t fetch, int add, const int G) {
     const int64_t bytes = k_bytes(code);
     __m512 acc[KGROUP];
     for (int b = 0; b < G; b++) acc[b] = _mm512_setzero_ps();
-    for (int64_t blk = 0; blk < nb; blk++) {
+    for (int64_t blk = blk0; blk < blk1; blk++) {
         Super512 S;
         if (fetch)
             for (int64_t l = 0; l < bytes; l += 64)
-                _mm_prefetch((const char *)row + blk * bytes + PF_AHEAD + l, _MM_HINT_T0);
+                _mm_prefetch((const char *)row + blk * bytes + fetch + l, _MM_HINT_T0);
         load_super512(code, row + blk * bytes, &S);
         __m512i c[KGROUP];
         for (int b = 0; b < G; b++) c[b] = _mm512_setzero_si512();
@@ -1484,15 +1486,22 @@ static inline __attribute__((always_inline)) void k_row512(
                 _mm256_loadu_ps(xs + (b * nb + blk) * 8)), acc[b], 0x00FF);
         }
     }
-    for (int b = 0; b < G; b++) out[b * N] = _mm512_reduce_add_ps(acc[b]);
+    for (int b = 0; b < G; b++) out[b * N] = (add ? out[b * N] : 0.0f) + _mm512_reduce_add_ps(acc[b]);
 }
 #endif
 
 #define KSUB 64         /* rows of W per sub-piece: its blocks stay in L2 across x's groups */
+/* bytes of a group's int16 x per pass, so that it stays in L1 (0: whole rows; tests
+ * compare the two) */
+static int64_t XSPAN[1] = {24 << 10};
+void pn_set_xspan(int64_t bytes) { XSPAN[0] = bytes; }
 
 /* Rows [n0, n1) of W against B rows of x, any B: sub-pieces of KSUB rows of W, each met
  * by every group of KGROUP rows of x, so W is read from memory once per call however
- * long x is (a prefill chunk) and a group's x stays in L1. */
+ * long x is (a prefill chunk). A long row (K = 8960: 8 rows of x are 143 KB of int16)
+ * is taken in spans of super-blocks whose x fits L1, each span's sums added to the
+ * output: with the whole row at once every load of x came from L2 (one core, 8 rows of
+ * x, in cache: 6.1 ns per super-block and row against 4.3 at K = 1536). */
 static void gemv_k_rows(int code, const uint8_t *restrict qs, int64_t K, int64_t N,
                         const int16_t *restrict xq, const float *restrict xd,
                         const float *restrict xs, int64_t B, float *restrict out,
@@ -1504,38 +1513,44 @@ static void gemv_k_rows(int code, const uint8_t *restrict qs, int64_t K, int64_t
             const int64_t g = B - b0 < KGROUP ? B - b0 : KGROUP;
             const int16_t *xg = xq + b0 * K;
             const float *dg = xd + b0 * nb, *sg = xs + b0 * nb * 8;
-            for (int64_t n = s0; n < s1; n++) {
-                const uint8_t *row = qs + n * nb * bytes;
+            int64_t span = XSPAN[0] ? XSPAN[0] / (g * 512) : nb;
+            span = span < 1 ? 1 : span;
+            for (int64_t k0 = 0; k0 < nb; k0 += span) {
+                const int64_t k1 = k0 + span < nb ? k0 + span : nb;
+                const int add = k0 > 0;
+                /* the first group of x meets W from memory: prefetch PF_AHEAD on in
+                 * the row, or in spans the same blocks two rows on */
+                const int64_t f = b0 > 0 ? 0 : span < nb ? 2 * nb * bytes : PF_AHEAD;
+                for (int64_t n = s0; n < s1; n++) {
+                    const uint8_t *row = qs + n * nb * bytes;
+                    float *o = out + b0 * N + n;
 #if defined(PN_ZMM)
-                float *o = out + b0 * N + n;
-                const int f = b0 == 0;      /* the first group of x meets W from memory */
-                switch (g) {        /* a constant G each, so the accumulators stay in registers */
-                case 8: k_row512(code, row, nb, K, xg, dg, sg, o, N, f, 8); break;
-                case 7: k_row512(code, row, nb, K, xg, dg, sg, o, N, f, 7); break;
-                case 6: k_row512(code, row, nb, K, xg, dg, sg, o, N, f, 6); break;
-                case 5: k_row512(code, row, nb, K, xg, dg, sg, o, N, f, 5); break;
-                case 4: k_row512(code, row, nb, K, xg, dg, sg, o, N, f, 4); break;
-                case 3: k_row512(code, row, nb, K, xg, dg, sg, o, N, f, 3); break;
-                case 2: k_row512(code, row, nb, K, xg, dg, sg, o, N, f, 2); break;
-                default: k_row512(code, row, nb, K, xg, dg, sg, o, N, f, 1); break;
-                }
+                    switch (g) {    /* a constant G each, so the accumulators stay in registers */
+                    case 8: k_row512(code, row, nb, k0, k1, K, xg, dg, sg, o, N, f, add, 8); break;
+                    case 7: k_row512(code, row, nb, k0, k1, K, xg, dg, sg, o, N, f, add, 7); break;
+                    case 6: k_row512(code, row, nb, k0, k1, K, xg, dg, sg, o, N, f, add, 6); break;
+                    case 5: k_row512(code, row, nb, k0, k1, K, xg, dg, sg, o, N, f, add, 5); break;
+                    case 4: k_row512(code, row, nb, k0, k1, K, xg, dg, sg, o, N, f, add, 4); break;
+                    case 3: k_row512(code, row, nb, k0, k1, K, xg, dg, sg, o, N, f, add, 3); break;
+                    case 2: k_row512(code, row, nb, k0, k1, K, xg, dg, sg, o, N, f, add, 2); break;
+                    default: k_row512(code, row, nb, k0, k1, K, xg, dg, sg, o, N, f, add, 1); break;
+                    }
 #else
-                const int16_t *x0 = xg;
-                float *o = out + b0 * N + n;
-                const int fetch = b0 == 0;      /* the first group of x meets W from memory */
-                if (g == 8) k_row_avx2(code, row, nb, K, x0, dg, sg, o, N, fetch, 8);
-                else if (g >= 4) {
-                    k_row_avx2(code, row, nb, K, x0, dg, sg, o, N, fetch, 4);
-                    for (int64_t b = 4; b < g; b++)
-                        k_row_avx2(code, row, nb, K, x0 + b * K, dg + b * nb, sg + b * nb * 8,
-                                   o + b * N, N, 0, 1);
-                } else if (g >= 2) {
-                    k_row_avx2(code, row, nb, K, x0, dg, sg, o, N, fetch, 2);
-                    if (g == 3)
-                        k_row_avx2(code, row, nb, K, x0 + 2 * K, dg + 2 * nb, sg + 2 * nb * 8,
-                                   o + 2 * N, N, 0, 1);
-                } else k_row_avx2(code, row, nb, K, x0, dg, sg, o, N, fetch, 1);
+                    const int16_t *x0 = xg;
+                    if (g == 8) k_row_avx2(code, row, nb, k0, k1, K, x0, dg, sg, o, N, f, add, 8);
+                    else if (g >= 4) {
+                        k_row_avx2(code, row, nb, k0, k1, K, x0, dg, sg, o, N, f, add, 4);
+                        for (int64_t b = 4; b < g; b++)
+                            k_row_avx2(code, row, nb, k0, k1, K, x0 + b * K, dg + b * nb,
+                                       sg + b * nb * 8, o + b * N, N, 0, add, 1);
+                    } else if (g >= 2) {
+                        k_row_avx2(code, row, nb, k0, k1, K, x0, dg, sg, o, N, f, add, 2);
+                        if (g == 3)
+                            k_row_avx2(code, row, nb, k0, k1, K, x0 + 2 * K, dg + 2 * nb,
+                                       sg + 2 * nb * 8, o + 2 * N, N, 0, add, 1);
+                    } else k_row_avx2(code, row, nb, k0, k1, K, x0, dg, sg, o, N, f, add, 1);
 #endif
+                }
             }
         }
     }
@@ -2040,6 +2055,7 @@ int pn_has_i8(void) { return 0; }
 int pn_int_ok(const PnMat *m, int64_t B) { return 0; }
 int pn_matmul_int(const PnMat *m, const float *x, int64_t B, const PnScratch *s, float *out) { return 0; }
 void pn_set_digits(int on) { (void)on; }
+void pn_set_xspan(int64_t bytes) { (void)bytes; }
 void pn_quantize_xk(const float *x, int64_t B, int64_t K, int16_t *xq, float *xd,
                     float *xs) {}
 void pn_gemv_k(int code, const uint8_t *qs, int64_t N, int64_t K, const int16_t *xq,

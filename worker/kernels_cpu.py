@@ -136,6 +136,8 @@ def library():
         lib.pn_matmul_int.argtypes = [p, p, i64, p, p]
         lib.pn_set_digits.argtypes = [ctypes.c_int]
         lib.pn_set_digits.restype = None
+        lib.pn_set_xspan.argtypes = [i64]
+        lib.pn_set_xspan.restype = None
         lib.pn_rms_norm.argtypes = [p, i64, i64, i64, p, ctypes.c_float, p]
         lib.pn_rope.argtypes = [p, i64, i64, i64, i64, p, p, i64, ctypes.c_float, p]
         lib.pn_rms_norm.restype = lib.pn_rope.restype = None

@@ -15,7 +15,9 @@ Prints one JSON object:
 --synthetic qwen35-wide benchmarks a random-weight model of that shape (bench/synthetic.py)
 instead of -m. With --compare-llama BIN_DIR, llama.cpp's llama-bench runs on the same file with
 the same thread count right after, and "llama" holds its pp / tg figures and the
-ratios (ours / theirs).
+ratios (ours / theirs). With --rounds N the speed figures are measured N times (llama-bench
+after each of our rounds, so the two alternate) and each figure is the median, the rounds'
+own under "rounds" (and "llama": "rounds", "ratios_by_round").
 """
 from __future__ import annotations
 
@@ -117,8 +119,32 @@ def prefill_rate(engine, n_tokens: int, chunk: int = 128) -> float:
     return n_tokens / median_time(run, 3)
 
 
+def measure(engine, steps: int, batches) -> dict:
+    """One round of the speed figures: prefill, decode per batch size, the floor."""
+    figures = {
+        "prefill_tok_s": round(prefill_rate(engine, 512), 1),
+        "decode_tok_s": {str(b): round(decode_rate(engine, b, steps), 1) for b in batches},
+        "floor_tok_s": round(1.0 / matmul_floor(engine, steps), 1),
+    }
+    figures["decode_1_vs_floor"] = round(figures["decode_tok_s"]["1"] / figures["floor_tok_s"], 3)
+    return figures
+
+
+def median_round(rounds: list[dict]) -> dict:
+    """Each figure's median over the rounds (the decode batches key by key)."""
+    med = lambda values: round(float(np.median(values)), 1)
+    out = {key: med([r[key] for r in rounds]) for key in rounds[0] if key != "decode_tok_s"}
+    out["decode_tok_s"] = {b: med([r["decode_tok_s"][b] for r in rounds])
+                           for b in rounds[0]["decode_tok_s"]}
+    out["decode_1_vs_floor"] = round(out["decode_tok_s"]["1"] / out["floor_tok_s"], 3)
+    return out
+
+
 def run_bench(model_path, die: str = "cpu", steps: int = 32, batches=(1, 4, 8),
-              quantize: str = "auto", contexts=()) -> dict:
+              quantize: str = "auto", contexts=(), rounds: int = 1, between=None) -> dict:
+    """The figures of `rounds` rounds (medians; each round's own under "rounds" when there
+    are several), `between()` called after each round: a shared machine's speed moves
+    by minutes, and alternating with the reference puts both on the same minutes."""
     ctx = max([1024] + [c + steps + 8 for c in contexts])
     engine = load_engine(model_path, die=die, n_slots=max([*batches, len(contexts)]), ctx=ctx,
                          quantize=quantize)
@@ -129,11 +155,15 @@ def run_bench(model_path, die: str = "cpu", steps: int = 32, batches=(1, 4, 8),
         "quantize": quantize,
         "threads": len(os.sched_getaffinity(0)),
         "load_s": round(engine.load_seconds, 2),
-        "prefill_tok_s": round(prefill_rate(engine, 512), 1),
-        "decode_tok_s": {str(b): round(decode_rate(engine, b, steps), 1) for b in batches},
-        "floor_tok_s": round(1.0 / matmul_floor(engine, steps), 1),
     }
-    result["decode_1_vs_floor"] = round(result["decode_tok_s"]["1"] / result["floor_tok_s"], 3)
+    each = []
+    for _ in range(rounds):
+        each.append(measure(engine, steps, batches))
+        if between is not None:
+            between(result["threads"])
+    result |= median_round(each)
+    if rounds > 1:
+        result["rounds"] = each
     if contexts:
         rates = decode_at_contexts(engine, list(contexts), steps)
         result["decode_1_at_context_tok_s"] = rates
@@ -161,14 +191,22 @@ def llama_bench(bin_dir: str, model_path, threads: int) -> dict:
     """llama.cpp's pp512 / tg64 on the same file with the same threads (tokens/s)."""
     exe = Path(bin_dir) / "llama-bench"
     out = subprocess.run([str(exe), "-m", str(model_path), "-t", str(threads), "-p", "512",
-                          "-n", "64", "-r", "3", "-o", "json"], capture_output=True, text=True,
-                         check=True)
-    rows = json.loads(out.stdout)
-    figures = {}
-    for row in rows:
-        key = "pp" if row.get("n_prompt") and not row.get("n_gen") else "tg"
-        figures[f"{key}_tok_s"] = round(float(row["avg_ts"]), 1)
+                          "-n", "64", "-r", "3", "-o", "json"], capture_output=True, text=True)
+    try:
+        if out.returncode != 0:
+            raise ValueError(f"exit status {out.returncode}: {out.stderr.strip()[-300:]}")
+        rows = json.loads(out.stdout)
+        figures = {}
+        for row in rows:
+            key = "pp" if row.get("n_prompt") and not row.get("n_gen") else "tg"
+            figures[f"{key}_tok_s"] = round(float(row["avg_ts"]), 1)
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise LlamaBenchError(f"{exe} failed: {e}") from None
     return figures
+
+
+class LlamaBenchError(RuntimeError):
+    pass
 
 
 def compare(ours: dict, theirs: dict) -> dict:
@@ -185,10 +223,32 @@ def compare(ours: dict, theirs: dict) -> dict:
 
 def main(args) -> int:
     contexts = [int(c) for c in (getattr(args, "contexts", None) or "").split(",") if c]
-    result = run_bench(args.model, die=args.die, steps=args.steps,
-                       quantize=getattr(args, "quantize", "auto"), contexts=contexts)
+    rounds = getattr(args, "rounds", 1)
+    if rounds < 1:
+        print("error: --rounds must be at least 1", file=sys.stderr)
+        return 2
+    theirs: list[dict] = []
+    between = None
     if getattr(args, "compare_llama", None):
-        theirs = llama_bench(args.compare_llama, args.model, result["threads"])
-        result["llama"] = theirs | {"ratios": compare(result, theirs)}
+        exe = Path(args.compare_llama) / "llama-bench"
+        if not exe.is_file():
+            print(f"error: no llama-bench in {args.compare_llama}", file=sys.stderr)
+            return 2
+        between = lambda threads: theirs.append(llama_bench(args.compare_llama, args.model,
+                                                            threads))
+    try:
+        result = run_bench(args.model, die=args.die, steps=args.steps,
+                           quantize=getattr(args, "quantize", "auto"), contexts=contexts,
+                           rounds=rounds, between=between)
+    except LlamaBenchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if theirs:
+        llama = {key: round(float(np.median([t[key] for t in theirs])), 1) for key in theirs[0]}
+        llama["ratios"] = compare(result, llama)
+        if rounds > 1:
+            llama["rounds"] = theirs
+            llama["ratios_by_round"] = [compare(ours, t) for ours, t in zip(result["rounds"], theirs)]
+        result["llama"] = llama
     print(json.dumps(result, indent=2))
     return 0

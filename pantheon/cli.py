@@ -321,6 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--compare-llama", metavar="BIN_DIR",
                         help="also run llama.cpp's llama-bench from BIN_DIR on the same file "
                              "and threads, and print the ratios")
+    engine.add_argument("--rounds", type=int, default=1,
+                        help="measure the speed figures this many times and print the "
+                             "medians (llama-bench after each round); default 1")
     from pantheon.bench.serve import add_arguments
     add_arguments(bench_sub.add_parser("serve", help="OpenAI streaming load generator, as JSON"))
     from pantheon.bench import prefix

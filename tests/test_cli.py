@@ -205,3 +205,61 @@ def test_the_test_hooks_read_their_values_and_refuse_bad_ones(monkeypatch):
     monkeypatch.setenv("PANTHEON_TEST_STALL", "4")
     with pytest.raises(ValueError, match="STEP:SECONDS"):
         settings.test_stall("cpu")
+
+
+LLAMA_BENCH_STUB = """#!/bin/sh
+# llama-bench's -o json rows; the figures grow by call (a counter file beside it)
+n=$(cat "$0.calls" 2>/dev/null || echo 0); n=$((n + 1)); echo $n > "$0.calls"
+echo "$@" >> "$0.args"
+[ -f "$0.fail" ] && { echo "model load failed" >&2; exit 3; }
+echo "[{\\"n_prompt\\": 512, \\"n_gen\\": 0, \\"avg_ts\\": $((100 * n))},"
+echo " {\\"n_prompt\\": 0, \\"n_gen\\": 64, \\"avg_ts\\": $((10 * n))}]"
+"""
+
+
+def test_bench_engine_rounds_alternate_with_llama_bench_and_report_medians(tmp_path):
+    """--rounds 3 --compare-llama: llama-bench runs after each of our rounds (a stand-in
+    here, whose figures grow by call), each figure is the median of 3, and the ratios are
+    of the medians, with each round's own beside them."""
+    path = tm.write_gguf("qwen2", tmp_path / "tiny.gguf")
+    bins = tmp_path / "bin"
+    bins.mkdir()
+    stub = bins / "llama-bench"
+    stub.write_text(LLAMA_BENCH_STUB)
+    stub.chmod(0o755)
+    proc = pantheon("bench", "engine", "-m", str(path), "--steps", "2", "--rounds", "3",
+                    "--compare-llama", str(bins))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert (bins / "llama-bench.calls").read_text().strip() == "3"
+    assert f"-m {path} -t {result['threads']} -p 512 -n 64" in (bins / "llama-bench.args").read_text()
+    ours = result["rounds"]
+    assert len(ours) == 3
+    for key in ("prefill_tok_s", "floor_tok_s"):
+        assert result[key] == sorted(r[key] for r in ours)[1]
+    assert result["decode_tok_s"]["8"] == sorted(r["decode_tok_s"]["8"] for r in ours)[1]
+    llama = result["llama"]
+    assert (llama["pp_tok_s"], llama["tg_tok_s"]) == (200.0, 20.0)
+    assert [r["pp_tok_s"] for r in llama["rounds"]] == [100.0, 200.0, 300.0]
+    assert llama["ratios"]["prefill_vs_pp"] == round(result["prefill_tok_s"] / 200.0, 2)
+    assert llama["ratios"]["decode1_vs_tg"] == round(result["decode_tok_s"]["1"] / 20.0, 2)
+    assert [r["prefill_vs_pp"] for r in llama["ratios_by_round"]] == \
+        [round(r["prefill_tok_s"] / (100.0 * (i + 1)), 2) for i, r in enumerate(ours)]
+
+
+def test_bench_engine_reports_a_failing_or_missing_llama_bench(tmp_path):
+    path = tm.write_gguf("qwen2", tmp_path / "tiny.gguf")
+    missing = pantheon("bench", "engine", "-m", str(path), "--compare-llama", str(tmp_path))
+    assert missing.returncode == 2 and f"no llama-bench in {tmp_path}" in missing.stderr
+    bins = tmp_path / "bin"
+    bins.mkdir()
+    stub = bins / "llama-bench"
+    stub.write_text(LLAMA_BENCH_STUB)
+    stub.chmod(0o755)
+    (bins / "llama-bench.fail").write_text("")
+    failed = pantheon("bench", "engine", "-m", str(path), "--steps", "2", "--compare-llama",
+                      str(bins))
+    assert failed.returncode == 1 and "exit status 3: model load failed" in failed.stderr
+    assert "Traceback" not in failed.stderr
+    zero = pantheon("bench", "engine", "-m", str(path), "--rounds", "0")
+    assert zero.returncode == 2 and "--rounds must be at least 1" in zero.stderr

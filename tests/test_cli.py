@@ -217,16 +217,22 @@ echo " {\\"n_prompt\\": 0, \\"n_gen\\": 64, \\"avg_ts\\": $((10 * n))}]"
 """
 
 
-def test_bench_engine_rounds_alternate_with_llama_bench_and_report_medians(tmp_path):
-    """--rounds 3 --compare-llama: llama-bench runs after each of our rounds (a stand-in
-    here, whose figures grow by call), each figure is the median of 3, and the ratios are
-    of the medians, with each round's own beside them."""
-    path = tm.write_gguf("qwen2", tmp_path / "tiny.gguf")
+def llama_bench_stub(tmp_path):
+    """A folder holding an executable llama-bench stand-in (LLAMA_BENCH_STUB)."""
     bins = tmp_path / "bin"
     bins.mkdir()
     stub = bins / "llama-bench"
     stub.write_text(LLAMA_BENCH_STUB)
     stub.chmod(0o755)
+    return bins
+
+
+def test_bench_engine_rounds_alternate_with_llama_bench_and_report_medians(tmp_path):
+    """--rounds 3 --compare-llama: llama-bench runs after each of our rounds (a stand-in
+    here, whose figures grow by call), each figure is the median of 3, and the ratios are
+    of the medians, with each round's own beside them."""
+    path = tm.write_gguf("qwen2", tmp_path / "tiny.gguf")
+    bins = llama_bench_stub(tmp_path)
     proc = pantheon("bench", "engine", "-m", str(path), "--steps", "2", "--rounds", "3",
                     "--compare-llama", str(bins))
     assert proc.returncode == 0, proc.stderr
@@ -251,11 +257,7 @@ def test_bench_engine_reports_a_failing_or_missing_llama_bench(tmp_path):
     path = tm.write_gguf("qwen2", tmp_path / "tiny.gguf")
     missing = pantheon("bench", "engine", "-m", str(path), "--compare-llama", str(tmp_path))
     assert missing.returncode == 2 and f"no llama-bench in {tmp_path}" in missing.stderr
-    bins = tmp_path / "bin"
-    bins.mkdir()
-    stub = bins / "llama-bench"
-    stub.write_text(LLAMA_BENCH_STUB)
-    stub.chmod(0o755)
+    bins = llama_bench_stub(tmp_path)
     (bins / "llama-bench.fail").write_text("")
     failed = pantheon("bench", "engine", "-m", str(path), "--steps", "2", "--compare-llama",
                       str(bins))

@@ -133,7 +133,7 @@ def measure(engine, steps: int, batches) -> dict:
 def median_round(rounds: list[dict]) -> dict:
     """Each figure's median over the rounds (the decode batches key by key)."""
     med = lambda values: round(float(np.median(values)), 1)
-    out = {key: med([r[key] for r in rounds]) for key in rounds[0] if key != "decode_tok_s"}
+    out = {key: med([r[key] for r in rounds]) for key in ("prefill_tok_s", "floor_tok_s")}
     out["decode_tok_s"] = {b: med([r["decode_tok_s"][b] for r in rounds])
                            for b in rounds[0]["decode_tok_s"]}
     out["decode_1_vs_floor"] = round(out["decode_tok_s"]["1"] / out["floor_tok_s"], 3)

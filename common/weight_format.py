@@ -15,18 +15,19 @@ QUANTIZE_MODES = ("auto", "none", "q8_0", "q4")   # `auto`: as stored (the defau
 IN_MEMORY = {
     "Q8_0": ("q8", 32, False), "Q4_0": ("q4", 32, True), "Q4_1": ("q4", 32, True),
     "Q5_0": ("q8", 32, False), "Q5_1": ("q8", 32, True), "Q4_K": ("q4k", 256, False),
-    "Q5_K": ("q8", 32, True), "Q6_K": ("q6k", 256, False),
+    "Q5_K": ("q5k", 256, False), "Q6_K": ("q6k", 256, False),
     "F16": ("f16", 32, False), "BF16": ("bf16", 32, False),
 }
 QUANTIZED_AT_LOAD = {"q8_0": ("q8", 32, False), "q4": ("q4", 32, True)}
 # what a GPU holds instead of the CPU's file-layout kinds (worker/qmatrix.py QMatrix.to)
-ON_GPU = {"Q4_K": ("q4", 32, True), "Q6_K": ("q8", 16, False)}
+ON_GPU = {"Q4_K": ("q4", 32, True), "Q5_K": ("q8", 32, True), "Q6_K": ("q8", 16, False)}
+K_BYTES = {"q4k": 144, "q5k": 176, "q6k": 210}   # a super-block of 256 as the file has it
 
 
 def kind_bytes(kind: str, bs: int, has_min: bool, elements: int) -> int:
     """Bytes of a matrix of `elements` weights held as `kind` (fp16 scales, mins)."""
-    if kind in ("q4k", "q6k"):                       # super-blocks of 256, as the file has
-        return elements // 256 * (144 if kind == "q4k" else 210)
+    if kind in K_BYTES:
+        return elements // 256 * K_BYTES[kind]
     per = {"q4": 0.5, "q8": 1.0, "f16": 2.0, "bf16": 2.0, "f32": 4.0}[kind]
     scales = 0 if kind in ("f16", "bf16", "f32") else (2 + 2 * has_min) * elements // bs
     return int(elements * per) + scales

@@ -1,10 +1,10 @@
-"""Q4_K and Q6_K writers for tests (gguf-py decodes these types but cannot encode them).
+"""Q4_K, Q5_K and Q6_K writers for tests (gguf-py decodes these types but cannot encode them).
 
 Plain round-to-nearest quantizers in ggml's block layouts (not llama.cpp's
 error-minimizing search): what matters here is that the bytes are valid blocks,
 which tests check against gguf-py's own decoder, and that the values are close to
 the floats they came from. `rewrite_as_k_quants` turns a tiny model's F32 GGUF into
-a Q4_K / Q6_K one (every field kept), the way a Q4_K_M file mixes them.
+a K-quant one (every field kept), the way a Q4_K_M or Q5_K_M file mixes them.
 """
 from __future__ import annotations
 
@@ -20,23 +20,30 @@ def _f16(v) -> np.ndarray:
     return np.asarray(v, dtype=np.float32).astype(np.float16)
 
 
-def quantize_q4_k(w: np.ndarray) -> np.ndarray:
+def quantize_q4_k(w: np.ndarray, top: int = 15) -> np.ndarray:
     """float32 [rows, cols] (cols % 256 == 0) → Q4_K blocks as uint8 [rows, cols/256*144].
-    Per 32: w ~ d*sc*q - dmin*m with q in 0..15, sc and m 6-bit, d and dmin fp16."""
+    Per 32: w ~ d*sc*q - dmin*m with q in 0..15, sc and m 6-bit, d and dmin fp16.
+    (top = 31: the same fields with 5-bit q, which quantize_q5_k lays out.)"""
     rows, cols = w.shape
     sb = w.reshape(-1, 8, 32).astype(np.float32)                       # super-blocks
     lo = np.minimum(sb.min(-1), 0.0)                                   # [n, 8] (<= 0)
-    step = (sb.max(-1) - lo) / 15.0                                    # [n, 8]
+    step = (sb.max(-1) - lo) / float(top)                              # [n, 8]
     d = _f16(step.max(-1) / 63.0).astype(np.float32)                   # [n]
     dmin = _f16((-lo).max(-1) / 63.0).astype(np.float32)
     safe = lambda a: np.where(a > 0, a, 1.0)                          # noqa: E731
     sc = np.clip(np.rint(step / safe(d)[:, None]), 0, 63).astype(np.uint8)
     m = np.clip(np.rint(-lo / safe(dmin)[:, None]), 0, 63).astype(np.uint8)
     scale = (d[:, None] * sc)[..., None]
-    q = np.clip(np.rint((sb + (dmin[:, None] * m)[..., None]) / safe(scale)), 0, 15)
+    q = np.clip(np.rint((sb + (dmin[:, None] * m)[..., None]) / safe(scale)), 0, top)
     q = np.where(scale > 0, q, 0).astype(np.uint8)                    # [n, 8, 32]
     n = sb.shape[0]
     out = np.zeros((n, 144), dtype=np.uint8)
+    if top == 31:                         # bit 4 of sub-block j's values: bit j of qh[i]
+        high = (q >> 4).reshape(n, 8, 32)
+        q = q & 15
+        out = np.zeros((n, 176), dtype=np.uint8)
+        out[:, 16:48] = (high << np.arange(8, dtype=np.uint8)[None, :, None]).sum(1, dtype=np.uint8)
+    body = out[:, 32:] if top == 31 else out
     out[:, 0:2] = _f16(d).view(np.uint8).reshape(n, 2)
     out[:, 2:4] = _f16(dmin).view(np.uint8).reshape(n, 2)
     s = out[:, 4:16]                      # sc, m of j < 4 in bytes j, j + 4 (low 6 bits);
@@ -44,8 +51,15 @@ def quantize_q4_k(w: np.ndarray) -> np.ndarray:
     s[:, 4:8] = m[:, :4] | ((m[:, 4:] >> 4) << 6)       # top 2 bits over bytes j - 4, j
     s[:, 8:12] = (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)
     pairs = q.reshape(n, 4, 2, 32)        # group g: sub-blocks 2g (low nibble), 2g + 1 (high)
-    out[:, 16:144] = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, 128)
+    body[:, 16:144] = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, 128)
     return out.reshape(rows, -1)
+
+
+def quantize_q5_k(w: np.ndarray) -> np.ndarray:
+    """float32 [rows, cols] → Q5_K blocks uint8 [rows, cols/256*176]: Q4_K's fields with
+    q in 0..31, its bit 4 in 32 bytes qh (sub-block j's values: bit j of qh[i]) before
+    the nibbles."""
+    return quantize_q4_k(w, top=31)
 
 
 def quantize_q6_k(w: np.ndarray) -> np.ndarray:
@@ -72,12 +86,12 @@ def quantize_q6_k(w: np.ndarray) -> np.ndarray:
     return out.reshape(rows, -1)
 
 
-QUANTIZERS = {QT.Q4_K: quantize_q4_k, QT.Q6_K: quantize_q6_k}
+QUANTIZERS = {QT.Q4_K: quantize_q4_k, QT.Q5_K: quantize_q5_k, QT.Q6_K: quantize_q6_k}
 
 
 def rewrite_as_k_quants(src: Path, dst: Path, pick) -> Path:
     """A copy of the F32 GGUF at `src` (every metadata field kept) whose 2-D tensors are
-    re-encoded as pick(name, shape) returns: QT.Q4_K, QT.Q6_K, or None (left F32)."""
+    re-encoded as pick(name, shape) returns: a K-quant type, or None (left F32)."""
     reader = gguf.GGUFReader(src)
     arch = reader.fields["general.architecture"].contents()
     wr = gguf.GGUFWriter(str(dst), arch)

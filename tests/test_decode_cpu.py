@@ -15,7 +15,7 @@ from pantheon.worker.engine import load_engine
 from pantheon.worker.layers import decode_cpu
 from pantheon.worker.layers.decode_cpu import DecodeLayers, Step
 from pantheon.worker.model import Span
-from test_kquant_model import q4_k_m, widened
+from test_kquant_model import q4_k_m, q5_k_m, widened
 
 
 @pytest.fixture
@@ -90,11 +90,12 @@ def test_c_layers_give_the_python_layers_bits(tmp_path, arch, fmt, kv_cache, cou
     assert counted[0] == 6 * n_layers            # the decode steps, not the mixed one
 
 
-def test_c_layers_of_mixed_k_quant_projections(tmp_path, counted):
-    """A Q4_K_M file: q|k in Q4_K and v in Q6_K make a fused qkv of parts."""
+@pytest.mark.parametrize("mix", [q4_k_m, q5_k_m], ids=["Q4_K_M", "Q5_K_M"])
+def test_c_layers_of_mixed_k_quant_projections(tmp_path, counted, mix):
+    """A Q4_K_M (Q5_K_M) file: q|k in Q4_K (Q5_K) and v in Q6_K make a fused qkv of parts."""
     with widened("qwen2") as name:
         f32 = tm.write_gguf(name, tmp_path / f"{name}.gguf")
-    path = rewrite_as_k_quants(f32, tmp_path / f"{name}-Q4_K_M.gguf", q4_k_m)
+    path = rewrite_as_k_quants(f32, tmp_path / f"{name}-{mix.__name__}.gguf", mix)
     engine = load_engine(path, n_slots=3, ctx=64)
     assert isinstance(engine.model.blocks[0].mixer.w.wqkv, list)
     python = steps(engine, False)

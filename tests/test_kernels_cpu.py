@@ -14,7 +14,7 @@ def matrices():
     rng = np.random.default_rng(3)
     out = {}
     for qtype, blocks in ((QT.Q4_1, 6), (QT.Q4_K, 1), (QT.Q8_0, 6), (QT.Q5_1, 6),
-                          (QT.Q6_K, 1)):
+                          (QT.Q5_K, 2), (QT.Q6_K, 1)):
         raw, shape = random_tensor(qtype, 40, blocks)
         out[qtype.name] = qm.from_gguf(raw, qtype, shape)
     w = rng.standard_normal((40, 192)).astype(np.float32)
@@ -36,7 +36,7 @@ def test_matmul_equals_numpy(name, batch, path):
     ref = x @ qm.dequantize(m).T
     got = kc.matmul(x, m, path)
     assert got.shape == (batch, m.rows) and got.dtype == np.float32
-    if m.kind in ("q4k", "q6k") and path != "tile":
+    if m.kind in kc.K_BYTES and path != "tile":
         # x as int16 per super-block of 256 (a step of 1/16000 of its largest |x|): that
         # rounding is what is left, measured here below 1e-4 of max |y|
         np.testing.assert_allclose(got, ref, rtol=0, atol=3e-4 * np.abs(ref).max())
@@ -45,7 +45,7 @@ def test_matmul_equals_numpy(name, batch, path):
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K])
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K])
 def test_k_quant_products_of_many_rows_cross_every_split(qtype, no_amx):
     """More rows of W than a sub-piece (64) and of the pool's pieces, and rows of x in
     groups of 8 with a remainder: every output element is the same row-by-row product
@@ -80,7 +80,8 @@ AMX = pytest.mark.skipif(not (kc.library() and kc.HAS_AMX[0]),
 
 def _amx_matrices():
     out = dict(MATS)
-    for qtype, rows, blocks in ((QT.Q4_K, 200, 2), (QT.Q6_K, 145, 3), (QT.Q4_1, 300, 37)):
+    for qtype, rows, blocks in ((QT.Q4_K, 200, 2), (QT.Q5_K, 70, 2), (QT.Q6_K, 145, 3),
+                                (QT.Q4_1, 300, 37)):
         raw, shape = random_tensor(qtype, rows, blocks)
         out[f"{qtype.name}x{rows}"] = qm.from_gguf(raw, qtype, shape)
     return out
@@ -374,9 +375,9 @@ def test_the_kernels_built_without_avx512_pass_these_tests(flags, tmp_path):
     assert list((tmp_path / "cache" / "kernels").glob("*.so")), "the test build was not used"
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K], ids=lambda t: t.name)
 def test_k_quants_at_batch_1_through_int8_digits_equal_the_int16_path(qtype):
-    """Batch-1 Q4_K / Q6_K products split each int16 activation into two int8 digits: the
+    """Batch-1 K-quant products split each int16 activation into two int8 digits: the
     same integer sums as the int16 path (only the float additions' order differs; Q6_K's
     -32 offset comes off through the activations' sums per 16)."""
     raw, shape = random_tensor(qtype, 300, 6)
@@ -425,7 +426,7 @@ def test_the_scratch_x_is_read_from_is_zeroed_and_cache_line_aligned(shape, dtyp
     assert all(x.ctypes.data % 64 == 0 for x in arrays)
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K], ids=lambda t: t.name)
 def test_k_quant_products_in_spans_of_the_row_equal_whole_rows(qtype):
     """A long row meets 8 rows of x in spans of super-blocks that keep x in L1, each
     span's sums added to the output: the same products as whole rows for every group size

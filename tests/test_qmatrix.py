@@ -24,12 +24,12 @@ def random_tensor(qtype, rows, blocks_per_row, seed=0):
     return b.reshape(-1), (rows, blocks_per_row * block)
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K], ids=lambda t: t.name)
 def test_k_quants_stay_as_the_file_stores_them_and_move_to_a_gpu_repacked(qtype):
     raw, shape = random_tensor(qtype, 6, 3)
     m = qm.from_gguf(raw, qtype, shape)
-    assert (m.kind, m.bs, m.scale, m.minv) == ({QT.Q4_K: "q4k", QT.Q6_K: "q6k"}[qtype], 256,
-                                               None, None)
+    assert (m.kind, m.bs, m.scale, m.minv) == (
+        {QT.Q4_K: "q4k", QT.Q5_K: "q5k", QT.Q6_K: "q6k"}[qtype], 256, None, None)
     assert m.nbytes() == raw.size and m.qs.tobytes() == raw.tobytes()
     np.testing.assert_array_equal(qm.dequantize(m), dequantize(raw, qtype, shape))
     moved = m.to(np)                    # what a GPU gets: the repacked kind, same values

@@ -41,7 +41,7 @@ static inline float half_to_float(uint16_t h) {
 }
 #endif
 
-enum { Q4 = 0, Q8 = 1, Q8M = 2, F16 = 3, BF16 = 4, Q4K = 5, Q6K = 6 };
+enum { Q4 = 0, Q8 = 1, Q8M = 2, F16 = 3, BF16 = 4, Q4K = 5, Q6K = 6, Q5K = 7 };
 
 /* -- the kernels' thread pool ----------------------------------------------------------
  * Work is split into chunks (rows of W) that threads claim one at a time from a shared
@@ -268,17 +268,22 @@ static inline void dequant_block(int code, const uint8_t *restrict qs,
     }
 }
 
-/* -- K-quant super-blocks kept as the file stores them (kinds q4k, q6k) --------------
- * A row is K / 256 blocks of 144 (Q4_K) or 210 (Q6_K) bytes, ggml's layout:
+/* -- K-quant super-blocks kept as the file stores them (kinds q4k, q5k, q6k) ---------
+ * A row is K / 256 blocks of 144 (Q4_K), 176 (Q5_K) or 210 (Q6_K) bytes, ggml's layout:
  *   Q4_K: d, dmin (fp16), 12 bytes of 6-bit sub-scales and mins (8 each), 128 bytes of
  *         nibbles: byte 32g + i holds element 64g + i (low) and 64g + 32 + i (high).
  *         w = d * sc[j] * q - dmin * m[j], j = element / 32.
+ *   Q5_K: Q4_K's 16 bytes of d, dmin, sub-scales and mins, then 32 bytes of high bits qh,
+ *         then Q4_K's 128 bytes of nibbles: element 64g + i (low nibble) takes bit 2g of
+ *         qh[i] as its 16, 64g + 32 + i (high nibble) bit 2g + 1; q in 0 .. 31, w as Q4_K.
  *   Q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d (fp16):
  *         per half h of 128, l < 32: element 128h + l is lo4(ql[64h + l]) | bits 0-1 of
  *         qh[32h + l] << 4, + 32: lo4(ql[64h + 32 + l]) | bits 2-3, + 64: hi4(ql[64h + l])
  *         | bits 4-5, + 96: hi4(ql[64h + 32 + l]) | bits 6-7. w = d * sc[e / 16] * (q - 32). */
 #define Q4K_BYTES 144
+#define Q5K_BYTES 176
 #define Q6K_BYTES 210
+#define Q5K_QS 48           /* Q5_K: offset of the nibbles (after d, dmin, scales, qh) */
 
 static inline void k_scales(const uint8_t *s, uint8_t *sc, uint8_t *mn) {
     for (int j = 0; j < 4; j++) {
@@ -298,17 +303,20 @@ static inline uint16_t load_u16(const uint8_t *p) {
 #if !defined(__AVX2__)
 /* 256 weights of one super-block as floats (the portable decoding). */
 static void dequant_superblock(int code, const uint8_t *restrict b, float *restrict w) {
-    if (code == Q4K) {
+    if (code == Q4K || code == Q5K) {
         float d = half_to_float(load_u16(b)), dmin = half_to_float(load_u16(b + 2));
         uint8_t sc[8], mn[8];
         k_scales(b + 4, sc, mn);
-        const uint8_t *q = b + 16;
+        const uint8_t *q = b + (code == Q5K ? Q5K_QS : 16), *qh = b + 16;
+        const int five = code == Q5K;
         for (int g = 0; g < 4; g++) {
             float s0 = d * sc[2 * g], m0 = dmin * mn[2 * g];
             float s1 = d * sc[2 * g + 1], m1 = dmin * mn[2 * g + 1];
             for (int i = 0; i < 32; i++) {
-                w[64 * g + i] = s0 * (float)(q[32 * g + i] & 15) - m0;
-                w[64 * g + 32 + i] = s1 * (float)(q[32 * g + i] >> 4) - m1;
+                const int h0 = five ? ((qh[i] >> (2 * g)) & 1) << 4 : 0;
+                const int h1 = five ? ((qh[i] >> (2 * g + 1)) & 1) << 4 : 0;
+                w[64 * g + i] = s0 * (float)((q[32 * g + i] & 15) | h0) - m0;
+                w[64 * g + 32 + i] = s1 * (float)((q[32 * g + i] >> 4) | h1) - m1;
             }
         }
         return;
@@ -328,8 +336,10 @@ static void dequant_superblock(int code, const uint8_t *restrict b, float *restr
 }
 #endif
 
-static inline int is_k(int code) { return code == Q4K || code == Q6K; }
-static inline int64_t k_bytes(int code) { return code == Q4K ? Q4K_BYTES : Q6K_BYTES; }
+static inline int is_k(int code) { return code == Q4K || code == Q5K || code == Q6K; }
+static inline int64_t k_bytes(int code) {
+    return code == Q4K ? Q4K_BYTES : code == Q5K ? Q5K_BYTES : Q6K_BYTES;
+}
 
 #if defined(__AVX2__)
 static void dequant_superblock_avx2(int code, const uint8_t *restrict b, float *restrict w);
@@ -1224,17 +1234,25 @@ static inline void widen_run(__m256i run, __m256i s0, __m256i s1, __m256i off,
 
 static inline void load_super(int code, const uint8_t *restrict b, Super *S) {
     const __m256i low4 = _mm256_set1_epi8(15), zero = _mm256_setzero_si256();
-    if (code == Q4K) {
+    if (code == Q4K || code == Q5K) {
         uint8_t sm[16];
         S->d = half_to_float(load_u16(b));
         S->off_d = -half_to_float(load_u16(b + 2));
         k_scales_fast(b + 4, sm);
+        const int five = code == Q5K;
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16)), one = _mm256_set1_epi8(1);
         for (int g = 0; g < 4; g++) {         /* group g: runs 2g (low nibbles), 2g + 1 */
-            __m256i raw = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * g));
+            __m256i raw = _mm256_loadu_si256((const __m256i *)(b + (five ? Q5K_QS : 16) + 32 * g));
             __m256i s0 = _mm256_set1_epi16(sm[2 * g]), s1 = _mm256_set1_epi16(sm[2 * g + 1]);
-            widen_run(_mm256_and_si256(raw, low4), s0, s0, zero, &S->w[4 * g], &S->w[4 * g + 1]);
-            widen_run(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low4), s1, s1, zero,
-                      &S->w[4 * g + 2], &S->w[4 * g + 3]);
+            __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+            if (five) {                       /* Q5_K: bits 2g, 2g + 1 of qh[i] are the 16s */
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(
+                    _mm256_srli_epi16(qh, 2 * g), one), 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(
+                    _mm256_srli_epi16(qh, 2 * g + 1), one), 4));
+            }
+            widen_run(lo, s0, s0, zero, &S->w[4 * g], &S->w[4 * g + 1]);
+            widen_run(hi, s1, s1, zero, &S->w[4 * g + 2], &S->w[4 * g + 3]);
         }
         S->mf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + 8))));
         return;
@@ -1301,17 +1319,24 @@ typedef struct {
 
 static inline void load_super512(int code, const uint8_t *restrict b, Super512 *S) {
     const __m512i low4 = _mm512_set1_epi16(15);
-    if (code == Q4K) {
+    if (code == Q4K || code == Q5K) {
         uint8_t sm[16];
         S->d = half_to_float(load_u16(b));
         S->off_d = -half_to_float(load_u16(b + 2));
         k_scales_fast(b + 4, sm);
+        const int five = code == Q5K;
+        const __m512i qh = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 16)));
+        const __m512i one = _mm512_set1_epi16(1);
         for (int g = 0; g < 4; g++) {   /* bytes 32g..: low nibbles 64g + i, high 64g + 32 + i */
-            __m512i raw = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 16 + 32 * g)));
-            S->w[2 * g] = _mm512_mullo_epi16(_mm512_and_si512(raw, low4),
-                                             _mm512_set1_epi16(sm[2 * g]));
-            S->w[2 * g + 1] = _mm512_mullo_epi16(_mm512_srli_epi16(raw, 4),
-                                                 _mm512_set1_epi16(sm[2 * g + 1]));
+            __m512i raw = _mm512_cvtepu8_epi16(_mm256_loadu_si256(
+                (const __m256i *)(b + (five ? Q5K_QS : 16) + 32 * g)));
+            __m512i lo = _mm512_and_si512(raw, low4), hi = _mm512_srli_epi16(raw, 4);
+            if (five) {                 /* Q5_K: bits 2g, 2g + 1 of qh[i] are the 16s */
+                lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 2 * g), one), 4));
+                hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 2 * g + 1), one), 4));
+            }
+            S->w[2 * g] = _mm512_mullo_epi16(lo, _mm512_set1_epi16(sm[2 * g]));
+            S->w[2 * g + 1] = _mm512_mullo_epi16(hi, _mm512_set1_epi16(sm[2 * g + 1]));
         }
         S->mf = _mm256_mul_ps(_mm256_set1_ps(S->off_d), _mm256_cvtepi32_ps(
             _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + 8)))));
@@ -1357,10 +1382,15 @@ static inline void load_super512(int code, const uint8_t *restrict b, Super512 *
 static inline __attribute__((always_inline)) void k_quad(
         int code, const uint8_t *restrict b, const uint8_t *restrict sm, int t, __m256i w[4]) {
     const __m256i low4 = _mm256_set1_epi8(15);
-    if (code == Q4K) {          /* bytes 32t..: low nibbles values 64t + i, high 64t + 32 + i */
-        const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * t));
-        const __m256i lo = _mm256_and_si256(raw, low4);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+    if (code == Q4K || code == Q5K) {   /* bytes 32t..: low nibbles 64t + i, high 64t + 32 + i */
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + (code == Q5K ? Q5K_QS : 16) + 32 * t));
+        __m256i lo = _mm256_and_si256(raw, low4);
+        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+        if (code == Q5K) {      /* bits 2t, 2t + 1 of qh[i] */
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16)), one = _mm256_set1_epi8(1);
+            lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), one), 4));
+            hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * t + 1), one), 4));
+        }
         const __m256i s0 = _mm256_set1_epi16(sm[2 * t]), s1 = _mm256_set1_epi16(sm[2 * t + 1]);
         w[0] = _mm256_mullo_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(lo)), s0);
         w[1] = _mm256_mullo_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(lo, 1)), s0);
@@ -1414,7 +1444,7 @@ static inline __attribute__((always_inline)) void k_row_avx2(
         uint8_t sm[16];
         float d;
         __m256 mf = _mm256_setzero_ps();
-        if (code == Q4K) {
+        if (code == Q4K || code == Q5K) {
             k_scales_fast(p + 4, sm);
             d = half_to_float(load_u16(p));
             mf = _mm256_mul_ps(_mm256_set1_ps(-half_to_float(load_u16(p + 2))), _mm256_cvtepi32_ps(
@@ -1441,7 +1471,7 @@ static inline __attribute__((always_inline)) void k_row_avx2(
         for (int b = 0; b < G; b++) {
             const int64_t xb = (int64_t)b * nb + blk;
             __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c[b]), _mm256_set1_ps(d * xd0[xb]), acc[b]);
-            acc[b] = code == Q4K ? _mm256_fmadd_ps(mf, _mm256_loadu_ps(xs0 + xb * 8), t) : t;
+            acc[b] = code != Q6K ? _mm256_fmadd_ps(mf, _mm256_loadu_ps(xs0 + xb * 8), t) : t;
         }
     }
     for (int b = 0; b < G; b++) out[b * N] = (add ? out[b * N] : 0.0f) + hsum(acc[b]);
@@ -1603,10 +1633,17 @@ typedef struct {
     int64_t rows; const int32_t *s16;
 } DgArgs;
 
-static void q4k_digits_chunk(const void *p, int64_t c) {
-    const DgArgs *a = p;
+/* Q4_K (five = 0) or Q5_K (five = 1: each nibble takes its bit of qh as its 16, so the
+ * values are 0 .. 31, still bytes, and the same digits meet them) */
+static inline __attribute__((always_inline)) void k45_digits_rows(const DgArgs *a, int64_t c,
+                                                                 const int five) {
+    const int64_t bytes = five ? Q5K_BYTES : Q4K_BYTES, qs_at = five ? Q5K_QS : 16;
     const int64_t nb = a->K / 256, n0 = c * a->rows, n1 = n0 + a->rows < a->N ? n0 + a->rows : a->N;
-    const __m512i low4 = _mm512_set1_epi8(15);
+    const __m512i low4 = _mm512_set1_epi8(15), one = _mm512_set1_epi8(1);
+    /* Q5_K: the 64 bytes at 64 g hold groups 2g, 2g + 1 in their halves, whose low
+     * nibbles take bits 4g, 4g + 2 of qh (a shift per 16-bit lane), the high ones + 1 */
+    const __m512i halves = _mm512_set_epi64(0x0002000200020002LL, 0x0002000200020002LL,
+                                            0x0002000200020002LL, 0x0002000200020002LL, 0, 0, 0, 0);
     /* lanes 0-7 take sub-scale j0, lanes 8-15 j1, for the vectors of sub-blocks (0,2) (1,3) (4,6) (5,7) */
     const __m512i pick[4] = {
         _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0),
@@ -1614,22 +1651,28 @@ static void q4k_digits_chunk(const void *p, int64_t c) {
         _mm512_set_epi32(6, 6, 6, 6, 6, 6, 6, 6, 4, 4, 4, 4, 4, 4, 4, 4),
         _mm512_set_epi32(7, 7, 7, 7, 7, 7, 7, 7, 5, 5, 5, 5, 5, 5, 5, 5)};
     for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *row = a->qs + n * nb * Q4K_BYTES;
+        const uint8_t *row = a->qs + n * nb * bytes;
         __m512 acc = _mm512_setzero_ps();
         __m256 accm = _mm256_setzero_ps();
         for (int64_t blk = 0; blk < nb; blk++) {
-            const uint8_t *b = row + blk * Q4K_BYTES;
-            for (int64_t l = 0; l < Q4K_BYTES; l += 64)
+            const uint8_t *b = row + blk * bytes;
+            for (int64_t l = 0; l < bytes; l += 64)
                 _mm_prefetch((const char *)b + PF_AHEAD + l, _MM_HINT_T0);
             uint8_t sm[16];
             k_scales_fast(b + 4, sm);
             const __m512i sc = _mm512_castsi256_si512(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sm)));
             const int8_t *hi = a->dg + blk * 512, *lo = hi + 256;
             __m512i tot = _mm512_setzero_si512();
+            const __m512i qh = five ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16)))
+                                    : _mm512_setzero_si512();
             for (int g = 0; g < 2; g++) {
-                const __m512i raw = _mm512_loadu_si512((const void *)(b + 16 + 64 * g));
-                const __m512i v[2] = {_mm512_and_si512(raw, low4),
-                                      _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4)};
+                const __m512i raw = _mm512_loadu_si512((const void *)(b + qs_at + 64 * g));
+                __m512i v[2] = {_mm512_and_si512(raw, low4),
+                                _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4)};
+                if (five)
+                    for (int k = 0; k < 2; k++)
+                        v[k] = _mm512_or_si512(v[k], _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(
+                            qh, _mm512_add_epi16(halves, _mm512_set1_epi16(4 * g + k))), one), 4));
                 for (int k = 0; k < 2; k++) {
                     const int c = 2 * g + k;          /* 64 digits at 64 c */
                     /* 256 x (nibbles . high digits) + nibbles . low digits */
@@ -1648,6 +1691,9 @@ static void q4k_digits_chunk(const void *p, int64_t c) {
         a->out[n] = _mm512_reduce_add_ps(acc) + hsum(accm);
     }
 }
+
+static void q4k_digits_chunk(const void *p, int64_t c) { k45_digits_rows(p, c, 0); }
+static void q5k_digits_chunk(const void *p, int64_t c) { k45_digits_rows(p, c, 1); }
 
 /* Q6_K at batch 1 with int8 products: the 6-bit values (0 .. 63, still bytes) meet the
  * digits in `vpdpbusd`; the file's -32 offset is taken off once per 16 values through
@@ -2004,10 +2050,10 @@ int pn_matmul_int(const PnMat *m, const float *x, int64_t B, const PnScratch *s,
     if (amx_takes(m, B) && pn_matmul_amx(m, x, B, out)) return 1;
 #endif
 #if defined(PN_ZMM)
-    if (m->code == Q4K && B == 1 && DIGITS[0]) {
+    if ((m->code == Q4K || m->code == Q5K) && B == 1 && DIGITS[0]) {
         quantize_digits(x, m->K, (int8_t *)s->xq, s->xd, s->xs, DIGIT_ORDER, NULL);
         DgArgs a = {m->qs, m->N, m->K, (const int8_t *)s->xq, s->xd, s->xs, out, piece_rows(m->N), NULL};
-        pool_run(q4k_digits_chunk, &a, (m->N + a.rows - 1) / a.rows);
+        pool_run(m->code == Q4K ? q4k_digits_chunk : q5k_digits_chunk, &a, (m->N + a.rows - 1) / a.rows);
         return 1;
     }
     if (m->code == Q6K && B == 1 && DIGITS[0]) {

@@ -11,12 +11,12 @@ in blocks along `in`, the way GGUF stores it, so `y = x @ W.T`. Kinds:
         (Q6_K's runs); minv the same shape, or None. w = scale * q (+ minv).
   f16   qs uint16 [rows, cols]: IEEE half bits.      w = half(qs)
   bf16  qs uint16 [rows, cols]: bfloat16 bits.       w = float32(qs << 16)
-  q4k, q6k  qs uint8 [rows, cols / 256 * (144 | 210)]: Q4_K / Q6_K super-blocks
-        exactly as the file stores them (worker/kernels.c reads them with integer
-        sub-scales); no scale or minv arrays, bs 256. CPU only: moved to a GPU they
-        are repacked into q4 / q8 first.
+  q4k, q5k, q6k  qs uint8 [rows, cols / 256 * (144 | 176 | 210)]: Q4_K / Q5_K / Q6_K
+        super-blocks exactly as the file stores them (worker/kernels.c reads them with
+        integer sub-scales); no scale or minv arrays, bs 256. CPU only: moved to a GPU
+        they are repacked into q4 / q8 first.
 
-On the CPU, Q4_K and Q6_K tensors stay as stored (q4k, q6k: the file's bytes).
+On the CPU, Q4_K, Q5_K and Q6_K tensors stay as stored (q4k, q5k, q6k: the file's bytes).
 Elsewhere GGUF tensors are repacked tensor by tensor into the closest kind, exactly but
 for one rounding: a K-quant's sub-block scale is the product of an fp16 and a
 6-bit (Q4_K, Q5_K) or 8-bit (Q6_K) integer, stored here as one fp16 (a relative
@@ -26,8 +26,9 @@ min (5-bit values in int8); Q6_K → q8 with bs 16. Float tensors stay as they
 are (F32 as a dense fp32 array, F16 and BF16 as f16 / bf16), or are quantized
 at load to q8 (`q8_0`: absmax / 127 per 32) or q4 (`q4`: min and step per 32).
 
-Sizes per weight: q4 5 bits (Q4_K files: 4.5), q8 9 bits (Q8_0: 8.5), q8 from
-Q6_K 9 bits (6.56), from Q5_x 10 (5.5-6).
+Sizes per weight: q4k, q5k, q6k as the file (4.5, 5.5, 6.56 bits); q4 5 bits, q8 9
+bits (Q8_0: 8.5), from Q5_0 / Q5_1 10 (5.5-6); on a GPU q4 from Q4_K 5 bits, q8 from
+Q6_K 9 and from Q5_K 10.
 """
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ class QMatrix:
 
     def to(self, xp) -> "QMatrix":
         """The same matrix with its arrays on another die (numpy → cupy). The file-layout
-        kinds (q4k, q6k) have no GPU kernels: they are repacked into q4 / q8 first."""
+        kinds (q4k, q5k, q6k) have no GPU kernels: they are repacked into q4 / q8 first."""
         if self.kind in NATIVE_KINDS:
             return from_gguf(self.qs, QT[self.source], self.shape, native=False).to(xp)
         move = (lambda a: None if a is None else xp.asarray(a))
@@ -240,7 +241,7 @@ REPACKERS = {QT.Q8_0: _r_q8_0, QT.Q4_0: _r_q4_0, QT.Q4_1: _r_q4_1, QT.Q5_0: _r_q
 REPACK = {t: (*ON_GPU.get(t.name, IN_MEMORY[t.name])[:2], fn) for t, fn in REPACKERS.items()}
 
 
-NATIVE = {QT.Q4_K: "q4k", QT.Q6_K: "q6k"}      # held in the file's own layout on a CPU
+NATIVE = {QT.Q4_K: "q4k", QT.Q5_K: "q5k", QT.Q6_K: "q6k"}   # held as the file has them on a CPU
 NATIVE_KINDS = frozenset(NATIVE.values())
 
 

@@ -15,13 +15,16 @@ QUANTIZE_MODES = ("auto", "none", "q8_0", "q4")   # `auto`: as stored (the defau
 IN_MEMORY = {
     "Q8_0": ("q8", 32, False), "Q4_0": ("q4", 32, True), "Q4_1": ("q4", 32, True),
     "Q5_0": ("q8", 32, False), "Q5_1": ("q8", 32, True), "Q4_K": ("q4k", 256, False),
-    "Q5_K": ("q5k", 256, False), "Q6_K": ("q6k", 256, False),
+    "Q5_K": ("q5k", 256, False), "Q6_K": ("q6k", 256, False), "Q3_K": ("q3k", 256, False),
+    "Q2_K": ("q2k", 256, False),
     "F16": ("f16", 32, False), "BF16": ("bf16", 32, False),
 }
 QUANTIZED_AT_LOAD = {"q8_0": ("q8", 32, False), "q4": ("q4", 32, True)}
 # what a GPU holds instead of the CPU's file-layout kinds (worker/qmatrix.py QMatrix.to)
-ON_GPU = {"Q4_K": ("q4", 32, True), "Q5_K": ("q8", 32, True), "Q6_K": ("q8", 16, False)}
-K_BYTES = {"q4k": 144, "q5k": 176, "q6k": 210}   # a super-block of 256 as the file has it
+ON_GPU = {"Q4_K": ("q4", 32, True), "Q5_K": ("q8", 32, True), "Q6_K": ("q8", 16, False),
+          "Q3_K": ("q8", 16, False), "Q2_K": ("q8", 16, True)}
+# a super-block of 256 as the file has it
+K_BYTES = {"q2k": 84, "q3k": 110, "q4k": 144, "q5k": 176, "q6k": 210}
 
 
 def kind_bytes(kind: str, bs: int, has_min: bool, elements: int) -> int:

@@ -1,4 +1,4 @@
-"""Q4_K, Q5_K and Q6_K writers for tests (gguf-py decodes these types but cannot encode them).
+"""Q2_K, Q3_K, Q4_K, Q5_K and Q6_K writers for tests (gguf-py decodes these types but cannot encode them).
 
 Plain round-to-nearest quantizers in ggml's block layouts (not llama.cpp's
 error-minimizing search): what matters here is that the bytes are valid blocks,
@@ -86,7 +86,63 @@ def quantize_q6_k(w: np.ndarray) -> np.ndarray:
     return out.reshape(rows, -1)
 
 
-QUANTIZERS = {QT.Q4_K: quantize_q4_k, QT.Q5_K: quantize_q5_k, QT.Q6_K: quantize_q6_k}
+def _two_bit_runs(u: np.ndarray, out: np.ndarray) -> None:
+    """u [n, 256] (0..3) into 64 bytes a super-block: element 128h + 32j + l in bits 2j,
+    2j+1 of byte 32h + l (Q2_K's and Q3_K's order)."""
+    u = u.reshape(-1, 2, 4, 32).astype(np.uint8)
+    out[:] = (u << (2 * np.arange(4, dtype=np.uint8))[:, None]).sum(2, dtype=np.uint8).reshape(-1, 64)
+
+
+def quantize_q3_k(w: np.ndarray) -> np.ndarray:
+    """float32 [rows, cols] → Q3_K blocks uint8 [rows, cols/256*110]: w ~ d*(sc-32)*(u-4)
+    per 16, u in 0..7 (2 bits in qs, the 4 in hmask), sc 6-bit, d fp16."""
+    rows, cols = w.shape
+    sb = w.reshape(-1, 16, 16).astype(np.float32)
+    n = sb.shape[0]
+    step = np.abs(sb).max(-1) / 4.0                                    # [n, 16]
+    d = _f16(step.max(-1) / 31.0).astype(np.float32)
+    safe = lambda a: np.where(a > 0, a, 1.0)                          # noqa: E731
+    sc = np.clip(np.rint(step / safe(d)[:, None]), 0, 31).astype(np.uint8) + 32
+    scale = (d[:, None] * (sc.astype(np.float32) - 32))[..., None]
+    u = (np.clip(np.rint(sb / safe(scale)), -4, 3) + 4).astype(np.uint8).reshape(n, 256)
+    out = np.zeros((n, 110), dtype=np.uint8)
+    hi = (u >> 2).reshape(n, 2, 4, 32)            # element 128h + 32j + l: bit 4h + j of hmask[l]
+    out[:, 0:32] = (hi << np.arange(8, dtype=np.uint8).reshape(2, 4, 1)).sum((1, 2), dtype=np.uint8)
+    _two_bit_runs(u & 3, out[:, 32:96])
+    a, b, c, e = sc[:, 0:4], sc[:, 4:8], sc[:, 8:12], sc[:, 12:16]
+    out[:, 96:100] = (a & 15) | ((c & 15) << 4)
+    out[:, 100:104] = (b & 15) | ((e & 15) << 4)
+    out[:, 104:108] = (a >> 4) | ((b >> 4) << 2) | ((c >> 4) << 4) | ((e >> 4) << 6)
+    out[:, 108:110] = _f16(d).view(np.uint8).reshape(n, 2)
+    return out.reshape(rows, -1)
+
+
+def quantize_q2_k(w: np.ndarray) -> np.ndarray:
+    """float32 [rows, cols] → Q2_K blocks uint8 [rows, cols/256*84]: w ~ d*sc*q - dmin*m
+    per 16, q in 0..3, sc and m 4-bit (one byte), d and dmin fp16."""
+    rows, cols = w.shape
+    sb = w.reshape(-1, 16, 16).astype(np.float32)
+    n = sb.shape[0]
+    lo = np.minimum(sb.min(-1), 0.0)
+    step = (sb.max(-1) - lo) / 3.0
+    d = _f16(step.max(-1) / 15.0).astype(np.float32)
+    dmin = _f16((-lo).max(-1) / 15.0).astype(np.float32)
+    safe = lambda a: np.where(a > 0, a, 1.0)                          # noqa: E731
+    sc = np.clip(np.rint(step / safe(d)[:, None]), 0, 15).astype(np.uint8)
+    m = np.clip(np.rint(-lo / safe(dmin)[:, None]), 0, 15).astype(np.uint8)
+    scale = (d[:, None] * sc)[..., None]
+    q = np.clip(np.rint((sb + (dmin[:, None] * m)[..., None]) / safe(scale)), 0, 3)
+    q = np.where(scale > 0, q, 0).astype(np.uint8).reshape(n, 256)
+    out = np.zeros((n, 84), dtype=np.uint8)
+    out[:, 0:16] = sc | (m << 4)
+    _two_bit_runs(q, out[:, 16:80])
+    out[:, 80:82] = _f16(d).view(np.uint8).reshape(n, 2)
+    out[:, 82:84] = _f16(dmin).view(np.uint8).reshape(n, 2)
+    return out.reshape(rows, -1)
+
+
+QUANTIZERS = {QT.Q2_K: quantize_q2_k, QT.Q3_K: quantize_q3_k, QT.Q4_K: quantize_q4_k,
+              QT.Q5_K: quantize_q5_k, QT.Q6_K: quantize_q6_k}
 
 
 def rewrite_as_k_quants(src: Path, dst: Path, pick) -> Path:

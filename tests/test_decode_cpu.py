@@ -15,7 +15,7 @@ from pantheon.worker.engine import load_engine
 from pantheon.worker.layers import decode_cpu
 from pantheon.worker.layers.decode_cpu import DecodeLayers, Step
 from pantheon.worker.model import Span
-from test_kquant_model import q4_k_m, q5_k_m, widened
+from test_kquant_model import q2_k, q3_k_m, q4_k_m, q5_k_m, widened
 
 
 @pytest.fixture
@@ -90,9 +90,10 @@ def test_c_layers_give_the_python_layers_bits(tmp_path, arch, fmt, kv_cache, cou
     assert counted[0] == 6 * n_layers            # the decode steps, not the mixed one
 
 
-@pytest.mark.parametrize("mix", [q4_k_m, q5_k_m], ids=["Q4_K_M", "Q5_K_M"])
+@pytest.mark.parametrize("mix", [q4_k_m, q5_k_m, q3_k_m, q2_k], ids=["Q4_K_M", "Q5_K_M", "Q3_K_M", "Q2_K"])
 def test_c_layers_of_mixed_k_quant_projections(tmp_path, counted, mix):
-    """A Q4_K_M (Q5_K_M) file: q|k in Q4_K (Q5_K) and v in Q6_K make a fused qkv of parts."""
+    """A Q4_K_M file: q|k in Q4_K and v in Q6_K make a fused qkv of parts (Q5_K_M, Q3_K_M,
+    Q2_K: their own two types)."""
     with widened("qwen2") as name:
         f32 = tm.write_gguf(name, tmp_path / f"{name}.gguf")
     path = rewrite_as_k_quants(f32, tmp_path / f"{name}-{mix.__name__}.gguf", mix)

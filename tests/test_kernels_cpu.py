@@ -7,14 +7,14 @@ from gguf import GGMLQuantizationType as QT
 
 from pantheon.worker import kernels_cpu as kc
 from pantheon.worker import qmatrix as qm
-from test_qmatrix import random_tensor
+from test_qmatrix import K_QUANTS, random_tensor
 
 
 def matrices():
     rng = np.random.default_rng(3)
     out = {}
     for qtype, blocks in ((QT.Q4_1, 6), (QT.Q4_K, 1), (QT.Q8_0, 6), (QT.Q5_1, 6),
-                          (QT.Q5_K, 2), (QT.Q6_K, 1)):
+                          (QT.Q5_K, 2), (QT.Q6_K, 1), (QT.Q3_K, 2), (QT.Q2_K, 3)):
         raw, shape = random_tensor(qtype, 40, blocks)
         out[qtype.name] = qm.from_gguf(raw, qtype, shape)
     w = rng.standard_normal((40, 192)).astype(np.float32)
@@ -45,7 +45,7 @@ def test_matmul_equals_numpy(name, batch, path):
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K])
+@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)
 def test_k_quant_products_of_many_rows_cross_every_split(qtype, no_amx):
     """More rows of W than a sub-piece (64) and of the pool's pieces, and rows of x in
     groups of 8 with a remainder: every output element is the same row-by-row product
@@ -81,7 +81,7 @@ AMX = pytest.mark.skipif(not (kc.library() and kc.HAS_AMX[0]),
 def _amx_matrices():
     out = dict(MATS)
     for qtype, rows, blocks in ((QT.Q4_K, 200, 2), (QT.Q5_K, 70, 2), (QT.Q6_K, 145, 3),
-                                (QT.Q4_1, 300, 37)):
+                                (QT.Q3_K, 70, 2), (QT.Q4_1, 300, 37)):
         raw, shape = random_tensor(qtype, rows, blocks)
         out[f"{qtype.name}x{rows}"] = qm.from_gguf(raw, qtype, shape)
     return out
@@ -426,7 +426,7 @@ def test_the_scratch_x_is_read_from_is_zeroed_and_cache_line_aligned(shape, dtyp
     assert all(x.ctypes.data % 64 == 0 for x in arrays)
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)
 def test_k_quant_products_in_spans_of_the_row_equal_whole_rows(qtype):
     """A long row meets 8 rows of x in spans of super-blocks that keep x in L1, each
     span's sums added to the output: the same products as whole rows for every group size

@@ -1,8 +1,9 @@
-"""Q4_K / Q5_K / Q6_K files as a CPU holds them (the file's super-blocks, integer kernels) against
+"""K-quant files (Q2_K .. Q6_K) as a CPU holds them (the file's super-blocks, integer kernels) against
 the fp32 forward of the same file's dequantized weights: the engine issue's bounds.
 
 The tiny models are widened to 256 (a K-quant super-block) and written the way a
-Q4_K_M (Q5_K_M) file mixes its types: Q6_K for ffn_down and attn_v, Q4_K (Q5_K) elsewhere.
+Q4_K_M file mixes its types: Q6_K for ffn_down and attn_v, Q4_K elsewhere (Q5_K_M: Q5_K
+and Q6_K; Q3_K_M: Q3_K and Q4_K; Q2_K: Q2_K and Q3_K).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 import tiny_models as tm
-from kquants import QT, quantize_q4_k, quantize_q5_k, quantize_q6_k, rewrite_as_k_quants
+from kquants import QT, QUANTIZERS, rewrite_as_k_quants
 from pantheon.common.weight_format import weight_bytes
 from pantheon.worker.engine import load_engine
 from pantheon.worker.qmatrix import QMatrix
@@ -54,23 +55,33 @@ def q5_k_m(name: str, shape) -> QT:
     return QT.Q6_K if ".ffn_down." in name or ".attn_v." in name else QT.Q5_K
 
 
-@pytest.mark.parametrize("qtype, quantize", [(QT.Q4_K, quantize_q4_k), (QT.Q5_K, quantize_q5_k),
-                                             (QT.Q6_K, quantize_q6_k)],
-                         ids=["Q4_K", "Q5_K", "Q6_K"])
-def test_the_test_quantizers_write_blocks_gguf_decodes_close_to_the_floats(qtype, quantize):
+def q3_k_m(name: str, shape) -> QT:
+    return QT.Q4_K if ".ffn_down." in name or ".attn_v." in name else QT.Q3_K
+
+
+def q2_k(name: str, shape) -> QT:
+    return QT.Q3_K if ".ffn_down." in name or ".attn_v." in name else QT.Q2_K
+
+
+@pytest.mark.parametrize("qtype", list(QUANTIZERS), ids=lambda t: t.name)
+def test_the_test_quantizers_write_blocks_gguf_decodes_close_to_the_floats(qtype):
     w = np.random.default_rng(3).standard_normal((8, 512)).astype(np.float32)
     w[2] = 0.0                                               # an all-zero row is fine
     w[3, :256] = np.abs(w[3, :256])                          # and a block with no negatives
-    raw = quantize(w)
+    raw = QUANTIZERS[qtype](w)
     back = gguf.quants.dequantize(raw, qtype).reshape(w.shape)
-    step = {QT.Q4_K: 1 / 15, QT.Q5_K: 1 / 31, QT.Q6_K: 1 / 31}[qtype]   # of a sub-block's range
+    step = {QT.Q2_K: 1 / 3, QT.Q3_K: 1 / 7, QT.Q4_K: 1 / 15, QT.Q5_K: 1 / 31,
+            QT.Q6_K: 1 / 31}[qtype]                          # of a sub-block's range
     assert np.abs(back - w).max() <= 2 * step * np.abs(w).max()
     assert np.abs(back - w).mean() < 0.3 * step * np.abs(w).max()
     assert not back[2].any()
 
 
-@pytest.mark.parametrize("mix, held", [(q4_k_m, "q4k/256"), (q5_k_m, "q5k/256")],
-                         ids=["Q4_K_M", "Q5_K_M"])
+@pytest.mark.parametrize("mix, held", [(q4_k_m, {"q4k/256", "q6k/256"}),
+                                       (q5_k_m, {"q5k/256", "q6k/256"}),
+                                       (q3_k_m, {"q3k/256", "q4k/256"}),
+                                       (q2_k, {"q2k/256", "q3k/256"})],
+                         ids=["Q4_K_M", "Q5_K_M", "Q3_K_M", "Q2_K"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_k_quant_files_held_as_stored_match_their_fp32_forward(tmp_path, arch, mix, held):
     with widened(arch) as name:
@@ -78,8 +89,8 @@ def test_k_quant_files_held_as_stored_match_their_fp32_forward(tmp_path, arch, m
     path = rewrite_as_k_quants(f32, tmp_path / f"{name}-{mix.__name__}.gguf", mix)
     quantized = load_engine(path, n_slots=1, ctx=64)
     reference = load_engine(path, n_slots=1, ctx=64, quantize="none")
-    assert kinds(quantized) == {held, "q6k/256"} and kinds(reference) == {"dense"}
-    # the file's bytes, not a repacked copy: 2-D tensors held at 4.5 (5.5) and 6.56 bits
+    assert kinds(quantized) == held and kinds(reference) == {"dense"}
+    # the file's bytes, not a repacked copy: 2-D tensors held at the file's 2.6-6.6 bits
     reader = gguf.GGUFReader(path)
     file_bytes = sum(int(t.n_bytes) for t in reader.tensors if len(t.shape) == 2)
     held = quantized.model.w.nbytes() - sum(int(t.n_bytes) for t in reader.tensors

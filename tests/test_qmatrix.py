@@ -8,9 +8,11 @@ from pantheon.worker.quants import dequantize
 
 # byte offsets of each type's fp16 scale fields (set to sane values in random blocks)
 SCALE_FIELDS = {QT.Q8_0: [0], QT.Q4_0: [0], QT.Q4_1: [0, 2], QT.Q5_0: [0], QT.Q5_1: [0, 2],
-                QT.Q4_K: [0, 2], QT.Q5_K: [0, 2], QT.Q6_K: [208]}
+                QT.Q4_K: [0, 2], QT.Q5_K: [0, 2], QT.Q6_K: [208], QT.Q3_K: [108], QT.Q2_K: [80, 82]}
 KIND = {QT.Q8_0: ("q8", 32), QT.Q4_0: ("q4", 32), QT.Q4_1: ("q4", 32), QT.Q5_0: ("q8", 32),
-        QT.Q5_1: ("q8", 32), QT.Q4_K: ("q4", 32), QT.Q5_K: ("q8", 32), QT.Q6_K: ("q8", 16)}
+        QT.Q5_1: ("q8", 32), QT.Q4_K: ("q4", 32), QT.Q5_K: ("q8", 32), QT.Q6_K: ("q8", 16),
+        QT.Q3_K: ("q8", 16), QT.Q2_K: ("q8", 16)}
+K_QUANTS = [QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K]
 
 
 def random_tensor(qtype, rows, blocks_per_row, seed=0):
@@ -24,12 +26,11 @@ def random_tensor(qtype, rows, blocks_per_row, seed=0):
     return b.reshape(-1), (rows, blocks_per_row * block)
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)
 def test_k_quants_stay_as_the_file_stores_them_and_move_to_a_gpu_repacked(qtype):
     raw, shape = random_tensor(qtype, 6, 3)
     m = qm.from_gguf(raw, qtype, shape)
-    assert (m.kind, m.bs, m.scale, m.minv) == (
-        {QT.Q4_K: "q4k", QT.Q5_K: "q5k", QT.Q6_K: "q6k"}[qtype], 256, None, None)
+    assert (m.kind, m.bs, m.scale, m.minv) == (qtype.name.lower().replace("_", ""), 256, None, None)
     assert m.nbytes() == raw.size and m.qs.tobytes() == raw.tobytes()
     np.testing.assert_array_equal(qm.dequantize(m), dequantize(raw, qtype, shape))
     moved = m.to(np)                    # what a GPU gets: the repacked kind, same values
@@ -49,7 +50,7 @@ def test_repacked_tensors_decode_as_the_file(qtype):
     m = qm.from_gguf(raw, qtype, shape, native=False)
     assert (m.kind, m.bs) == KIND[qtype] and m.shape == shape
     ref, got = dequantize(raw, qtype, shape), qm.dequantize(m)
-    if qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K):
+    if qtype in K_QUANTS:
         # one rounding: the sub-block scale d * sc held as one fp16
         step = np.abs(ref).max()
         assert np.abs(got - ref).max() <= step * 2.0 ** -11

@@ -41,7 +41,7 @@ static inline float half_to_float(uint16_t h) {
 }
 #endif
 
-enum { Q4 = 0, Q8 = 1, Q8M = 2, F16 = 3, BF16 = 4, Q4K = 5, Q6K = 6, Q5K = 7 };
+enum { Q4 = 0, Q8 = 1, Q8M = 2, F16 = 3, BF16 = 4, Q4K = 5, Q6K = 6, Q5K = 7, Q3K = 8, Q2K = 9 };
 
 /* -- the kernels' thread pool ----------------------------------------------------------
  * Work is split into chunks (rows of W) that threads claim one at a time from a shared
@@ -268,8 +268,9 @@ static inline void dequant_block(int code, const uint8_t *restrict qs,
     }
 }
 
-/* -- K-quant super-blocks kept as the file stores them (kinds q4k, q5k, q6k) ---------
- * A row is K / 256 blocks of 144 (Q4_K), 176 (Q5_K) or 210 (Q6_K) bytes, ggml's layout:
+/* -- K-quant super-blocks kept as the file stores them (kinds q2k .. q6k) -------------
+ * A row is K / 256 blocks of 84 (Q2_K), 110 (Q3_K), 144 (Q4_K), 176 (Q5_K) or 210 (Q6_K)
+ * bytes, ggml's layout:
  *   Q4_K: d, dmin (fp16), 12 bytes of 6-bit sub-scales and mins (8 each), 128 bytes of
  *         nibbles: byte 32g + i holds element 64g + i (low) and 64g + 32 + i (high).
  *         w = d * sc[j] * q - dmin * m[j], j = element / 32.
@@ -279,7 +280,14 @@ static inline void dequant_block(int code, const uint8_t *restrict qs,
  *   Q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d (fp16):
  *         per half h of 128, l < 32: element 128h + l is lo4(ql[64h + l]) | bits 0-1 of
  *         qh[32h + l] << 4, + 32: lo4(ql[64h + 32 + l]) | bits 2-3, + 64: hi4(ql[64h + l])
- *         | bits 4-5, + 96: hi4(ql[64h + 32 + l]) | bits 6-7. w = d * sc[e / 16] * (q - 32). */
+ *         | bits 4-5, + 96: hi4(ql[64h + 32 + l]) | bits 6-7. w = d * sc[e / 16] * (q - 32).
+ *   Q3_K: 32 bytes hmask, 64 of 2-bit values, 12 of 6-bit scales (q3k_scales), d (fp16):
+ *         element 128h + 32j + l (j < 4, l < 32) is bits 2j, 2j + 1 of qs[32h + l] with
+ *         bit 4h + j of hmask[l] as its 4; w = d * (sc[e / 16] - 32) * (q - 4).
+ *   Q2_K: 16 bytes of 4-bit scale (low) and min (high) per 16 values, 64 of 2-bit values
+ *         (Q3_K's order), d, dmin (fp16): w = d * sc[e / 16] * q - dmin * m[e / 16]. */
+#define Q2K_BYTES 84
+#define Q3K_BYTES 110
 #define Q4K_BYTES 144
 #define Q5K_BYTES 176
 #define Q6K_BYTES 210
@@ -298,6 +306,21 @@ static inline uint16_t load_u16(const uint8_t *p) {
     uint16_t v;
     memcpy(&v, p, 2);
     return v;
+}
+
+/* Q3_K's 12 bytes → its 16 6-bit scales (before the -32): scales i, 4 + i are the low
+ * nibbles of bytes i, 4 + i, scales 8 + i, 12 + i their high nibbles; bits 0-1, 2-3,
+ * 4-5, 6-7 of byte 8 + i are the top two bits of each. */
+static inline void q3k_scales(const uint8_t *s, uint8_t out[16]) {
+    uint32_t u0, u1, u2;
+    memcpy(&u0, s, 4);
+    memcpy(&u1, s + 4, 4);
+    memcpy(&u2, s + 8, 4);
+    const uint32_t four = 0x0F0F0F0Fu, two = 0x03030303u;
+    const uint32_t v[4] = {(u0 & four) | ((u2 & two) << 4), (u1 & four) | (((u2 >> 2) & two) << 4),
+                           ((u0 >> 4) & four) | (((u2 >> 4) & two) << 4),
+                           ((u1 >> 4) & four) | (((u2 >> 6) & two) << 4)};
+    memcpy(out, v, 16);
 }
 
 #if !defined(__AVX2__)
@@ -321,6 +344,24 @@ static void dequant_superblock(int code, const uint8_t *restrict b, float *restr
         }
         return;
     }
+    if (code == Q3K || code == Q2K) {
+        const int three = code == Q3K;
+        const uint8_t *qs = b + (three ? 32 : 16);
+        uint8_t sc[16];
+        if (three) q3k_scales(b + 96, sc);
+        else memcpy(sc, b, 16);
+        const float d = half_to_float(load_u16(b + (three ? 108 : 80)));
+        const float dmin = three ? 0.0f : half_to_float(load_u16(b + 82));
+        for (int h = 0; h < 2; h++)
+            for (int j = 0; j < 4; j++)
+                for (int l = 0; l < 32; l++) {
+                    const int e = 128 * h + 32 * j + l, u = (qs[32 * h + l] >> (2 * j)) & 3;
+                    w[e] = three ? d * (float)((int)sc[e / 16] - 32)
+                                     * (float)((u | (((b[l] >> (4 * h + j)) & 1) << 2)) - 4)
+                                 : d * (float)(sc[e / 16] & 15) * (float)u - dmin * (float)(sc[e / 16] >> 4);
+                }
+        return;
+    }
     const uint8_t *ql = b, *qh = b + 128;
     const int8_t *sc = (const int8_t *)(b + 192);
     float d = half_to_float(load_u16(b + 208));
@@ -336,10 +377,13 @@ static void dequant_superblock(int code, const uint8_t *restrict b, float *restr
 }
 #endif
 
-static inline int is_k(int code) { return code == Q4K || code == Q5K || code == Q6K; }
+static inline int is_k(int code) { return code >= Q4K && code <= Q2K; }   /* super-blocks of 256 */
 static inline int64_t k_bytes(int code) {
-    return code == Q4K ? Q4K_BYTES : code == Q5K ? Q5K_BYTES : Q6K_BYTES;
+    return code == Q4K ? Q4K_BYTES : code == Q5K ? Q5K_BYTES : code == Q6K ? Q6K_BYTES
+         : code == Q3K ? Q3K_BYTES : Q2K_BYTES;
 }
+/* x's sums per super-block that the mins meet: per 32 (8), Q2_K's per 16 (16) */
+static inline int64_t xs_per(int code) { return code == Q2K ? 16 : 8; }
 
 #if defined(__AVX2__)
 static void dequant_superblock_avx2(int code, const uint8_t *restrict b, float *restrict w);
@@ -719,7 +763,8 @@ void pn_set_amx(int64_t min_rows) {
 }
 static inline int amx_takes(const PnMat *m, int64_t B) {
     const int64_t from = is_k(m->code) ? amx_min_rows_k : amx_min_rows;
-    return from > 0 && B >= from && m->K % 32 == 0 && pn_amx_init() == 1;
+    /* Q2_K (mins per 16) stays with the integer products: super_bf16 takes mins per 32 */
+    return from > 0 && B >= from && m->K % 32 == 0 && m->code != Q2K && pn_amx_init() == 1;
 }
 #else
 int pn_amx_init(void) { return 0; }
@@ -1202,6 +1247,7 @@ typedef struct {
     __m256i w[16];
     __m256 mf;
     float d, off_d;
+    float m16[16];          /* Q2_K: its mins per 16 times -dmin */
 } Super;
 
 /* Q4_K's 12 bytes of 6-bit sub-scales and mins → sc[0..7], m[0..7] (bytes), in 32-bit
@@ -1257,11 +1303,36 @@ static inline void load_super(int code, const uint8_t *restrict b, Super *S) {
         S->mf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + 8))));
         return;
     }
+    S->mf = _mm256_setzero_ps();
+    if (code == Q3K || code == Q2K) {   /* run 4h + j of 32 values, a scale per 16 */
+        const int three = code == Q3K;
+        const __m256i hm = _mm256_loadu_si256((const __m256i *)b), three2 = _mm256_set1_epi8(3);
+        const __m256i one = _mm256_set1_epi8(1);
+        uint8_t sc[16];
+        if (three) q3k_scales(b + 96, sc);
+        else memcpy(sc, b, 16);
+        S->d = half_to_float(load_u16(b + (three ? 108 : 80)));
+        S->off_d = three ? 0.0f : -half_to_float(load_u16(b + 82));
+        for (int i = 0; i < 16; i++) S->m16[i] = three ? 0.0f : S->off_d * (float)(sc[i] >> 4);
+        for (int h = 0; h < 2; h++) {
+            const __m256i qv = _mm256_loadu_si256((const __m256i *)(b + (three ? 32 : 16) + 32 * h));
+            for (int j = 0; j < 4; j++) {
+                const int r = 4 * h + j;
+                __m256i u = _mm256_and_si256(_mm256_srli_epi16(qv, 2 * j), three2);
+                if (three)
+                    u = _mm256_or_si256(u, _mm256_slli_epi16(_mm256_and_si256(
+                        _mm256_srli_epi16(hm, 4 * h + j), one), 2));
+                widen_run(u, _mm256_set1_epi16(three ? sc[2 * r] - 32 : sc[2 * r] & 15),
+                          _mm256_set1_epi16(three ? sc[2 * r + 1] - 32 : sc[2 * r + 1] & 15),
+                          _mm256_set1_epi16(three ? 4 : 0), &S->w[2 * r], &S->w[2 * r + 1]);
+            }
+        }
+        return;
+    }
     const uint8_t *ql = b, *qh = b + 128;
     const int8_t *sc = (const int8_t *)(b + 192);
     S->d = half_to_float(load_u16(b + 208));
     S->off_d = 0.0f;
-    S->mf = _mm256_setzero_ps();
     const __m256i two = _mm256_set1_epi8(3), off = _mm256_set1_epi16(32);
     for (int h = 0; h < 2; h++) {
         __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
@@ -1293,7 +1364,7 @@ static void dequant_superblock_avx2(int code, const uint8_t *restrict b, float *
     _mm256_storeu_ps(mins, _mm256_mul_ps(S.mf, _mm256_set1_ps(S.off_d)));
     const __m256 d = _mm256_set1_ps(S.d);
     for (int k = 0; k < 16; k++) {
-        const __m256 m = _mm256_set1_ps(mins[k / 2]);
+        const __m256 m = _mm256_set1_ps(code == Q2K ? S.m16[k] : mins[k / 2]);
         __m256i v = S.w[k];
         __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(v)));
         __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(v, 1)));
@@ -1314,6 +1385,7 @@ static void dequant_superblock_avx2(int code, const uint8_t *restrict b, float *
 typedef struct {
     __m512i w[8];           /* sub-block j: elements 32j .. 32j + 31, times sc[j] */
     __m256 mf;              /* Q4_K: its 8 mins times -dmin, as floats (Q6_K: 0) */
+    __m512 mf16;            /* Q2_K: its 16 mins (per 16) times -dmin */
     float d, off_d;
 } Super512;
 
@@ -1342,16 +1414,49 @@ static inline void load_super512(int code, const uint8_t *restrict b, Super512 *
             _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + 8)))));
         return;
     }
+    const __m512i half = _mm512_set_epi16(1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    S->mf = _mm256_setzero_ps();
+    S->mf16 = _mm512_setzero_ps();
+    if (code == Q3K || code == Q2K) {   /* vector 4h + j: run j of half h, a scale per 16 */
+        const int three = code == Q3K;
+        uint8_t sc[16];
+        if (three) q3k_scales(b + 96, sc);
+        else memcpy(sc, b, 16);
+        __m512i scw = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)sc)));
+        S->d = half_to_float(load_u16(b + (three ? 108 : 80)));
+        S->off_d = three ? 0.0f : -half_to_float(load_u16(b + 82));
+        if (three) scw = _mm512_sub_epi16(scw, _mm512_set1_epi16(32));
+        else {
+            S->mf16 = _mm512_mul_ps(_mm512_set1_ps(S->off_d), _mm512_cvtepi32_ps(
+                _mm512_cvtepu8_epi32(_mm_srli_epi16(_mm_and_si128(_mm_loadu_si128((const __m128i *)sc),
+                                                                  _mm_set1_epi8((char)0xF0)), 4))));
+            scw = _mm512_and_si512(scw, _mm512_set1_epi16(15));
+        }
+        const __m512i hm = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)b));
+        const __m512i three2 = _mm512_set1_epi16(3), one = _mm512_set1_epi16(1);
+        for (int h = 0; h < 2; h++) {
+            const __m512i qv = _mm512_cvtepu8_epi16(_mm256_loadu_si256(
+                (const __m256i *)(b + (three ? 32 : 16) + 32 * h)));
+            for (int j = 0; j < 4; j++) {
+                const int r = 4 * h + j;
+                __m512i u = _mm512_and_si512(_mm512_srli_epi16(qv, 2 * j), three2);
+                if (three)
+                    u = _mm512_sub_epi16(_mm512_or_si512(u, _mm512_slli_epi16(_mm512_and_si512(
+                        _mm512_srli_epi16(hm, 4 * h + j), one), 2)), _mm512_set1_epi16(4));
+                S->w[r] = _mm512_mullo_epi16(u, _mm512_permutexvar_epi16(
+                    _mm512_add_epi16(half, _mm512_set1_epi16(2 * r)), scw));
+            }
+        }
+        return;
+    }
     const uint8_t *ql = b, *qh = b + 128;
     S->d = half_to_float(load_u16(b + 208));
     S->off_d = 0.0f;
-    S->mf = _mm256_setzero_ps();
     /* 16 int8 scales as int16; vector j takes sc[2j] (its first 16) and sc[2j + 1] */
     const __m512i scw = _mm512_cvtepi8_epi16(_mm256_castsi128_si256(
         _mm_loadu_si128((const __m128i *)(b + 192))));
     const __m512i two = _mm512_set1_epi16(0x30), off = _mm512_set1_epi16(32);
-    const __m512i half = _mm512_set_epi16(1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
-                                          0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
     for (int h = 0; h < 2; h++) {
         __m512i l0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(ql + 64 * h)));
         __m512i l1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32)));
@@ -1396,6 +1501,22 @@ static inline __attribute__((always_inline)) void k_quad(
         w[1] = _mm256_mullo_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(lo, 1)), s0);
         w[2] = _mm256_mullo_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(hi)), s1);
         w[3] = _mm256_mullo_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(hi, 1)), s1);
+        return;
+    }
+    if (code == Q3K || code == Q2K) {   /* runs 2t, 2t + 1 of 32 (half t / 2), a scale per 16 */
+        const int three = code == Q3K, h = t >> 1;
+        const __m256i qv = _mm256_loadu_si256((const __m256i *)(b + (three ? 32 : 16) + 32 * h));
+        const __m256i hm = _mm256_loadu_si256((const __m256i *)b);
+        for (int i = 0; i < 2; i++) {
+            const int j = 2 * (t & 1) + i, r = 4 * h + j;
+            __m256i u = _mm256_and_si256(_mm256_srli_epi16(qv, 2 * j), _mm256_set1_epi8(3));
+            if (three)
+                u = _mm256_or_si256(u, _mm256_slli_epi16(_mm256_and_si256(
+                    _mm256_srli_epi16(hm, 4 * h + j), _mm256_set1_epi8(1)), 2));
+            widen_run(u, _mm256_set1_epi16(three ? sm[2 * r] - 32 : sm[2 * r] & 15),
+                      _mm256_set1_epi16(three ? sm[2 * r + 1] - 32 : sm[2 * r + 1] & 15),
+                      _mm256_set1_epi16(three ? 4 : 0), &w[2 * i], &w[2 * i + 1]);
+        }
         return;
     }
     /* Q6_K: quad t is runs 2t, 2t + 1 (values 64t ..), from half h = t / 2 of the block:
@@ -1443,12 +1564,23 @@ static inline __attribute__((always_inline)) void k_row_avx2(
                 _mm_prefetch((const char *)p + fetch + l, _MM_HINT_T0);
         uint8_t sm[16];
         float d;
-        __m256 mf = _mm256_setzero_ps();
+        __m256 mf = _mm256_setzero_ps(), mf2 = _mm256_setzero_ps();   /* mf2: Q2_K's 8 - 15 */
         if (code == Q4K || code == Q5K) {
             k_scales_fast(p + 4, sm);
             d = half_to_float(load_u16(p));
             mf = _mm256_mul_ps(_mm256_set1_ps(-half_to_float(load_u16(p + 2))), _mm256_cvtepi32_ps(
                 _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + 8)))));
+        } else if (code == Q3K) {
+            q3k_scales(p + 96, sm);
+            d = half_to_float(load_u16(p + 108));
+        } else if (code == Q2K) {
+            memcpy(sm, p, 16);
+            d = half_to_float(load_u16(p + 80));
+            const __m256 nd = _mm256_set1_ps(-half_to_float(load_u16(p + 82)));
+            const __m128i m = _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)p), 4),
+                                            _mm_set1_epi8(15));
+            mf = _mm256_mul_ps(nd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m)));
+            mf2 = _mm256_mul_ps(nd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(m, 8))));
         } else {
             d = half_to_float(load_u16(p + 208));
         }
@@ -1471,7 +1603,12 @@ static inline __attribute__((always_inline)) void k_row_avx2(
         for (int b = 0; b < G; b++) {
             const int64_t xb = (int64_t)b * nb + blk;
             __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c[b]), _mm256_set1_ps(d * xd0[xb]), acc[b]);
-            acc[b] = code != Q6K ? _mm256_fmadd_ps(mf, _mm256_loadu_ps(xs0 + xb * 8), t) : t;
+            if (code == Q2K)
+                t = _mm256_fmadd_ps(mf2, _mm256_loadu_ps(xs0 + xb * 16 + 8),
+                                    _mm256_fmadd_ps(mf, _mm256_loadu_ps(xs0 + xb * 16), t));
+            else if (code == Q4K || code == Q5K)
+                t = _mm256_fmadd_ps(mf, _mm256_loadu_ps(xs0 + xb * 8), t);
+            acc[b] = t;
         }
     }
     for (int b = 0; b < G; b++) out[b * N] = (add ? out[b * N] : 0.0f) + hsum(acc[b]);
@@ -1512,8 +1649,11 @@ static inline __attribute__((always_inline)) void k_row512(
         for (int b = 0; b < G; b++) {                        /* masked off below */
             acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c[b]), _mm512_set1_ps(S.d * dx[b * nb + blk]),
                                      acc[b]);
-            acc[b] = _mm512_mask3_fmadd_ps(mf, _mm512_castps256_ps512(
-                _mm256_loadu_ps(xs + (b * nb + blk) * 8)), acc[b], 0x00FF);
+            if (code == Q2K)                                 /* mins per 16, x's sums too */
+                acc[b] = _mm512_fmadd_ps(S.mf16, _mm512_loadu_ps(xs + (b * nb + blk) * 16), acc[b]);
+            else if (code != Q3K)
+                acc[b] = _mm512_mask3_fmadd_ps(mf, _mm512_castps256_ps512(
+                    _mm256_loadu_ps(xs + (b * nb + blk) * 8)), acc[b], 0x00FF);
         }
     }
     for (int b = 0; b < G; b++) out[b * N] = (add ? out[b * N] : 0.0f) + _mm512_reduce_add_ps(acc[b]);
@@ -1542,7 +1682,7 @@ static void gemv_k_rows(int code, const uint8_t *restrict qs, int64_t K, int64_t
         for (int64_t b0 = 0; b0 < B; b0 += KGROUP) {
             const int64_t g = B - b0 < KGROUP ? B - b0 : KGROUP;
             const int16_t *xg = xq + b0 * K;
-            const float *dg = xd + b0 * nb, *sg = xs + b0 * nb * 8;
+            const float *dg = xd + b0 * nb, *sg = xs + b0 * nb * xs_per(code);
             int64_t span = XSPAN[0] ? XSPAN[0] / (g * 512) : nb;
             span = span < 1 ? 1 : span;
             for (int64_t k0 = 0; k0 < nb; k0 += span) {
@@ -1572,12 +1712,12 @@ static void gemv_k_rows(int code, const uint8_t *restrict qs, int64_t K, int64_t
                         k_row_avx2(code, row, nb, k0, k1, K, x0, dg, sg, o, N, f, add, 4);
                         for (int64_t b = 4; b < g; b++)
                             k_row_avx2(code, row, nb, k0, k1, K, x0 + b * K, dg + b * nb,
-                                       sg + b * nb * 8, o + b * N, N, 0, add, 1);
+                                       sg + b * nb * xs_per(code), o + b * N, N, 0, add, 1);
                     } else if (g >= 2) {
                         k_row_avx2(code, row, nb, k0, k1, K, x0, dg, sg, o, N, f, add, 2);
                         if (g == 3)
                             k_row_avx2(code, row, nb, k0, k1, K, x0 + 2 * K, dg + 2 * nb,
-                                       sg + 2 * nb * 8, o + 2 * N, N, 0, add, 1);
+                                       sg + 2 * nb * xs_per(code), o + 2 * N, N, 0, add, 1);
                     } else k_row_avx2(code, row, nb, k0, k1, K, x0, dg, sg, o, N, f, add, 1);
 #endif
                 }
@@ -1761,9 +1901,27 @@ static void k_chunk(const void *p, int64_t c) {
     gemv_k_rows(a->code, a->qs, a->K, a->N, a->xq, a->xd, a->xs, a->B, a->out, n0, n1);
 }
 
-/* out[B, N] = W @ x for the K-quant kinds, x given by pn_quantize_xk; any B. */
+static __thread float *xs16_buf;    /* Q2_K: x's sums per 16 */
+static __thread int64_t xs16_cap;
+
+/* out[B, N] = W @ x for the K-quant kinds, x given by pn_quantize_xk; any B. Q2_K's mins
+ * (one per 16 values) meet x's sums per 16, made here from xq (xs holds them per 32). */
 void pn_gemv_k(int code, const uint8_t *qs, int64_t N, int64_t K, const int16_t *xq,
                const float *xd, const float *xs, int64_t B, float *out) {
+    if (code == Q2K) {
+        const int64_t nb = K / 256, n = B * nb * 16;
+        if (n > xs16_cap) {
+            float *nbuf = aligned_alloc(64, (size_t)(n + 15) / 16 * 16 * sizeof(float));
+            if (!nbuf) abort();     /* a few KiB: the host is out of memory */
+            free(xs16_buf), xs16_buf = nbuf, xs16_cap = n;
+        }
+        for (int64_t i = 0; i < n; i++) {
+            int32_t t = 0;
+            for (int k = 0; k < 16; k++) t += xq[16 * i + k];
+            xs16_buf[i] = (float)t * xd[i / 16];
+        }
+        xs = xs16_buf;
+    }
     KArgs a = {code, qs, N, K, xq, xd, xs, B, out, piece_rows(N)};
     pool_run(k_chunk, &a, (N + a.rows - 1) / a.rows);
 }

@@ -8,7 +8,7 @@ Paths behind one interface (`matmul`):
   whole batch, which is what a memory-bound decode step needs.
 - prefill (larger B): a tile of W's rows is dequantized (in C, threaded) into a
   cache-sized fp32 buffer and multiplied with BLAS, tile by tile. The K-quant kinds
-  (q4k, q5k, q6k) skip this: their integer products serve any number of rows (kernels.c
+  (q2k .. q6k) skip this: their integer products serve any number of rows (kernels.c
   keeps sub-pieces of W in cache while every group of x's rows passes), 1.5-1.8x the
   tiles' speed on a Qwen2.5-1.5B prefill.
 - AMX tiles (Xeons that have them; kernels.c asks the kernel for the tile state and
@@ -57,7 +57,7 @@ TILE_THREADS = 1
 # idle pool threads spin this long for the next projection before they sleep (a layer's
 # projections follow each other within tens of microseconds)
 POOL_SPIN_US = 200
-CODES = {"q4": 0, "q8": 1, "f16": 3, "bf16": 4, "q4k": 5, "q6k": 6, "q5k": 7}
+CODES = {"q4": 0, "q8": 1, "f16": 3, "bf16": 4, "q4k": 5, "q6k": 6, "q5k": 7, "q3k": 8, "q2k": 9}
 SOURCE = Path(__file__).with_name("kernels.c")
 
 _lib = None

@@ -38,6 +38,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..common.weight_format import IN_MEMORY, ON_GPU, QUANTIZE_MODES  # noqa: F401 (re-exported)
+from .quants import _q3_k_scales
 
 QT = GGMLQuantizationType
 
@@ -234,14 +235,34 @@ def _r_q6_k(b, out=None):
     return res, f16_bits(d * scale), None
 
 
+def _r_q3_k(b):
+    # element 128h + 32j + l: bits 2j, 2j+1 of qs[32h + l], its 4 in bit 4h + j of hmask[l]
+    n = b.shape[0]
+    scale = _h(b, 108) * (_q3_k_scales(np, b[:, 96:108]).astype(np.float32) - 32.0)
+    low = (b[:, 32:96].reshape(n, 2, 1, 32) >> np.arange(0, 8, 2, dtype=np.uint8)[:, None]) & 3
+    hbit = (b[:, None, None, 0:32] >> np.arange(8, dtype=np.uint8).reshape(2, 4, 1)) & 1
+    q = (low | (hbit << 2)).view(np.int8) - np.int8(4)
+    return q.reshape(n, 256), f16_bits(scale), None
+
+
+def _r_q2_k(b):
+    n = b.shape[0]
+    sc = b[:, 0:16]
+    q = (b[:, 16:80].reshape(n, 2, 1, 32) >> np.arange(0, 8, 2, dtype=np.uint8)[:, None]) & 3
+    return (q.reshape(n, 256).view(np.int8), f16_bits(_h(b, 80) * (sc & 15)),
+            f16_bits(-(_h(b, 82) * (sc >> 4))))
+
+
 REPACKERS = {QT.Q8_0: _r_q8_0, QT.Q4_0: _r_q4_0, QT.Q4_1: _r_q4_1, QT.Q5_0: _r_q5_0,
-             QT.Q5_1: _r_q5_1, QT.Q4_K: _r_q4_k, QT.Q5_K: _r_q5_k, QT.Q6_K: _r_q6_k}
+             QT.Q5_1: _r_q5_1, QT.Q2_K: _r_q2_k, QT.Q3_K: _r_q3_k, QT.Q4_K: _r_q4_k,
+             QT.Q5_K: _r_q5_k, QT.Q6_K: _r_q6_k}
 # type → (kind, bs, repacker); kinds and block sizes as common/weight_format.py counts them
 # (the K-quants repacked: what a GPU holds of them)
 REPACK = {t: (*ON_GPU.get(t.name, IN_MEMORY[t.name])[:2], fn) for t, fn in REPACKERS.items()}
 
 
-NATIVE = {QT.Q4_K: "q4k", QT.Q5_K: "q5k", QT.Q6_K: "q6k"}   # held as the file has them on a CPU
+NATIVE = {QT.Q2_K: "q2k", QT.Q3_K: "q3k", QT.Q4_K: "q4k", QT.Q5_K: "q5k",   # held as the
+          QT.Q6_K: "q6k"}                                                 # file has them on a CPU
 NATIVE_KINDS = frozenset(NATIVE.values())
 
 

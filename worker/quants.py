@@ -180,6 +180,45 @@ def _q6_k(xp, b):
     return (dl * q.reshape(n, 16, 16).astype(xp.float32)).reshape(n, 256)
 
 
+def _q3_k_scales(xp, s):
+    """Q3_K's 12 bytes → its 16 6-bit scales (n, 16) uint8, before the -32: scales i,
+    4 + i take the low nibbles of bytes i, 4 + i, scales 8 + i, 12 + i their high
+    nibbles; bits 0-1, 2-3, 4-5, 6-7 of byte 8 + i are the top two bits of each."""
+    a, bb, c = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    return xp.concatenate([(a & 15) | ((c & 3) << 4), (bb & 15) | (((c >> 2) & 3) << 4),
+                           (a >> 4) | (((c >> 4) & 3) << 4), (bb >> 4) | (((c >> 6) & 3) << 4)],
+                          axis=-1)
+
+
+def _q3_k(xp, b):
+    # block_q3_K (110 B): uint8 hmask[32] | uint8 qs[64] | uint8 scales[12] | f16 d
+    # Two halves of 128; in half h, run j (0..3) of 32: element 128h + 32j + l takes
+    # bits 2j, 2j+1 of qs[32h + l] and bit 4h + j of hmask[l] (its 4s: clear means -4).
+    # Each run of 16 has a 6-bit scale sc.     y = d * (sc - 32) * (q - 4), q in 0..7
+    n = b.shape[0]
+    d = _f16(xp, b, 108)
+    scale = _q3_k_scales(xp, b[:, 96:108]).astype(xp.float32) - 32.0
+    shifts = xp.arange(0, 8, 2, dtype=xp.uint8)[:, None]                       # (4, 1)
+    low = (b[:, 32:96].reshape(n, 2, 1, 32) >> shifts) & 3                       # (n, 2, 4, 32)
+    hbit = (b[:, None, None, 0:32] >> xp.arange(8, dtype=xp.uint8).reshape(2, 4, 1)) & 1
+    q = (low | (hbit << 2)).astype(xp.float32) - 4.0
+    return ((d * scale)[:, :, None] * q.reshape(n, 16, 16)).reshape(n, 256)
+
+
+def _q2_k(xp, b):
+    # block_q2_K (84 B): uint8 scales[16] | uint8 qs[64] | f16 d | f16 dmin
+    # Element 128h + 32j + l takes bits 2j, 2j+1 of qs[32h + l]; each run of 16 has a
+    # byte: scale in its low nibble, min in its high one.  y = d * sc * q - dmin * m
+    n = b.shape[0]
+    d, dmin = _f16(xp, b, 80), _f16(xp, b, 82)
+    sc = b[:, 0:16]
+    shifts = xp.arange(0, 8, 2, dtype=xp.uint8)[:, None]
+    q = ((b[:, 16:80].reshape(n, 2, 1, 32) >> shifts) & 3).reshape(n, 16, 16)
+    dl = (d * (sc & 15).astype(xp.float32))[:, :, None]
+    ml = (dmin * (sc >> 4).astype(xp.float32))[:, :, None]
+    return (dl * q.astype(xp.float32) - ml).reshape(n, 256)
+
+
 # ----------------------------------------------------------------------------
 # Plain float types (decoded whole: no temporaries beyond the output)
 # ----------------------------------------------------------------------------
@@ -202,6 +241,8 @@ _BLOCK_DECODERS = {
     QT.Q4_1: _q4_1,
     QT.Q5_0: _q5_0,
     QT.Q5_1: _q5_1,
+    QT.Q2_K: _q2_k,
+    QT.Q3_K: _q3_k,
     QT.Q4_K: _q4_k,
     QT.Q5_K: _q5_k,
     QT.Q6_K: _q6_k,

@@ -375,11 +375,12 @@ def test_the_kernels_built_without_avx512_pass_these_tests(flags, tmp_path):
     assert list((tmp_path / "cache" / "kernels").glob("*.so")), "the test build was not used"
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)
 def test_k_quants_at_batch_1_through_int8_digits_equal_the_int16_path(qtype):
     """Batch-1 K-quant products split each int16 activation into two int8 digits: the
     same integer sums as the int16 path (only the float additions' order differs; Q6_K's
-    -32 offset comes off through the activations' sums per 16)."""
+    -32 and Q3_K's -4 offsets and Q2_K's mins come off through the activations' sums per
+    16)."""
     raw, shape = random_tensor(qtype, 300, 6)
     m = qm.from_gguf(raw, qtype, shape)
     x = (50 * np.random.default_rng(13).standard_normal((1, m.cols))).astype(np.float32)

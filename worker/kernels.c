@@ -1886,7 +1886,77 @@ static void q6k_digits_chunk(const void *p, int64_t c) {
     }
 }
 
-static __thread int32_t *dg_sums;   /* a Q6_K product's per-16 activation sums */
+/* Q3_K (three = 1) and Q2_K at batch 1 with int8 products, as Q6_K: their 2-bit values
+ * (Q3_K: with its hmask bit as the 4, 0 .. 7) stay bytes and meet the digits in
+ * `vpdpbusd`; Q3_K's -4 offset comes off through the activations' sums per 16, and so
+ * do Q2_K's mins (integers times the same sums). The 64 values at 64 cc are runs 2k,
+ * 2k + 1 of half h (cc = 2h + k): bits 4k, 4k + 2 of qs[32h + l] in the vector's two
+ * halves (a shift per 16-bit lane), bits 4h + 2k, + 1 of hmask[l]. */
+static inline __attribute__((always_inline)) void k23_digits_rows(const DgArgs *a, int64_t c,
+                                                                 const int three) {
+    const int64_t bytes = three ? Q3K_BYTES : Q2K_BYTES;
+    const int64_t nb = a->K / 256, n0 = c * a->rows, n1 = n0 + a->rows < a->N ? n0 + a->rows : a->N;
+    const __m512i low2 = _mm512_set1_epi8(3), one = _mm512_set1_epi8(1);
+    const __m512i up2 = _mm512_set_epi64(0x0002000200020002LL, 0x0002000200020002LL, 0x0002000200020002LL,
+                                         0x0002000200020002LL, 0, 0, 0, 0);
+    const __m512i up1 = _mm512_srli_epi16(up2, 1);
+    __m512i pick[4];                /* lane i of the 64 values at 64 cc: sub-scale 4 cc + i / 4 */
+    for (int k = 0; k < 4; k++)
+        pick[k] = _mm512_add_epi32(_mm512_set1_epi32(4 * k), _mm512_srli_epi32(
+            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2));
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = a->qs + n * nb * bytes;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t blk = 0; blk < nb; blk++) {
+            const uint8_t *b = row + blk * bytes;
+            for (int64_t l = 0; l < bytes; l += 64)
+                _mm_prefetch((const char *)b + PF_AHEAD + l, _MM_HINT_T0);
+            uint8_t sm[16];
+            if (three) q3k_scales(b + 96, sm);
+            const __m512i raw = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(three ? sm : b)));
+            const __m512i sc = three ? _mm512_sub_epi32(raw, _mm512_set1_epi32(32))
+                                     : _mm512_and_si512(raw, _mm512_set1_epi32(15));
+            const __m512i hm = three ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)b))
+                                     : _mm512_setzero_si512();
+            const int8_t *hi = a->dg + blk * 512, *lo = hi + 256;
+            __m512i tot = _mm512_setzero_si512();
+            for (int h = 0; h < 2; h++) {
+                const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256(
+                    (const __m256i *)(b + (three ? 32 : 16) + 32 * h)));
+                for (int k = 0; k < 2; k++) {
+                    const int cc = 2 * h + k;
+                    __m512i v = _mm512_and_si512(_mm512_srlv_epi16(q, _mm512_add_epi16(up2, _mm512_set1_epi16(4 * k))), low2);
+                    if (three)
+                        v = _mm512_or_si512(v, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(
+                            hm, _mm512_add_epi16(up1, _mm512_set1_epi16(4 * h + 2 * k))), one), 2));
+                    __m512i t = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), v,
+                        _mm512_loadu_si512((const void *)(hi + 64 * cc))), 8);
+                    t = _mm512_dpbusd_epi32(t, v, _mm512_loadu_si512((const void *)(lo + 64 * cc)));
+                    tot = _mm512_add_epi32(tot, _mm512_mullo_epi32(t, _mm512_permutexvar_epi32(pick[cc], sc)));
+                }
+            }
+            const __m512i s16 = _mm512_loadu_si512((const void *)(a->s16 + blk * 16));
+            const float dx = a->xd[blk];
+            if (three) {
+                const __m512i off = _mm512_mullo_epi32(sc, s16);
+                acc = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(tot), _mm512_mul_ps(
+                    _mm512_cvtepi32_ps(off), _mm512_set1_ps(4.0f))),
+                    _mm512_set1_ps(half_to_float(load_u16(b + 108)) * dx), acc);
+            } else {
+                const __m512i mins = _mm512_mullo_epi32(_mm512_srli_epi32(raw, 4), s16);
+                acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot), _mm512_set1_ps(half_to_float(load_u16(b + 80)) * dx), acc);
+                acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mins),
+                                      _mm512_set1_ps(-half_to_float(load_u16(b + 82)) * dx), acc);
+            }
+        }
+        a->out[n] = _mm512_reduce_add_ps(acc);
+    }
+}
+
+static void q3k_digits_chunk(const void *p, int64_t c) { k23_digits_rows(p, c, 1); }
+static void q2k_digits_chunk(const void *p, int64_t c) { k23_digits_rows(p, c, 0); }
+
+static __thread int32_t *dg_sums;   /* a Q6_K / Q3_K / Q2_K product's per-16 activation sums */
 static __thread int64_t dg_sums_cap;
 #endif
 
@@ -2214,7 +2284,7 @@ int pn_matmul_int(const PnMat *m, const float *x, int64_t B, const PnScratch *s,
         pool_run(m->code == Q4K ? q4k_digits_chunk : q5k_digits_chunk, &a, (m->N + a.rows - 1) / a.rows);
         return 1;
     }
-    if (m->code == Q6K && B == 1 && DIGITS[0]) {
+    if ((m->code == Q6K || m->code == Q3K || m->code == Q2K) && B == 1 && DIGITS[0]) {
         if (m->K / 16 > dg_sums_cap) {     /* 64-byte aligned: read 16 at a time */
             int32_t *nb = aligned_alloc(64, sizeof(int32_t) * (size_t)((m->K / 16 + 15) / 16 * 16));
             if (nb) free(dg_sums), dg_sums = nb, dg_sums_cap = m->K / 16;
@@ -2223,7 +2293,8 @@ int pn_matmul_int(const PnMat *m, const float *x, int64_t B, const PnScratch *s,
             quantize_digits(x, m->K, (int8_t *)s->xq, s->xd, s->xs, NATURAL_ORDER, dg_sums);
             DgArgs a = {m->qs, m->N, m->K, (const int8_t *)s->xq, s->xd, s->xs, out,
                         piece_rows(m->N), dg_sums};
-            pool_run(q6k_digits_chunk, &a, (m->N + a.rows - 1) / a.rows);
+            pool_run(m->code == Q6K ? q6k_digits_chunk : m->code == Q3K ? q3k_digits_chunk
+                     : q2k_digits_chunk, &a, (m->N + a.rows - 1) / a.rows);
             return 1;
         }
     }

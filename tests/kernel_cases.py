@@ -13,7 +13,7 @@ from pantheon.worker import qmatrix as qm
 
 # byte offsets of each type's fp16 scale fields
 SCALE_FIELDS = {QT.Q8_0: [0], QT.Q4_0: [0], QT.Q4_1: [0, 2], QT.Q5_0: [0], QT.Q5_1: [0, 2],
-                QT.Q4_K: [0, 2], QT.Q5_K: [0, 2], QT.Q6_K: [208]}
+                QT.Q4_K: [0, 2], QT.Q5_K: [0, 2], QT.Q6_K: [208], QT.Q3_K: [108], QT.Q2_K: [80, 82]}
 
 
 def from_blocks(qtype, rows: int, cols: int, seed: int) -> qm.QMatrix:
@@ -41,7 +41,7 @@ def cases(rows: int = 37, cols: int = 544, k_cols: int = 768) -> dict[str, qm.QM
     `k_cols` (a multiple of 256) for the K-quants."""
     out = {}
     for i, qtype in enumerate(SCALE_FIELDS):
-        k = k_cols if qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K) else cols
+        k = k_cols if GGML_QUANT_SIZES[qtype][0] == 256 else cols
         out[qtype.name] = from_blocks(qtype, rows, k, seed=i)
     for i, kind in enumerate(("f16", "bf16", "q8_0", "q4")):
         out[kind] = from_floats(kind, rows, cols, seed=100 + i)

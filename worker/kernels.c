@@ -12,6 +12,7 @@
  *         16b+i) and 32b+16+i (high nibble), i < 16; scale, min [N][K/32]
  *   q8:   qs[N][K] int8; scale (and min, or none) [N][K/bs], bs 32 or 16
  *   f16:  qs[N][K] half bits;  bf16: qs[N][K] bfloat16 bits
+ *   q2k .. q6k: the file's K-quant super-blocks of 256, as stored (see below)
  */
 #include <omp.h>
 #include <stdint.h>

@@ -11,24 +11,25 @@ in blocks along `in`, the way GGUF stores it, so `y = x @ W.T`. Kinds:
         (Q6_K's runs); minv the same shape, or None. w = scale * q (+ minv).
   f16   qs uint16 [rows, cols]: IEEE half bits.      w = half(qs)
   bf16  qs uint16 [rows, cols]: bfloat16 bits.       w = float32(qs << 16)
-  q4k, q5k, q6k  qs uint8 [rows, cols / 256 * (144 | 176 | 210)]: Q4_K / Q5_K / Q6_K
+  q2k .. q6k  qs uint8 [rows, cols / 256 * (84 | 110 | 144 | 176 | 210)]: Q2_K .. Q6_K
         super-blocks exactly as the file stores them (worker/kernels.c reads them with
         integer sub-scales); no scale or minv arrays, bs 256. CPU only: moved to a GPU
         they are repacked into q4 / q8 first.
 
-On the CPU, Q4_K, Q5_K and Q6_K tensors stay as stored (q4k, q5k, q6k: the file's bytes).
+On the CPU, the K-quant tensors stay as stored (q2k .. q6k: the file's bytes).
 Elsewhere GGUF tensors are repacked tensor by tensor into the closest kind, exactly but
 for one rounding: a K-quant's sub-block scale is the product of an fp16 and a
-6-bit (Q4_K, Q5_K) or 8-bit (Q6_K) integer, stored here as one fp16 (a relative
-error below 2^-11 on the scale; the format's own step is 1/16 to 1/64 of the
-block's range). Q8_0 → q8; Q4_0, Q4_1, Q4_K → q4; Q5_0, Q5_1, Q5_K → q8 with a
-min (5-bit values in int8); Q6_K → q8 with bs 16. Float tensors stay as they
-are (F32 as a dense fp32 array, F16 and BF16 as f16 / bf16), or are quantized
-at load to q8 (`q8_0`: absmax / 127 per 32) or q4 (`q4`: min and step per 32).
+4-bit (Q2_K), 6-bit (Q3_K, Q4_K, Q5_K) or 8-bit (Q6_K) integer, stored here as one
+fp16 (a relative error below 2^-11 on the scale; the format's own step is 1/4 to
+1/64 of the block's range). Q8_0 → q8; Q4_0, Q4_1, Q4_K → q4; Q5_0, Q5_1, Q5_K →
+q8 with a min (5-bit values in int8); Q6_K, Q3_K → q8 with bs 16; Q2_K → q8 with bs
+16 and a min. Float tensors stay as they are (F32 as a dense fp32 array, F16 and
+BF16 as f16 / bf16), or are quantized at load to q8 (`q8_0`: absmax / 127 per 32)
+or q4 (`q4`: min and step per 32).
 
-Sizes per weight: q4k, q5k, q6k as the file (4.5, 5.5, 6.56 bits); q4 5 bits, q8 9
-bits (Q8_0: 8.5), from Q5_0 / Q5_1 10 (5.5-6); on a GPU q4 from Q4_K 5 bits, q8 from
-Q6_K 9 and from Q5_K 10.
+Sizes per weight: q2k .. q6k as the file (2.6, 3.4, 4.5, 5.5, 6.56 bits); q4 5 bits,
+q8 9 bits (Q8_0: 8.5), from Q5_0 / Q5_1 10 (5.5-6); on a GPU q4 from Q4_K 5 bits, q8
+from Q6_K and Q3_K 9, from Q5_K and Q2_K 10.
 """
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ class QMatrix:
 
     def to(self, xp) -> "QMatrix":
         """The same matrix with its arrays on another die (numpy → cupy). The file-layout
-        kinds (q4k, q5k, q6k) have no GPU kernels: they are repacked into q4 / q8 first."""
+        kinds (q2k .. q6k) have no GPU kernels: they are repacked into q4 / q8 first."""
         if self.kind in NATIVE_KINDS:
             return from_gguf(self.qs, QT[self.source], self.shape, native=False).to(xp)
         move = (lambda a: None if a is None else xp.asarray(a))

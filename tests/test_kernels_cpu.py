@@ -450,3 +450,28 @@ def test_k_quant_products_in_spans_of_the_row_equal_whole_rows(qtype):
             np.testing.assert_allclose(got[span], whole, rtol=0, atol=2e-6 * np.abs(whole).max())
         ref = x.astype(np.float64) @ ref_w.T
         np.testing.assert_allclose(got[24 << 10], ref, rtol=0, atol=3e-4 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)
+def test_k_quant_products_with_tokens_across_the_lanes_equal_the_row_kernels(qtype, no_amx):
+    """From 16 rows of x the K-quant products put 16 tokens across a vector's lanes (the
+    weights' pairs broadcast): rows of W not a multiple of 8, tokens not a multiple of 16
+    (zeros fill the last group and are never stored), the same integer sums as the row
+    kernels, and within 3e-4 of max |y| of the float64 product (Q2_K keeps the row
+    kernels: the same numbers either way)."""
+    raw, shape = random_tensor(qtype, 77, 6)
+    m = qm.from_gguf(raw, qtype, shape)
+    ref_w = qm.dequantize(m).astype(np.float64)
+    lib = kc.library()
+    for batch in (16, 17, 31, 40, 131):
+        x = np.random.default_rng(batch).standard_normal((batch, m.cols)).astype(np.float32)
+        try:
+            lib.pn_set_ktile(0)
+            rows = kc.matmul(x, m)
+        finally:
+            lib.pn_set_ktile(16)
+        lanes = kc.matmul(x, m)
+        assert np.isfinite(lanes).all()
+        np.testing.assert_allclose(lanes, rows, rtol=0, atol=2e-6 * np.abs(rows).max())
+        ref = x.astype(np.float64) @ ref_w.T
+        np.testing.assert_allclose(lanes, ref, rtol=0, atol=3e-4 * np.abs(ref).max())

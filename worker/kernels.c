@@ -1728,6 +1728,145 @@ static void gemv_k_rows(int code, const uint8_t *restrict qs, int64_t K, int64_t
 }
 
 #if defined(PN_ZMM)
+/* -- K-quant products of many rows of x, tokens across the vector lanes ------------------
+ * gemv_k_rows puts K along a vector's lanes, so every row of x pays its own scale step
+ * and horizontal sum per super-block and row of W. Here a vector holds one pair of K
+ * positions for 16 rows of x (tokens), the weights' pair (int16, sub-scale multiplied in,
+ * as load_super512 widens it) is broadcast from memory, and one `vpdpwssd` gives 32
+ * products for 16 tokens; the sums are flushed to floats once per sub-block of 32 and
+ * row of W for all 16 tokens together (16 pair products per lane: Q6_K's |q * sc| <= 4096
+ * times 16000, twice, 16 times stays below 2^31), and the mins meet x's sums per 32 the
+ * same way. W's super-blocks are widened once per chunk of x (not once per group of
+ * tokens); x is laid out once per product: xt[group][block][pair][token]. */
+#define TT 16               /* tokens per vector */
+#define TR 8                /* rows of W per pass (their sums in registers) */
+
+typedef struct {
+    int code; const uint8_t *qs; int64_t N, K, M, G; const int32_t *xt; const float *dx, *xs;
+    float *out; int64_t rows;
+} TileArgs;
+
+static void ktile_chunk(const void *p, int64_t c) {
+    const TileArgs *a = p;
+    const int64_t nb = a->K / 256, bytes = k_bytes(a->code), G = a->G;
+    const int64_t n0 = c * a->rows, n1 = n0 + a->rows < a->N ? n0 + a->rows : a->N;
+    int16_t wbuf[TR][256] __attribute__((aligned(64)));
+    float dr[TR], mins[TR][8];
+    float facc[TR * TT] __attribute__((aligned(64)));
+    float *fa = NULL;       /* per group of tokens: TR x TT running sums */
+    fa = aligned_alloc(64, sizeof(float) * (size_t)(G * TR * TT));
+    if (!fa) abort();       /* a few KiB */
+    for (int64_t r0 = n0; r0 < n1; r0 += TR) {
+        const int nr = n1 - r0 < TR ? (int)(n1 - r0) : TR;
+        memset(fa, 0, sizeof(float) * (size_t)(G * TR * TT));
+        for (int64_t blk = 0; blk < nb; blk++) {
+            for (int r = 0; r < TR; r++) {
+                if (r >= nr) {
+                    memset(wbuf[r], 0, sizeof wbuf[r]);
+                    dr[r] = 0.0f;
+                    memset(mins[r], 0, sizeof mins[r]);
+                    continue;
+                }
+                const uint8_t *b = a->qs + ((r0 + r) * nb + blk) * bytes;
+                if (blk + 1 < nb)
+                    for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch((const char *)b + bytes + l, _MM_HINT_T0);
+                Super512 S;
+                load_super512(a->code, b, &S);
+                for (int j = 0; j < 8; j++) _mm512_store_si512((void *)(wbuf[r] + 32 * j), S.w[j]);
+                dr[r] = S.d;
+                _mm256_storeu_ps(mins[r], S.mf);
+            }
+            const int has_min = a->code == Q4K || a->code == Q5K;
+            for (int64_t g = 0; g < G; g++) {
+                const int32_t *xt = a->xt + (g * nb + blk) * 128 * TT;
+                const __m512 dxv = _mm512_loadu_ps(a->dx + (g * nb + blk) * TT);
+                __m512 f[TR];       /* this block's sum of d * (each sub-block's int sums) */
+                for (int r = 0; r < TR; r++) f[r] = _mm512_setzero_ps();
+                for (int j = 0; j < 8; j++) {
+                    __m512i acc[TR];
+                    for (int r = 0; r < TR; r++) acc[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+                    for (int pp = 16 * j; pp < 16 * j + 16; pp++) {
+                        const __m512i xv = _mm512_load_si512((const void *)(xt + pp * TT));
+#pragma GCC unroll 8
+                        for (int r = 0; r < TR; r++) {
+                            int32_t wp;
+                            memcpy(&wp, wbuf[r] + 2 * pp, 4);
+                            acc[r] = _mm512_dpwssd_epi32(acc[r], _mm512_set1_epi32(wp), xv);
+                        }
+                    }
+#pragma GCC unroll 8
+                    for (int r = 0; r < TR; r++)
+                        f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_set1_ps(dr[r]), f[r]);
+                }
+                for (int r = 0; r < TR; r++) {      /* times x's scale per token */
+                    __m512 t = _mm512_fmadd_ps(f[r], dxv, _mm512_load_ps(fa + (g * TR + r) * TT));
+                    if (has_min)
+                        for (int j = 0; j < 8; j++)
+                            t = _mm512_fmadd_ps(_mm512_set1_ps(mins[r][j]),
+                                                _mm512_loadu_ps(a->xs + ((g * nb + blk) * 8 + j) * TT), t);
+                    _mm512_store_ps(fa + (g * TR + r) * TT, t);
+                }
+            }
+        }
+        for (int64_t g = 0; g < G; g++) {      /* out[token][row] */
+            memcpy(facc, fa + g * TR * TT, sizeof facc);
+            for (int t = 0; t < TT && g * TT + t < a->M; t++)
+                for (int r = 0; r < nr; r++) a->out[(g * TT + t) * a->N + r0 + r] = facc[r * TT + t];
+        }
+    }
+    free(fa);
+}
+
+static __thread int32_t *tile_xt;
+static __thread float *tile_dx, *tile_xs;
+static __thread int64_t tile_cap;
+
+/* Rows of x from which pn_matmul_int takes the token-lane products (0: never; tests) */
+static int64_t KTILE_MIN[1] = {16};
+void pn_set_ktile(int64_t min_rows) { KTILE_MIN[0] = min_rows; }
+
+/* out[M, N] = x @ W.T for a K-quant W (not Q2_K) through ktile_chunk; x already quantized
+ * by pn_quantize_xk into xq, xd, xs. */
+static void gemm_k_tiled(int code, const uint8_t *qs, int64_t N, int64_t K, const int16_t *xq,
+                         const float *xd, const float *xs, int64_t M, float *out) {
+    const int64_t nb = K / 256, G = (M + TT - 1) / TT, need = G * TT * K / 2;
+    if (need > tile_cap) {
+        free(tile_xt), free(tile_dx), free(tile_xs);
+        tile_xt = aligned_alloc(64, (size_t)need * 4);
+        tile_dx = aligned_alloc(64, (size_t)(G * nb * TT) * 4);
+        tile_xs = aligned_alloc(64, (size_t)(G * nb * 8 * TT) * 4);
+        if (!tile_xt || !tile_dx || !tile_xs) abort();
+        tile_cap = need;
+    }
+    const int32_t *x32 = (const int32_t *)xq;          /* pairs of int16 */
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t blk = 0; blk < nb; blk++) {
+            int32_t *xt = tile_xt + (g * nb + blk) * 128 * TT;
+            float *dx = tile_dx + (g * nb + blk) * TT, *xsv = tile_xs + (g * nb + blk) * 8 * TT;
+            for (int t = 0; t < TT; t++) {
+                const int64_t m = g * TT + t;
+                if (m >= M) {
+                    for (int pp = 0; pp < 128; pp++) xt[pp * TT + t] = 0;
+                    dx[t] = 0.0f;
+                    for (int j = 0; j < 8; j++) xsv[j * TT + t] = 0.0f;
+                    continue;
+                }
+                const int32_t *src = x32 + m * (K / 2) + blk * 128;
+                for (int pp = 0; pp < 128; pp++) xt[pp * TT + t] = src[pp];
+                dx[t] = xd[m * nb + blk];
+                for (int j = 0; j < 8; j++) xsv[j * TT + t] = xs[(m * nb + blk) * 8 + j];
+            }
+        }
+    int64_t rows = piece_rows(N);
+    TileArgs a = {code, qs, N, K, M, G, tile_xt, tile_dx, tile_xs, out, rows};
+    pool_run(ktile_chunk, &a, (N + rows - 1) / rows);
+}
+#else
+void pn_set_ktile(int64_t min_rows) { (void)min_rows; }    /* 256-bit builds: the row kernels */
+#endif
+
+#if defined(PN_ZMM)
 /* -- Q4_K at batch 1 with int8 products: each int16 activation q is two int8 digits,
  * q = 256 h + l (l in [-128, 127], h in [-63, 63]), so `vpdpbusd` (unsigned nibbles times
  * signed digits, 64 products an instruction) gives the same integer sums as the int16
@@ -2302,6 +2441,12 @@ int pn_matmul_int(const PnMat *m, const float *x, int64_t B, const PnScratch *s,
 #endif
     if (is_k(m->code)) {
         pn_quantize_xk(x, B, m->K, s->xq, s->xd, s->xs);
+#if defined(PN_ZMM)
+        if (KTILE_MIN[0] > 0 && B >= KTILE_MIN[0] && m->code != Q2K) {
+            gemm_k_tiled(m->code, m->qs, m->N, m->K, s->xq, s->xd, s->xs, B, out);
+            return 1;
+        }
+#endif
         pn_gemv_k(m->code, m->qs, m->N, m->K, s->xq, s->xd, s->xs, B, out);
         return 1;
     }
@@ -2332,6 +2477,7 @@ int pn_int_ok(const PnMat *m, int64_t B) { return 0; }
 int pn_matmul_int(const PnMat *m, const float *x, int64_t B, const PnScratch *s, float *out) { return 0; }
 void pn_set_digits(int on) { (void)on; }
 void pn_set_xspan(int64_t bytes) { (void)bytes; }
+void pn_set_ktile(int64_t min_rows) { (void)min_rows; }
 void pn_quantize_xk(const float *x, int64_t B, int64_t K, int16_t *xq, float *xd,
                     float *xs) {}
 void pn_gemv_k(int code, const uint8_t *qs, int64_t N, int64_t K, const int16_t *xq,

@@ -1768,8 +1768,9 @@ static void ktile_chunk(const void *p, int64_t c) {
                     continue;
                 }
                 const uint8_t *b = a->qs + ((r0 + r) * nb + blk) * bytes;
-                if (blk + 1 < nb)
-                    for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch((const char *)b + bytes + l, _MM_HINT_T0);
+                if (r0 + TR < n1)   /* the next pass's rows, the same block: W streams from memory */
+                    for (int64_t l = 0; l < bytes; l += 64)
+                        _mm_prefetch((const char *)b + TR * nb * bytes + l, _MM_HINT_T0);
                 Super512 S;
                 load_super512(a->code, b, &S);
                 for (int j = 0; j < 8; j++) _mm512_store_si512((void *)(wbuf[r] + 32 * j), S.w[j]);
@@ -1785,15 +1786,14 @@ static void ktile_chunk(const void *p, int64_t c) {
                 for (int j = 0; j < 8; j++) {
                     __m512i acc[TR];
                     for (int r = 0; r < TR; r++) acc[r] = _mm512_setzero_si512();
-#pragma GCC unroll 4
-                    for (int pp = 16 * j; pp < 16 * j + 16; pp++) {
-                        const __m512i xv = _mm512_load_si512((const void *)(xt + pp * TT));
+                    const int32_t *w32 = (const int32_t *)wbuf[0] + 16 * j;   /* row r: + 128 r */
+                    const int32_t *xj = xt + 16 * j * TT;
+#pragma GCC unroll 16
+                    for (int q = 0; q < 16; q++) {
+                        const __m512i xv = _mm512_load_si512((const void *)(xj + q * TT));
 #pragma GCC unroll 8
-                        for (int r = 0; r < TR; r++) {
-                            int32_t wp;
-                            memcpy(&wp, wbuf[r] + 2 * pp, 4);
-                            acc[r] = _mm512_dpwssd_epi32(acc[r], _mm512_set1_epi32(wp), xv);
-                        }
+                        for (int r = 0; r < TR; r++)
+                            acc[r] = _mm512_dpwssd_epi32(acc[r], _mm512_set1_epi32(w32[128 * r + q]), xv);
                     }
 #pragma GCC unroll 8
                     for (int r = 0; r < TR; r++)

@@ -1822,6 +1822,18 @@ static __thread int32_t *tile_xt;
 static __thread float *tile_dx, *tile_xs;
 static __thread int64_t tile_cap;
 
+/* x laid out for `need` int32 pairs (G groups x 16 tokens x K / 2), with a scale and a sum
+ * per token and 32 values at most (need / 16 floats each: per 256 and per 32 fit) */
+static void tile_scratch(int64_t need) {
+    if (need <= tile_cap) return;
+    free(tile_xt), free(tile_dx), free(tile_xs);
+    tile_xt = aligned_alloc(64, (size_t)need * 4);
+    tile_dx = aligned_alloc(64, (size_t)(need / 16 + 16) * 4);
+    tile_xs = aligned_alloc(64, (size_t)(need / 16 + 16) * 4);
+    if (!tile_xt || !tile_dx || !tile_xs) abort();      /* the host is out of memory */
+    tile_cap = need;
+}
+
 /* Rows of x from which pn_matmul_int takes the token-lane products (0: never; tests) */
 static int64_t KTILE_MIN[1] = {16};
 void pn_set_ktile(int64_t min_rows) { KTILE_MIN[0] = min_rows; }
@@ -1831,14 +1843,7 @@ void pn_set_ktile(int64_t min_rows) { KTILE_MIN[0] = min_rows; }
 static void gemm_k_tiled(int code, const uint8_t *qs, int64_t N, int64_t K, const int16_t *xq,
                          const float *xd, const float *xs, int64_t M, float *out) {
     const int64_t nb = K / 256, G = (M + TT - 1) / TT, need = G * TT * K / 2;
-    if (need > tile_cap) {
-        free(tile_xt), free(tile_dx), free(tile_xs);
-        tile_xt = aligned_alloc(64, (size_t)need * 4);
-        tile_dx = aligned_alloc(64, (size_t)(G * nb * TT) * 4);
-        tile_xs = aligned_alloc(64, (size_t)(G * nb * 8 * TT) * 4);
-        if (!tile_xt || !tile_dx || !tile_xs) abort();
-        tile_cap = need;
-    }
+    tile_scratch(need);
     const int32_t *x32 = (const int32_t *)xq;          /* pairs of int16 */
     for (int64_t g = 0; g < G; g++)
         for (int64_t blk = 0; blk < nb; blk++) {
@@ -1862,8 +1867,127 @@ static void gemm_k_tiled(int code, const uint8_t *qs, int64_t N, int64_t K, cons
     TileArgs a = {code, qs, N, K, M, G, tile_xt, tile_dx, tile_xs, out, rows};
     pool_run(ktile_chunk, &a, (N + rows - 1) / rows);
 }
+
+/* The same turn for q4 and q8 (blocks of 32, an fp16 scale and maybe a min each), from
+ * more rows of x than the row kernels take (MAXB): each block's int sums take the row's
+ * scale times x's scale per token (16 pair products per lane: 128 x 16383, twice, 16
+ * times, far below 2^31), the mins x's float sums per block. A pass widens its TR rows
+ * of W whole (int16 [TR][K]) and meets every group of 16 tokens with them; where the
+ * row kernels stop (B > 16) the tiles of dequantized floats and OpenBLAS took these. */
+typedef struct {
+    const PnMat *m; int64_t M, G; const int32_t *xt; const float *dx, *xs; float *out;
+    int64_t rows;
+} BTileArgs;
+static float XB_MAX = 32767.0f;
+
+static __thread int16_t *bt_w;
+static __thread float *bt_sc;
+static __thread int64_t bt_cap;
+
+static void btile_chunk(const void *p, int64_t c) {
+    const BTileArgs *a = p;
+    const PnMat *m = a->m;
+    const int64_t K = m->K, N = m->N, nb = K / 32, G = a->G;
+    const int64_t n0 = c * a->rows, n1 = n0 + a->rows < N ? n0 + a->rows : N;
+    const int with_min = m->code == Q4 || m->code == Q8M;
+    if (bt_cap < K) {
+        free(bt_w), free(bt_sc);
+        bt_w = aligned_alloc(64, (size_t)(TR * K) * 2);
+        bt_sc = aligned_alloc(64, (size_t)(2 * TR * nb) * 4 + 64);
+        if (!bt_w || !bt_sc) abort();
+        bt_cap = K;
+    }
+    float *scf = bt_sc, *mnf = bt_sc + TR * nb;
+    float facc[TR * TT] __attribute__((aligned(64)));
+    for (int64_t r0 = n0; r0 < n1; r0 += TR) {
+        const int nr = n1 - r0 < TR ? (int)(n1 - r0) : TR;
+        for (int r = 0; r < TR; r++) {
+            int16_t *w = bt_w + r * K;
+            if (r >= nr) {
+                memset(w, 0, (size_t)K * 2);
+                for (int64_t blk = 0; blk < nb; blk++) scf[r * nb + blk] = mnf[r * nb + blk] = 0.0f;
+                continue;
+            }
+            const int64_t row = r0 + r;
+            if (m->code == Q4) {            /* byte i of a block: element i (low), i + 16 (high) */
+                const __m128i low4 = _mm_set1_epi8(15);
+                for (int64_t blk = 0; blk < nb; blk++) {
+                    const __m128i raw = _mm_loadu_si128((const __m128i *)(m->qs + row * (K / 2) + 16 * blk));
+                    _mm256_store_si256((__m256i *)(w + 32 * blk), _mm256_cvtepu8_epi16(_mm_and_si128(raw, low4)));
+                    _mm256_store_si256((__m256i *)(w + 32 * blk + 16),
+                                       _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low4)));
+                }
+            } else {
+                for (int64_t k = 0; k < K; k += 32)
+                    _mm512_store_si512((void *)(w + k), _mm512_cvtepi8_epi16(
+                        _mm256_loadu_si256((const __m256i *)((const int8_t *)m->qs + row * K + k))));
+            }
+            for (int64_t blk = 0; blk < nb; blk++) {
+                scf[r * nb + blk] = half_to_float(m->sc[row * nb + blk]);
+                mnf[r * nb + blk] = with_min ? half_to_float(m->mn[row * nb + blk]) : 0.0f;
+            }
+        }
+        for (int64_t g = 0; g < G; g++) {
+            __m512 f[TR];
+            for (int r = 0; r < TR; r++) f[r] = _mm512_setzero_ps();
+            for (int64_t blk = 0; blk < nb; blk++) {
+                __m512i acc[TR];
+                for (int r = 0; r < TR; r++) acc[r] = _mm512_setzero_si512();
+                const int32_t *xj = a->xt + (g * nb + blk) * 16 * TT;
+                const int32_t *w32 = (const int32_t *)bt_w + 16 * blk;     /* row r: + K / 2 r */
+#pragma GCC unroll 16
+                for (int q = 0; q < 16; q++) {
+                    const __m512i xv = _mm512_load_si512((const void *)(xj + q * TT));
+#pragma GCC unroll 8
+                    for (int r = 0; r < TR; r++)
+                        acc[r] = _mm512_dpwssd_epi32(acc[r], _mm512_set1_epi32(w32[(K / 2) * r + q]), xv);
+                }
+                const __m512 dxv = _mm512_load_ps(a->dx + (g * nb + blk) * TT);
+                const __m512 xsv = _mm512_load_ps(a->xs + (g * nb + blk) * TT);
+#pragma GCC unroll 8
+                for (int r = 0; r < TR; r++) {
+                    f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]),
+                                           _mm512_mul_ps(_mm512_set1_ps(scf[r * nb + blk]), dxv), f[r]);
+                    if (with_min) f[r] = _mm512_fmadd_ps(_mm512_set1_ps(mnf[r * nb + blk]), xsv, f[r]);
+                }
+            }
+            for (int r = 0; r < TR; r++) _mm512_store_ps(facc + r * TT, f[r]);
+            for (int t = 0; t < TT && g * TT + t < a->M; t++)
+                for (int r = 0; r < nr; r++) a->out[(g * TT + t) * N + r0 + r] = facc[r * TT + t];
+        }
+    }
+}
+
+/* out[M, N] = x @ W.T for q4 / q8 (bs 32) through btile_chunk: x quantized per 32
+ * (pn_quantize_x, not paired) into the scratch, then laid out tokens across lanes */
+static void gemm_b_tiled(const PnMat *m, const float *x, int64_t M, const PnScratch *s, float *out) {
+    const int64_t K = m->K, nb = K / 32, G = (M + TT - 1) / TT, need = G * TT * K / 2;
+    for (int64_t b = 0; b < M; b++)         /* the full int16 range: no pair of products */
+        for (int64_t blk = 0; blk < nb; blk++)      /* here can overflow (see above) */
+            s->xd[b * nb + blk] = quantize32(x + b * K + blk * 32, XB_MAX, s->xq + b * K + blk * 32,
+                                             s->xq + b * K + blk * 32 + 16, &s->xs[b * nb + blk]);
+    tile_scratch(need);
+    const int32_t *x32 = (const int32_t *)s->xq;
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t blk = 0; blk < nb; blk++) {
+            int32_t *xt = tile_xt + (g * nb + blk) * 16 * TT;
+            float *dx = tile_dx + (g * nb + blk) * TT, *xsv = tile_xs + (g * nb + blk) * TT;
+            for (int t = 0; t < TT; t++) {
+                const int64_t mm = g * TT + t;
+                const int in = mm < M;
+                for (int q = 0; q < 16; q++) xt[q * TT + t] = in ? x32[mm * (K / 2) + blk * 16 + q] : 0;
+                dx[t] = in ? s->xd[mm * nb + blk] : 0.0f;
+                xsv[t] = in ? s->xs[mm * nb + blk] : 0.0f;
+            }
+        }
+    const int64_t rows = piece_rows(m->N);
+    BTileArgs a = {m, M, G, tile_xt, tile_dx, tile_xs, out, rows};
+    pool_run(btile_chunk, &a, (m->N + rows - 1) / rows);
+}
+int pn_has_lanes(void) { return 1; }
 #else
 void pn_set_ktile(int64_t min_rows) { (void)min_rows; }    /* 256-bit builds: the row kernels */
+int pn_has_lanes(void) { return 0; }
 #endif
 
 #if defined(PN_ZMM)
@@ -2450,6 +2574,13 @@ int pn_matmul_int(const PnMat *m, const float *x, int64_t B, const PnScratch *s,
         pn_gemv_k(m->code, m->qs, m->N, m->K, s->xq, s->xd, s->xs, B, out);
         return 1;
     }
+#if defined(PN_ZMM)
+    if ((m->code == Q4 || m->code == Q8 || m->code == Q8M) && m->bs == 32 && B > MAXB
+            && KTILE_MIN[0] > 0) {
+        gemm_b_tiled(m, x, B, s, out);
+        return 1;
+    }
+#endif
     if ((m->code == Q4 || m->code == Q8 || m->code == Q8M) && B <= MAXB
             && m->K / m->bs <= MAX_RUNS) {
         pn_quantize_x(x, B, m->K, s->xq, s->xd, s->xs, pn_pairs_x(m->code, m->bs, B));
@@ -2478,6 +2609,7 @@ int pn_matmul_int(const PnMat *m, const float *x, int64_t B, const PnScratch *s,
 void pn_set_digits(int on) { (void)on; }
 void pn_set_xspan(int64_t bytes) { (void)bytes; }
 void pn_set_ktile(int64_t min_rows) { (void)min_rows; }
+int pn_has_lanes(void) { return 0; }
 void pn_quantize_xk(const float *x, int64_t B, int64_t K, int16_t *xq, float *xd,
                     float *xs) {}
 void pn_gemv_k(int code, const uint8_t *qs, int64_t N, int64_t K, const int16_t *xq,

@@ -1746,6 +1746,9 @@ typedef struct {
     float *out; int64_t rows;
 } TileArgs;
 
+static __thread float *kt_fa;
+static __thread int64_t kt_fa_cap;
+
 static void ktile_chunk(const void *p, int64_t c) {
     const TileArgs *a = p;
     const int64_t nb = a->K / 256, bytes = k_bytes(a->code), G = a->G;
@@ -1753,9 +1756,13 @@ static void ktile_chunk(const void *p, int64_t c) {
     int16_t wbuf[TR][256] __attribute__((aligned(64)));
     float dr[TR], mins[TR][8];
     float facc[TR * TT] __attribute__((aligned(64)));
-    float *fa = NULL;       /* per group of tokens: TR x TT running sums */
-    fa = aligned_alloc(64, sizeof(float) * (size_t)(G * TR * TT));
-    if (!fa) abort();       /* a few KiB */
+    if (G > kt_fa_cap) {    /* per group of tokens: TR x TT running sums */
+        free(kt_fa);
+        kt_fa = aligned_alloc(64, sizeof(float) * (size_t)(G * TR * TT));
+        if (!kt_fa) abort();                /* a few KiB */
+        kt_fa_cap = G;
+    }
+    float *fa = kt_fa;
     for (int64_t r0 = n0; r0 < n1; r0 += TR) {
         const int nr = n1 - r0 < TR ? (int)(n1 - r0) : TR;
         memset(fa, 0, sizeof(float) * (size_t)(G * TR * TT));
@@ -1815,7 +1822,6 @@ static void ktile_chunk(const void *p, int64_t c) {
                 for (int r = 0; r < nr; r++) a->out[(g * TT + t) * a->N + r0 + r] = facc[r * TT + t];
         }
     }
-    free(fa);
 }
 
 static __thread int32_t *tile_xt;

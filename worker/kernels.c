@@ -2105,6 +2105,14 @@ static inline __attribute__((always_inline)) void k45_digits_rows(const DgArgs *
 static void q4k_digits_chunk(const void *p, int64_t c) { k45_digits_rows(p, c, 0); }
 static void q5k_digits_chunk(const void *p, int64_t c) { k45_digits_rows(p, c, 1); }
 
+/* Scales per 16 values against the int32 lanes of a vpdpbusd over 64 values (4 a lane):
+ * lane i of the 64 values at 64 c takes sub-scale 4 c + i / 4. */
+static inline void per16_picks(__m512i pick[4]) {
+    for (int k = 0; k < 4; k++)
+        pick[k] = _mm512_add_epi32(_mm512_set1_epi32(4 * k), _mm512_srli_epi32(
+            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2));
+}
+
 /* Q6_K at batch 1 with int8 products: the 6-bit values (0 .. 63, still bytes) meet the
  * digits in `vpdpbusd`; the file's -32 offset is taken off once per 16 values through
  * the activations' sums (sum (q - 32) x = sum q x - 32 sum x). The two halves of a
@@ -2116,10 +2124,8 @@ static void q6k_digits_chunk(const void *p, int64_t c) {
     const __m512i shiftA = _mm512_set_epi64(0x0002000200020002LL, 0x0002000200020002LL, 0x0002000200020002LL,
                                             0x0002000200020002LL, 0, 0, 0, 0);
     const __m512i shiftB = _mm512_add_epi16(shiftA, _mm512_set1_epi16(4));
-    __m512i pick[4];                /* lane i of the 64 values at 64 c: sub-scale 4 c + i / 4 */
-    for (int k = 0; k < 4; k++)
-        pick[k] = _mm512_add_epi32(_mm512_set1_epi32(4 * k), _mm512_srli_epi32(
-            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2));
+    __m512i pick[4];
+    per16_picks(pick);
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = a->qs + n * nb * Q6K_BYTES;
         __m512 acc = _mm512_setzero_ps();
@@ -2170,10 +2176,8 @@ static inline __attribute__((always_inline)) void k23_digits_rows(const DgArgs *
     const __m512i up2 = _mm512_set_epi64(0x0002000200020002LL, 0x0002000200020002LL, 0x0002000200020002LL,
                                          0x0002000200020002LL, 0, 0, 0, 0);
     const __m512i up1 = _mm512_srli_epi16(up2, 1);
-    __m512i pick[4];                /* lane i of the 64 values at 64 cc: sub-scale 4 cc + i / 4 */
-    for (int k = 0; k < 4; k++)
-        pick[k] = _mm512_add_epi32(_mm512_set1_epi32(4 * k), _mm512_srli_epi32(
-            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2));
+    __m512i pick[4];
+    per16_picks(pick);
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = a->qs + n * nb * bytes;
         __m512 acc = _mm512_setzero_ps();

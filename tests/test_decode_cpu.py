@@ -122,9 +122,19 @@ def test_c_layers_with_a_sliding_window(tmp_path, counted):
     assert counted[0] == 12
 
 
-def test_batches_the_kernels_do_not_take_stay_in_python(tmp_path, counted, no_amx):
-    """q4 products take at most 16 rows a call (without AMX tiles): a step of 17 decodes
-    runs the Python layers (and the same numbers come out)."""
+@pytest.fixture
+def no_lanes():
+    """q4 / q8 products of more than 16 rows without the token lanes (the row kernels'
+    limit shows)."""
+    lib = kc.library()
+    lib.pn_set_ktile(0)
+    yield
+    lib.pn_set_ktile(16)
+
+
+def test_batches_the_kernels_do_not_take_stay_in_python(tmp_path, counted, no_amx, no_lanes):
+    """q4 products take at most 16 rows a call (without AMX tiles or token lanes): a step
+    of 17 decodes runs the Python layers (and the same numbers come out)."""
     path = tm.write_gguf("llama", tmp_path / "l.gguf", tensor_type="Q4_1")
     engine = load_engine(path, n_slots=17, ctx=64)
     layer = next(iter(engine.model.decode_c.layers.values()))
@@ -133,6 +143,21 @@ def test_batches_the_kernels_do_not_take_stay_in_python(tmp_path, counted, no_am
     engine = load_engine(path, n_slots=17, ctx=64)
     assert_same(python, steps(engine, True, n_slots=17))
     assert counted[0] == 2 * 2                   # only the two steps of two slots
+
+
+@pytest.mark.skipif(not (kc.library() and kc.library().pn_has_lanes()),
+                    reason="a build without the token lanes (AVX-512 VNNI)")
+def test_with_token_lanes_a_step_of_17_decodes_runs_the_c_layers(tmp_path, counted, no_amx):
+    """q4 products of 17 rows take the token lanes: the C layers run that step, with the
+    Python layers' bits."""
+    path = tm.write_gguf("llama", tmp_path / "l.gguf", tensor_type="Q4_1")
+    engine = load_engine(path, n_slots=17, ctx=64)
+    layer = next(iter(engine.model.decode_c.layers.values()))
+    assert layer.takes(17)
+    python = steps(engine, False, n_slots=17)
+    engine = load_engine(path, n_slots=17, ctx=64)
+    assert_same(python, steps(engine, True, n_slots=17))
+    assert counted[0] > 2 * 2
 
 
 @pytest.mark.skipif(not (kc.library() and kc.HAS_AMX[0]), reason="no AMX tiles here")

@@ -2607,6 +2607,11 @@ int pn_int_ok(const PnMat *m, int64_t B) {
     if (amx_takes(m, B)) return 1;
 #endif
     if (is_k(m->code)) return 1;
+#if defined(PN_ZMM)
+    if ((m->code == Q4 || m->code == Q8 || m->code == Q8M) && m->bs == 32 && B > MAXB
+            && KTILE_MIN[0] > 0)
+        return 1;                   /* the token lanes */
+#endif
     return (m->code == Q4 || m->code == Q8 || m->code == Q8M) && B <= MAXB
            && m->K / m->bs <= MAX_RUNS;
 }

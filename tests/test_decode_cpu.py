@@ -145,24 +145,17 @@ def test_batches_the_kernels_do_not_take_stay_in_python(tmp_path, counted, no_am
     assert counted[0] == 2 * 2                   # only the two steps of two slots
 
 
-@pytest.mark.skipif(not (kc.library() and kc.library().pn_has_lanes()),
-                    reason="a build without the token lanes (AVX-512 VNNI)")
-def test_with_token_lanes_a_step_of_17_decodes_runs_the_c_layers(tmp_path, counted, no_amx):
-    """q4 products of 17 rows take the token lanes: the C layers run that step, with the
-    Python layers' bits."""
-    path = tm.write_gguf("llama", tmp_path / "l.gguf", tensor_type="Q4_1")
-    engine = load_engine(path, n_slots=17, ctx=64)
-    layer = next(iter(engine.model.decode_c.layers.values()))
-    assert layer.takes(17)
-    python = steps(engine, False, n_slots=17)
-    engine = load_engine(path, n_slots=17, ctx=64)
-    assert_same(python, steps(engine, True, n_slots=17))
-    assert counted[0] > 2 * 2
-
-
-@pytest.mark.skipif(not (kc.library() and kc.HAS_AMX[0]), reason="no AMX tiles here")
-def test_with_amx_tiles_a_step_of_17_decodes_runs_the_c_layers(tmp_path, counted):
-    """The tiles take 17 rows: the C layers run that step, with the Python layers' bits."""
+@pytest.mark.parametrize("way", ["lanes", "amx"])
+def test_a_step_of_17_decodes_runs_the_c_layers_where_a_kernel_takes_it(tmp_path, counted, way,
+                                                                        request):
+    """The token lanes (AVX-512 VNNI, AMX off) or the AMX tiles take q4 products of 17
+    rows: the C layers run that step, with the Python layers' bits."""
+    if way == "amx" and not kc.HAS_AMX[0]:
+        pytest.skip("no AMX tiles here")
+    if way == "lanes":
+        if not kc.library().pn_has_lanes():
+            pytest.skip("a build without the token lanes (AVX-512 VNNI)")
+        request.getfixturevalue("no_amx")
     path = tm.write_gguf("llama", tmp_path / "l.gguf", tensor_type="Q4_1")
     engine = load_engine(path, n_slots=17, ctx=64)
     layer = next(iter(engine.model.decode_c.layers.values()))

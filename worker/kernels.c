@@ -1840,6 +1840,29 @@ static void tile_scratch(int64_t need) {
     tile_cap = need;
 }
 
+/* x quantized (xq int16 [M, K], a scale per block of `per` values, `S` sums per block)
+ * laid out for the lanes: xt[group][block][pair][token], dx[group][block][token],
+ * xs[group][block][sum][token]; tokens past M are zeros, never stored back. */
+static int64_t tile_layout(const int16_t *xq, const float *xd, const float *xs, int64_t M,
+                           int64_t K, int64_t per, int S) {
+    const int64_t nb = K / per, P = per / 2, G = (M + TT - 1) / TT;
+    tile_scratch(G * TT * K / 2);
+    const int32_t *x32 = (const int32_t *)xq;          /* pairs of int16 */
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t blk = 0; blk < nb; blk++) {
+            int32_t *xt = tile_xt + (g * nb + blk) * P * TT;
+            float *dx = tile_dx + (g * nb + blk) * TT, *xsv = tile_xs + (g * nb + blk) * S * TT;
+            for (int t = 0; t < TT; t++) {
+                const int64_t m = g * TT + t;
+                const int in = m < M;
+                for (int64_t pp = 0; pp < P; pp++) xt[pp * TT + t] = in ? x32[m * (K / 2) + blk * P + pp] : 0;
+                dx[t] = in ? xd[m * nb + blk] : 0.0f;
+                for (int j = 0; j < S; j++) xsv[j * TT + t] = in ? xs[(m * nb + blk) * S + j] : 0.0f;
+            }
+        }
+    return G;
+}
+
 /* Rows of x from which pn_matmul_int takes the token-lane products (0: never; tests) */
 static int64_t KTILE_MIN[1] = {16};
 void pn_set_ktile(int64_t min_rows) { KTILE_MIN[0] = min_rows; }
@@ -1848,28 +1871,7 @@ void pn_set_ktile(int64_t min_rows) { KTILE_MIN[0] = min_rows; }
  * by pn_quantize_xk into xq, xd, xs. */
 static void gemm_k_tiled(int code, const uint8_t *qs, int64_t N, int64_t K, const int16_t *xq,
                          const float *xd, const float *xs, int64_t M, float *out) {
-    const int64_t nb = K / 256, G = (M + TT - 1) / TT, need = G * TT * K / 2;
-    tile_scratch(need);
-    const int32_t *x32 = (const int32_t *)xq;          /* pairs of int16 */
-    for (int64_t g = 0; g < G; g++)
-        for (int64_t blk = 0; blk < nb; blk++) {
-            int32_t *xt = tile_xt + (g * nb + blk) * 128 * TT;
-            float *dx = tile_dx + (g * nb + blk) * TT, *xsv = tile_xs + (g * nb + blk) * 8 * TT;
-            for (int t = 0; t < TT; t++) {
-                const int64_t m = g * TT + t;
-                if (m >= M) {
-                    for (int pp = 0; pp < 128; pp++) xt[pp * TT + t] = 0;
-                    dx[t] = 0.0f;
-                    for (int j = 0; j < 8; j++) xsv[j * TT + t] = 0.0f;
-                    continue;
-                }
-                const int32_t *src = x32 + m * (K / 2) + blk * 128;
-                for (int pp = 0; pp < 128; pp++) xt[pp * TT + t] = src[pp];
-                dx[t] = xd[m * nb + blk];
-                for (int j = 0; j < 8; j++) xsv[j * TT + t] = xs[(m * nb + blk) * 8 + j];
-            }
-        }
-    int64_t rows = piece_rows(N);
+    const int64_t G = tile_layout(xq, xd, xs, M, K, 256, 8), rows = piece_rows(N);
     TileArgs a = {code, qs, N, K, M, G, tile_xt, tile_dx, tile_xs, out, rows};
     pool_run(ktile_chunk, &a, (N + rows - 1) / rows);
 }
@@ -1885,7 +1887,7 @@ typedef struct {
     const PnMat *m; int64_t M, G; const int32_t *xt; const float *dx, *xs; float *out;
     int64_t rows;
 } BTileArgs;
-static float XB_MAX = 32767.0f;
+#define XB_MAX 32767.0f    /* x's steps per block of 32 here */
 
 static __thread int16_t *bt_w;
 static __thread float *bt_sc;
@@ -1968,26 +1970,12 @@ static void btile_chunk(const void *p, int64_t c) {
 /* out[M, N] = x @ W.T for q4 / q8 (bs 32) through btile_chunk: x quantized per 32
  * (pn_quantize_x, not paired) into the scratch, then laid out tokens across lanes */
 static void gemm_b_tiled(const PnMat *m, const float *x, int64_t M, const PnScratch *s, float *out) {
-    const int64_t K = m->K, nb = K / 32, G = (M + TT - 1) / TT, need = G * TT * K / 2;
+    const int64_t K = m->K, nb = K / 32;
     for (int64_t b = 0; b < M; b++)         /* the full int16 range: no pair of products */
         for (int64_t blk = 0; blk < nb; blk++)      /* here can overflow (see above) */
             s->xd[b * nb + blk] = quantize32(x + b * K + blk * 32, XB_MAX, s->xq + b * K + blk * 32,
                                              s->xq + b * K + blk * 32 + 16, &s->xs[b * nb + blk]);
-    tile_scratch(need);
-    const int32_t *x32 = (const int32_t *)s->xq;
-    for (int64_t g = 0; g < G; g++)
-        for (int64_t blk = 0; blk < nb; blk++) {
-            int32_t *xt = tile_xt + (g * nb + blk) * 16 * TT;
-            float *dx = tile_dx + (g * nb + blk) * TT, *xsv = tile_xs + (g * nb + blk) * TT;
-            for (int t = 0; t < TT; t++) {
-                const int64_t mm = g * TT + t;
-                const int in = mm < M;
-                for (int q = 0; q < 16; q++) xt[q * TT + t] = in ? x32[mm * (K / 2) + blk * 16 + q] : 0;
-                dx[t] = in ? s->xd[mm * nb + blk] : 0.0f;
-                xsv[t] = in ? s->xs[mm * nb + blk] : 0.0f;
-            }
-        }
-    const int64_t rows = piece_rows(m->N);
+    const int64_t G = tile_layout(s->xq, s->xd, s->xs, M, K, 32, 1), rows = piece_rows(m->N);
     BTileArgs a = {m, M, G, tile_xt, tile_dx, tile_xs, out, rows};
     pool_run(btile_chunk, &a, (m->N + rows - 1) / rows);
 }

@@ -39,7 +39,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..common.weight_format import IN_MEMORY, ON_GPU, QUANTIZE_MODES  # noqa: F401 (re-exported)
-from .quants import _q3_k_scales
+from .quants import _q3_k_codes, _q3_k_scales, _two_bits
 
 QT = GGMLQuantizationType
 
@@ -237,21 +237,17 @@ def _r_q6_k(b, out=None):
 
 
 def _r_q3_k(b):
-    # element 128h + 32j + l: bits 2j, 2j+1 of qs[32h + l], its 4 in bit 4h + j of hmask[l]
     n = b.shape[0]
     scale = _h(b, 108) * (_q3_k_scales(np, b[:, 96:108]).astype(np.float32) - 32.0)
-    low = (b[:, 32:96].reshape(n, 2, 1, 32) >> np.arange(0, 8, 2, dtype=np.uint8)[:, None]) & 3
-    hbit = (b[:, None, None, 0:32] >> np.arange(8, dtype=np.uint8).reshape(2, 4, 1)) & 1
-    q = (low | (hbit << 2)).view(np.int8) - np.int8(4)
+    q = _q3_k_codes(np, b).view(np.int8) - np.int8(4)
     return q.reshape(n, 256), f16_bits(scale), None
 
 
 def _r_q2_k(b):
     n = b.shape[0]
     sc = b[:, 0:16]
-    q = (b[:, 16:80].reshape(n, 2, 1, 32) >> np.arange(0, 8, 2, dtype=np.uint8)[:, None]) & 3
-    return (q.reshape(n, 256).view(np.int8), f16_bits(_h(b, 80) * (sc & 15)),
-            f16_bits(-(_h(b, 82) * (sc >> 4))))
+    return (_two_bits(np, b[:, 16:80]).reshape(n, 256).view(np.int8),
+            f16_bits(_h(b, 80) * (sc & 15)), f16_bits(-(_h(b, 82) * (sc >> 4))))
 
 
 REPACKERS = {QT.Q8_0: _r_q8_0, QT.Q4_0: _r_q4_0, QT.Q4_1: _r_q4_1, QT.Q5_0: _r_q5_0,

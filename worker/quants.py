@@ -190,6 +190,20 @@ def _q3_k_scales(xp, s):
                           axis=-1)
 
 
+def _two_bits(xp, qs):
+    """(n, 64) bytes of Q2_K / Q3_K → (n, 16, 16) uint8 runs of 16: element 128h + 32j +
+    l takes bits 2j, 2j+1 of byte 32h + l."""
+    shifts = xp.arange(0, 8, 2, dtype=xp.uint8)[:, None]                       # (4, 1)
+    return ((qs.reshape(-1, 2, 1, 32) >> shifts) & 3).reshape(-1, 16, 16)
+
+
+def _q3_k_codes(xp, b):
+    """Q3_K blocks → (n, 16, 16) uint8 values 0..7 (the -4 not taken off): the two bits
+    with bit 4h + j of hmask[l] as the 4."""
+    hbit = (b[:, None, None, 0:32] >> xp.arange(8, dtype=xp.uint8).reshape(2, 4, 1)) & 1
+    return _two_bits(xp, b[:, 32:96]) | (hbit.reshape(-1, 16, 16) << 2)
+
+
 def _q3_k(xp, b):
     # block_q3_K (110 B): uint8 hmask[32] | uint8 qs[64] | uint8 scales[12] | f16 d
     # Two halves of 128; in half h, run j (0..3) of 32: element 128h + 32j + l takes
@@ -198,11 +212,8 @@ def _q3_k(xp, b):
     n = b.shape[0]
     d = _f16(xp, b, 108)
     scale = _q3_k_scales(xp, b[:, 96:108]).astype(xp.float32) - 32.0
-    shifts = xp.arange(0, 8, 2, dtype=xp.uint8)[:, None]                       # (4, 1)
-    low = (b[:, 32:96].reshape(n, 2, 1, 32) >> shifts) & 3                       # (n, 2, 4, 32)
-    hbit = (b[:, None, None, 0:32] >> xp.arange(8, dtype=xp.uint8).reshape(2, 4, 1)) & 1
-    q = (low | (hbit << 2)).astype(xp.float32) - 4.0
-    return ((d * scale)[:, :, None] * q.reshape(n, 16, 16)).reshape(n, 256)
+    q = _q3_k_codes(xp, b).astype(xp.float32) - 4.0
+    return ((d * scale)[:, :, None] * q).reshape(n, 256)
 
 
 def _q2_k(xp, b):
@@ -212,8 +223,7 @@ def _q2_k(xp, b):
     n = b.shape[0]
     d, dmin = _f16(xp, b, 80), _f16(xp, b, 82)
     sc = b[:, 0:16]
-    shifts = xp.arange(0, 8, 2, dtype=xp.uint8)[:, None]
-    q = ((b[:, 16:80].reshape(n, 2, 1, 32) >> shifts) & 3).reshape(n, 16, 16)
+    q = _two_bits(xp, b[:, 16:80])
     dl = (d * (sc & 15).astype(xp.float32))[:, :, None]
     ml = (dmin * (sc >> 4).astype(xp.float32))[:, :, None]
     return (dl * q.astype(xp.float32) - ml).reshape(n, 256)

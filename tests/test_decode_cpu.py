@@ -129,7 +129,7 @@ def no_lanes():
     lib = kc.library()
     lib.pn_set_ktile(0)
     yield
-    lib.pn_set_ktile(16)
+    lib.pn_set_ktile(-1)
 
 
 def test_batches_the_kernels_do_not_take_stay_in_python(tmp_path, counted, no_amx, no_lanes):

@@ -454,7 +454,7 @@ def test_k_quant_products_in_spans_of_the_row_equal_whole_rows(qtype):
 
 @pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)
 def test_k_quant_products_with_tokens_across_the_lanes_equal_the_row_kernels(qtype, no_amx):
-    """From 16 rows of x the K-quant products put 16 tokens across a vector's lanes (the
+    """From 13 rows of x the K-quant products put 16 tokens across a vector's lanes (the
     weights' pairs broadcast): rows of W not a multiple of 8, tokens not a multiple of 16
     (zeros fill the last group and are never stored), the same integer sums as the row
     kernels, and within 3e-4 of max |y| of the float64 product (Q2_K keeps the row
@@ -463,13 +463,13 @@ def test_k_quant_products_with_tokens_across_the_lanes_equal_the_row_kernels(qty
     m = qm.from_gguf(raw, qtype, shape)
     ref_w = qm.dequantize(m).astype(np.float64)
     lib = kc.library()
-    for batch in (16, 17, 31, 40, 131):
+    for batch in (13, 16, 17, 31, 40, 131):
         x = np.random.default_rng(batch).standard_normal((batch, m.cols)).astype(np.float32)
         try:
             lib.pn_set_ktile(0)
             rows = kc.matmul(x, m)
         finally:
-            lib.pn_set_ktile(16)
+            lib.pn_set_ktile(-1)
         lanes = kc.matmul(x, m)
         assert np.isfinite(lanes).all()
         np.testing.assert_allclose(lanes, rows, rtol=0, atol=2e-6 * np.abs(rows).max())
@@ -478,9 +478,9 @@ def test_k_quant_products_with_tokens_across_the_lanes_equal_the_row_kernels(qty
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q5_0, QT.Q5_1], ids=lambda t: t.name)
-def test_blocked_products_of_16_rows_and_more_take_tokens_across_the_lanes(qtype, no_amx):
-    """q4 and q8 (blocks of 32) from 16 rows of x: tokens across the lanes with x in the
-    full int16 range per block (the row kernels at 16 rows and the dequantized tiles and
+def test_blocked_products_of_11_rows_and_more_take_tokens_across_the_lanes(qtype, no_amx):
+    """q4 and q8 (blocks of 32) from 11 rows of x: tokens across the lanes with x in the
+    full int16 range per block (the row kernels up to 16 rows and the dequantized tiles and
     BLAS beyond took these before, and still do with the toggle off): within 1e-4 of max
     |y| of the float64 product, for rows of W not a multiple of 8 and tokens not a
     multiple of 16."""
@@ -488,14 +488,14 @@ def test_blocked_products_of_16_rows_and_more_take_tokens_across_the_lanes(qtype
     m = qm.from_gguf(raw, qtype, shape)
     ref_w = qm.dequantize(m).astype(np.float64)
     lib = kc.library()
-    for batch in (16, 17, 31, 40, 131):
+    for batch in (11, 16, 17, 31, 40, 131):
         x = np.random.default_rng(batch).standard_normal((batch, m.cols)).astype(np.float32)
         lanes = kc.matmul(x, m)
         try:
             lib.pn_set_ktile(0)
             tiles = kc.matmul(x, m)
         finally:
-            lib.pn_set_ktile(16)
+            lib.pn_set_ktile(-1)
         ref = x.astype(np.float64) @ ref_w.T
         np.testing.assert_allclose(lanes, ref, rtol=0, atol=1e-4 * np.abs(ref).max())
         # the lanes off: the row kernels at 16 rows (x in int16), the tiles beyond

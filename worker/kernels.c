@@ -1737,7 +1737,8 @@ static void gemv_k_rows(int code, const uint8_t *restrict qs, int64_t K, int64_t
  * row of W for all 16 tokens together (16 pair products per lane: Q6_K's |q * sc| <= 4096
  * times 16000, twice, 16 times stays below 2^31), and the mins meet x's sums per 32 the
  * same way. W's super-blocks are widened once per chunk of x (not once per group of
- * tokens); x is laid out once per product: xt[group][block][pair][token]. */
+ * tokens); x is laid out once per product: xt[group][block][pair][token]. From 13 rows
+ * of x (KTILE_MIN below; a last group short of 16 tokens is padded with zeros). */
 #define TT 16               /* tokens per vector */
 #define TR 8                /* rows of W per pass (their sums in registers) */
 
@@ -1863,9 +1864,19 @@ static int64_t tile_layout(const int16_t *xq, const float *xd, const float *xs, 
     return G;
 }
 
-/* Rows of x from which pn_matmul_int takes the token-lane products (0: never; tests) */
-static int64_t KTILE_MIN[1] = {16};
-void pn_set_ktile(int64_t min_rows) { KTILE_MIN[0] = min_rows; }
+/* Rows of x from which pn_matmul_int takes the token-lane products: [0] K-quants, [1] q4 /
+ * q8. Below 16 the last group is part zeros; one core, alternated, on Qwen2.5-1.5B's Q4_K /
+ * Q6_K and SmolLM2's Q4_1 matrices the lanes overtake the row kernels from 13 (Q4_K's
+ * gate / up: 2.51 against 2.79 ns per super-block, row and token; at 12: 2.59 against
+ * 2.18) and 10-11 (Q4_1) rows. pn_set_ktile(0) turns them off, n > 0 starts both at n,
+ * n < 0 restores these (tests). */
+#define KTILE_K 13
+#define KTILE_B 11
+static int64_t KTILE_MIN[2] = {KTILE_K, KTILE_B};
+void pn_set_ktile(int64_t min_rows) {
+    KTILE_MIN[0] = min_rows < 0 ? KTILE_K : min_rows;
+    KTILE_MIN[1] = min_rows < 0 ? KTILE_B : min_rows;
+}
 
 /* out[M, N] = x @ W.T for a K-quant W (not Q2_K) through ktile_chunk; x already quantized
  * by pn_quantize_xk into xq, xd, xs. */
@@ -1877,7 +1888,7 @@ static void gemm_k_tiled(int code, const uint8_t *qs, int64_t N, int64_t K, cons
 }
 
 /* The same turn for q4 and q8 (blocks of 32, an fp16 scale and maybe a min each), from
- * 16 rows of x (SmolLM2 batch 16, alternated: 398 -> 557 tok/s; at 8 rows, half the
+ * 11 rows of x (SmolLM2 batch 16, alternated: 398 -> 557 tok/s; at 8 rows, half the
  * lanes empty, the row kernels win: 332 against 280): each block's int sums take the row's
  * scale times x's scale per token (16 pair products per lane: 128 x 16383, twice, 16
  * times, far below 2^31), the mins x's float sums per block. A pass widens its TR rows
@@ -2575,7 +2586,7 @@ int pn_matmul_int(const PnMat *m, const float *x, int64_t B, const PnScratch *s,
     }
 #if defined(PN_ZMM)
     if ((m->code == Q4 || m->code == Q8 || m->code == Q8M) && m->bs == 32
-            && KTILE_MIN[0] > 0 && B >= KTILE_MIN[0]) {
+            && KTILE_MIN[1] > 0 && B >= KTILE_MIN[1]) {
         gemm_b_tiled(m, x, B, s, out);
         return 1;
     }
@@ -2598,7 +2609,7 @@ int pn_int_ok(const PnMat *m, int64_t B) {
     if (is_k(m->code)) return 1;
 #if defined(PN_ZMM)
     if ((m->code == Q4 || m->code == Q8 || m->code == Q8M) && m->bs == 32
-            && KTILE_MIN[0] > 0 && B >= KTILE_MIN[0])
+            && KTILE_MIN[1] > 0 && B >= KTILE_MIN[1])
         return 1;                   /* the token lanes */
 #endif
     return (m->code == Q4 || m->code == Q8 || m->code == Q8M) && B <= MAXB

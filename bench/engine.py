@@ -13,11 +13,15 @@ Prints one JSON object:
   peak_rss_bytes  the process's peak resident memory
   weight_bytes, kv_bytes, file_bytes and their ratios (weights / file, RSS / (file + KV))
 --synthetic qwen35-wide benchmarks a random-weight model of that shape (bench/synthetic.py)
-instead of -m. With --compare-llama BIN_DIR, llama.cpp's llama-bench runs on the same file with
-the same thread count right after, and "llama" holds its pp / tg figures and the
-ratios (ours / theirs). With --rounds N the speed figures are measured N times (llama-bench
-after each of our rounds, so the two alternate) and each figure is the median, the rounds'
-own under "rounds" (and "llama": "rounds", "ratios_by_round").
+instead of -m; --batches 1,8,16 picks the decode batch sizes (default 1,4,8). With
+--compare-llama BIN_DIR, llama.cpp's llama-bench runs on the same file with the same thread
+count right after, and "llama" holds its pp / tg figures and the ratios (ours / theirs);
+where BIN_DIR also holds llama-batched-bench (the anchor's build dir: `make
+llama-batched-bench`), it decodes the same batch sizes after the same 64-token prompts
+("llama": "decode_tok_s", aggregate, and "ratios": "decode_vs_batched" per batch size).
+With --rounds N the speed figures are measured N times (llama.cpp's after each of our
+rounds, so the two alternate) and each figure is the median, the rounds' own under
+"rounds" (and "llama": "rounds", "ratios_by_round").
 """
 from __future__ import annotations
 
@@ -119,24 +123,53 @@ def prefill_rate(engine, n_tokens: int, chunk: int = 128) -> float:
     return n_tokens / median_time(run, 3)
 
 
+PROMPT_LEN = 64         # each decode slot's prompt (llama-batched-bench's -npp too)
+
+
 def measure(engine, steps: int, batches) -> dict:
     """One round of the speed figures: prefill, decode per batch size, the floor."""
     figures = {
         "prefill_tok_s": round(prefill_rate(engine, 512), 1),
-        "decode_tok_s": {str(b): round(decode_rate(engine, b, steps), 1) for b in batches},
+        "decode_tok_s": {str(b): round(decode_rate(engine, b, steps, PROMPT_LEN), 1)
+                         for b in batches},
         "floor_tok_s": round(1.0 / matmul_floor(engine, steps), 1),
     }
-    figures["decode_1_vs_floor"] = round(figures["decode_tok_s"]["1"] / figures["floor_tok_s"], 3)
+    if "1" in figures["decode_tok_s"]:
+        figures["decode_1_vs_floor"] = round(figures["decode_tok_s"]["1"] / figures["floor_tok_s"], 3)
     return figures
 
 
-def median_round(rounds: list[dict]) -> dict:
-    """Each figure's median over the rounds (the decode batches key by key)."""
+def parse_batches(text: str) -> list[int]:
+    """--batches: distinct positive batch sizes, ascending (ValueError saying what is wrong)."""
+    try:
+        batches = sorted({int(b) for b in text.split(",") if b.strip()})
+    except ValueError:
+        raise ValueError(f"--batches takes batch sizes like 1,4,8, not {text!r}") from None
+    if not batches or batches[0] < 1 or batches[-1] > MAX_BATCH:
+        raise ValueError(f"--batches takes batch sizes from 1 to {MAX_BATCH}, not {text!r}")
+    return batches
+
+
+MAX_BATCH = 64         # slots of 1,024 positions each, their KV committed at load
+
+
+def medians(rounds: list[dict]) -> dict:
+    """Each figure's median over the rounds (tokens/s, one decimal; a dict of figures, such
+    as the decode batches, key by key)."""
     med = lambda values: round(float(np.median(values)), 1)
-    out = {key: med([r[key] for r in rounds]) for key in ("prefill_tok_s", "floor_tok_s")}
-    out["decode_tok_s"] = {b: med([r["decode_tok_s"][b] for r in rounds])
-                           for b in rounds[0]["decode_tok_s"]}
-    out["decode_1_vs_floor"] = round(out["decode_tok_s"]["1"] / out["floor_tok_s"], 3)
+    out = {}
+    for key, value in rounds[0].items():
+        if isinstance(value, dict):
+            out[key] = {k: med([r[key][k] for r in rounds]) for k in value}
+        else:
+            out[key] = med([r[key] for r in rounds])
+    return out
+
+
+def median_round(rounds: list[dict]) -> dict:
+    out = medians([{k: v for k, v in r.items() if k != "decode_1_vs_floor"} for r in rounds])
+    if "1" in out["decode_tok_s"]:
+        out["decode_1_vs_floor"] = round(out["decode_tok_s"]["1"] / out["floor_tok_s"], 3)
     return out
 
 
@@ -187,22 +220,47 @@ def run_bench(model_path, die: str = "cpu", steps: int = 32, batches=(1, 4, 8),
     return result
 
 
-def llama_bench(bin_dir: str, model_path, threads: int) -> dict:
-    """llama.cpp's pp512 / tg64 on the same file with the same threads (tokens/s)."""
-    exe = Path(bin_dir) / "llama-bench"
-    out = subprocess.run([str(exe), "-m", str(model_path), "-t", str(threads), "-p", "512",
-                          "-n", "64", "-r", "3", "-o", "json"], capture_output=True, text=True)
+def run_llama(exe: Path, argv: list[str], parse) -> dict:
+    """Run one of llama.cpp's tools and parse(stdout); any failure is a LlamaBenchError
+    naming the tool."""
+    out = subprocess.run([str(exe), *argv], capture_output=True, text=True)
     try:
         if out.returncode != 0:
             raise ValueError(f"exit status {out.returncode}: {out.stderr.strip()[-300:]}")
-        rows = json.loads(out.stdout)
-        figures = {}
-        for row in rows:
-            key = "pp" if row.get("n_prompt") and not row.get("n_gen") else "tg"
-            figures[f"{key}_tok_s"] = round(float(row["avg_ts"]), 1)
+        return parse(out.stdout)
     except (ValueError, TypeError, KeyError, AttributeError) as e:
         raise LlamaBenchError(f"{exe} failed: {e}") from None
-    return figures
+
+
+def llama_bench(bin_dir: str, model_path, threads: int) -> dict:
+    """llama.cpp's pp512 / tg64 on the same file with the same threads (tokens/s)."""
+    def parse(stdout):
+        figures = {}
+        for row in json.loads(stdout):
+            key = "pp" if row.get("n_prompt") and not row.get("n_gen") else "tg"
+            figures[f"{key}_tok_s"] = round(float(row["avg_ts"]), 1)
+        return figures
+    return run_llama(Path(bin_dir) / "llama-bench",
+                     ["-m", str(model_path), "-t", str(threads), "-p", "512", "-n", "64",
+                      "-r", "3", "-o", "json"], parse)
+
+
+def llama_batched(bin_dir: str, model_path, threads: int, batches, steps: int) -> dict:
+    """llama.cpp's aggregate decode tokens/s per batch size (llama-batched-bench: each of
+    `b` sequences gets a PROMPT_LEN-token prompt, then `steps` decode steps together)."""
+    def parse(stdout):
+        rows = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+        rates = {str(int(row["pl"])): round(float(row["speed_tg"]), 1) for row in rows}
+        if sorted(rates, key=int) != [str(b) for b in batches]:
+            raise ValueError(f"batch sizes {sorted(rates, key=int)} in its output, "
+                             f"{list(batches)} asked")
+        return {"decode_tok_s": rates}
+    ctx = max(batches) * (PROMPT_LEN + steps) + 64
+    return run_llama(Path(bin_dir) / "llama-batched-bench",
+                     ["-m", str(model_path), "-t", str(threads), "-c", str(ctx),
+                      "-npp", str(PROMPT_LEN), "-ntg", str(steps),
+                      "-npl", ",".join(str(b) for b in batches), "--output-format", "jsonl"],
+                     parse)
 
 
 class LlamaBenchError(RuntimeError):
@@ -211,13 +269,17 @@ class LlamaBenchError(RuntimeError):
 
 def compare(ours: dict, theirs: dict) -> dict:
     ratios = {}
+    decode = ours["decode_tok_s"]
     if "tg_tok_s" in theirs:
-        ratios["decode1_vs_tg"] = round(ours["decode_tok_s"]["1"] / theirs["tg_tok_s"], 2)
-        if "8" in ours["decode_tok_s"]:
-            ratios["decode8_aggregate_vs_tg"] = round(
-                ours["decode_tok_s"]["8"] / theirs["tg_tok_s"], 2)
+        if "1" in decode:
+            ratios["decode1_vs_tg"] = round(decode["1"] / theirs["tg_tok_s"], 2)
+        if "8" in decode:
+            ratios["decode8_aggregate_vs_tg"] = round(decode["8"] / theirs["tg_tok_s"], 2)
     if "pp_tok_s" in theirs:
         ratios["prefill_vs_pp"] = round(ours["prefill_tok_s"] / theirs["pp_tok_s"], 2)
+    if "decode_tok_s" in theirs:
+        ratios["decode_vs_batched"] = {b: round(decode[b] / theirs["decode_tok_s"][b], 2)
+                                       for b in decode if theirs["decode_tok_s"].get(b)}
     return ratios
 
 
@@ -227,24 +289,35 @@ def main(args) -> int:
     if rounds < 1:
         print("error: --rounds must be at least 1", file=sys.stderr)
         return 2
+    try:
+        batches = parse_batches(getattr(args, "batches", None) or "1,4,8")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     theirs: list[dict] = []
     between = None
     if getattr(args, "compare_llama", None):
-        exe = Path(args.compare_llama) / "llama-bench"
-        if not exe.is_file():
+        bins = Path(args.compare_llama)
+        if not (bins / "llama-bench").is_file():
             print(f"error: no llama-bench in {args.compare_llama}", file=sys.stderr)
             return 2
-        between = lambda threads: theirs.append(llama_bench(args.compare_llama, args.model,
-                                                            threads))
+        batched = (bins / "llama-batched-bench").is_file()
+
+        def between(threads):
+            figures = llama_bench(args.compare_llama, args.model, threads)
+            if batched:
+                figures |= llama_batched(args.compare_llama, args.model, threads, batches,
+                                         args.steps)
+            theirs.append(figures)
     try:
-        result = run_bench(args.model, die=args.die, steps=args.steps,
+        result = run_bench(args.model, die=args.die, steps=args.steps, batches=batches,
                            quantize=getattr(args, "quantize", "auto"), contexts=contexts,
                            rounds=rounds, between=between)
     except LlamaBenchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if theirs:
-        llama = {key: round(float(np.median([t[key] for t in theirs])), 1) for key in theirs[0]}
+        llama = medians(theirs)
         llama["ratios"] = compare(result, llama)
         if rounds > 1:
             llama["rounds"] = theirs

@@ -310,6 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("-m", "--model")
     engine.add_argument("--die", default="cpu", help="cpu or a CUDA device number")
     engine.add_argument("--steps", type=int, default=32, help="decode steps per batch size")
+    engine.add_argument("--batches", metavar="N,N", default="1,4,8",
+                        help="decode batch sizes (aggregate tokens/s each); default 1,4,8")
     engine.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="auto",
                         help="weights in memory, as `serve --quantize`")
     add_kv_cache(engine)
@@ -319,8 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a random-weight model of this shape instead of -m (written "
                              "once into the cache directory)")
     engine.add_argument("--compare-llama", metavar="BIN_DIR",
-                        help="also run llama.cpp's llama-bench from BIN_DIR on the same file "
-                             "and threads, and print the ratios")
+                        help="also run llama.cpp's llama-bench (and llama-batched-bench for "
+                             "the batch sizes, if BIN_DIR holds it) on the same file and "
+                             "threads, and print the ratios")
     engine.add_argument("--rounds", type=int, default=1,
                         help="measure the speed figures this many times and print the "
                              "medians (llama-bench after each round); default 1")

@@ -253,6 +253,60 @@ def test_bench_engine_rounds_alternate_with_llama_bench_and_report_medians(tmp_p
         [round(r["prefill_tok_s"] / (100.0 * (i + 1)), 2) for i, r in enumerate(ours)]
 
 
+BATCHED_STUB = """#!/bin/sh
+# llama-batched-bench --output-format jsonl: a row per -npl size, aggregate decode speed
+# 7 * pl * call (a counter file beside it)
+n=$(cat "$0.calls" 2>/dev/null || echo 0); n=$((n + 1)); echo $n > "$0.calls"
+echo "$@" >> "$0.args"
+[ -f "$0.fail" ] && { echo "bad -npl" >&2; exit 1; }
+npl=$(echo "$@" | sed 's/.*-npl \\([0-9,]*\\).*/\\1/')
+echo "main: some log line"
+for pl in $(echo $npl | tr ',' ' '); do
+  echo "{\\"pp\\": 64, \\"tg\\": 2, \\"pl\\": $pl, \\"speed_tg\\": $((7 * pl * n)), \\"speed\\": 1}"
+done
+"""
+
+
+def test_bench_engine_decodes_the_batch_sizes_asked_against_llama_batched_bench(tmp_path):
+    """--batches 1,2 with llama-batched-bench beside llama-bench (stand-ins): the same batch
+    sizes decode on both sides after the same 64-token prompts, each round alternating,
+    and "decode_vs_batched" holds ours over theirs per batch size (medians)."""
+    path = tm.write_gguf("qwen2", tmp_path / "tiny.gguf")
+    bins = llama_bench_stub(tmp_path)
+    stub = bins / "llama-batched-bench"
+    stub.write_text(BATCHED_STUB)
+    stub.chmod(0o755)
+    proc = pantheon("bench", "engine", "-m", str(path), "--steps", "2", "--rounds", "3",
+                    "--batches", "2,1", "--compare-llama", str(bins))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert list(result["decode_tok_s"]) == ["1", "2"] and "batch8_vs_batch1" not in result
+    assert (bins / "llama-batched-bench.calls").read_text().strip() == "3"
+    args = (bins / "llama-batched-bench.args").read_text()
+    assert f"-t {result['threads']} " in args and "-npp 64 -ntg 2 -npl 1,2 --output-format jsonl" in args
+    llama = result["llama"]
+    assert llama["decode_tok_s"] == {"1": 14.0, "2": 28.0}          # the medians of 3 calls
+    assert [r["decode_tok_s"]["2"] for r in llama["rounds"]] == [14.0, 28.0, 42.0]
+    assert llama["ratios"]["decode_vs_batched"] == {
+        b: round(result["decode_tok_s"][b] / llama["decode_tok_s"][b], 2) for b in ("1", "2")}
+    assert "decode8_aggregate_vs_tg" not in llama["ratios"]
+
+    (bins / "llama-batched-bench.fail").write_text("")
+    failed = pantheon("bench", "engine", "-m", str(path), "--steps", "2", "--batches", "1",
+                      "--compare-llama", str(bins))
+    assert failed.returncode == 1 and "llama-batched-bench failed: exit status 1: bad -npl" \
+        in failed.stderr
+    assert "Traceback" not in failed.stderr
+
+
+@pytest.mark.parametrize("bad", ["0", "1,x", ",", "65", "-2"])
+def test_bench_engine_refuses_bad_batch_sizes(tmp_path, bad):
+    path = tm.write_gguf("qwen2", tmp_path / "tiny.gguf")
+    proc = pantheon("bench", "engine", "-m", str(path), "--batches", bad)
+    assert proc.returncode == 2 and "--batches takes batch sizes" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_bench_engine_reports_a_failing_or_missing_llama_bench(tmp_path):
     path = tm.write_gguf("qwen2", tmp_path / "tiny.gguf")
     missing = pantheon("bench", "engine", "-m", str(path), "--compare-llama", str(tmp_path))

@@ -124,6 +124,7 @@ def prefill_rate(engine, n_tokens: int, chunk: int = 128) -> float:
 
 
 PROMPT_LEN = 64         # each decode slot's prompt (llama-batched-bench's -npp too)
+MAX_BATCH = 64          # --batches: slots of 1,024 positions each, their KV committed at load
 
 
 def measure(engine, steps: int, batches) -> dict:
@@ -149,8 +150,6 @@ def parse_batches(text: str) -> list[int]:
         raise ValueError(f"--batches takes batch sizes from 1 to {MAX_BATCH}, not {text!r}")
     return batches
 
-
-MAX_BATCH = 64         # slots of 1,024 positions each, their KV committed at load
 
 
 def medians(rounds: list[dict]) -> dict:

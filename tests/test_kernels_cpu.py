@@ -452,6 +452,16 @@ def test_k_quant_products_in_spans_of_the_row_equal_whole_rows(qtype):
         np.testing.assert_allclose(got[24 << 10], ref, rtol=0, atol=3e-4 * np.abs(ref).max())
 
 
+def without_lanes(x, m):
+    """x @ W.T with the token lanes turned off (the row kernels, or the tiles beyond them)."""
+    lib = kc.library()
+    try:
+        lib.pn_set_ktile(0)
+        return kc.matmul(x, m)
+    finally:
+        lib.pn_set_ktile(-1)
+
+
 @pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)
 def test_k_quant_products_with_tokens_across_the_lanes_equal_the_row_kernels(qtype, no_amx):
     """From 13 rows of x the K-quant products put 16 tokens across a vector's lanes (the
@@ -462,14 +472,9 @@ def test_k_quant_products_with_tokens_across_the_lanes_equal_the_row_kernels(qty
     raw, shape = random_tensor(qtype, 77, 6)
     m = qm.from_gguf(raw, qtype, shape)
     ref_w = qm.dequantize(m).astype(np.float64)
-    lib = kc.library()
     for batch in (13, 16, 17, 31, 40, 131):
         x = np.random.default_rng(batch).standard_normal((batch, m.cols)).astype(np.float32)
-        try:
-            lib.pn_set_ktile(0)
-            rows = kc.matmul(x, m)
-        finally:
-            lib.pn_set_ktile(-1)
+        rows = without_lanes(x, m)
         lanes = kc.matmul(x, m)
         assert np.isfinite(lanes).all()
         np.testing.assert_allclose(lanes, rows, rtol=0, atol=2e-6 * np.abs(rows).max())
@@ -491,11 +496,7 @@ def test_blocked_products_of_11_rows_and_more_take_tokens_across_the_lanes(qtype
     for batch in (11, 16, 17, 31, 40, 131):
         x = np.random.default_rng(batch).standard_normal((batch, m.cols)).astype(np.float32)
         lanes = kc.matmul(x, m)
-        try:
-            lib.pn_set_ktile(0)
-            tiles = kc.matmul(x, m)
-        finally:
-            lib.pn_set_ktile(-1)
+        tiles = without_lanes(x, m)
         ref = x.astype(np.float64) @ ref_w.T
         np.testing.assert_allclose(lanes, ref, rtol=0, atol=1e-4 * np.abs(ref).max())
         # the lanes off: the row kernels at 16 rows (x in int16), the tiles beyond

@@ -2043,6 +2043,14 @@ typedef struct {
     int64_t rows; const int32_t *s16;
 } DgArgs;
 
+/* The int sums of 64 byte values v (4 a lane) against one group's digits, times each
+ * lane's sub-scale: (256 v.hi + v.lo) * scale (the batch-1 digit kernels' one step) */
+static inline __m512i digits_dot(__m512i v, const int8_t *hi, const int8_t *lo, __m512i scale) {
+    const __m512i t = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), v,
+        _mm512_loadu_si512((const void *)hi)), 8);
+    return _mm512_mullo_epi32(_mm512_dpbusd_epi32(t, v, _mm512_loadu_si512((const void *)lo)), scale);
+}
+
 /* Q4_K (five = 0) or Q5_K (five = 1: each nibble takes its bit of qh as its 16, so the
  * values are 0 .. 31, still bytes, and the same digits meet them) */
 static inline __attribute__((always_inline)) void k45_digits_rows(const DgArgs *a, int64_t c,
@@ -2085,11 +2093,8 @@ static inline __attribute__((always_inline)) void k45_digits_rows(const DgArgs *
                             qh, _mm512_add_epi16(halves, _mm512_set1_epi16(4 * g + k))), one), 4));
                 for (int k = 0; k < 2; k++) {
                     const int c = 2 * g + k;          /* 64 digits at 64 c */
-                    /* 256 x (nibbles . high digits) + nibbles . low digits */
-                    __m512i t = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), v[k],
-                        _mm512_loadu_si512((const void *)(hi + 64 * c))), 8);
-                    t = _mm512_dpbusd_epi32(t, v[k], _mm512_loadu_si512((const void *)(lo + 64 * c)));
-                    tot = _mm512_add_epi32(tot, _mm512_mullo_epi32(t, _mm512_permutexvar_epi32(pick[c], sc)));
+                    tot = _mm512_add_epi32(tot, digits_dot(v[k], hi + 64 * c, lo + 64 * c,
+                                                           _mm512_permutexvar_epi32(pick[c], sc)));
                 }
             }
             const float d = half_to_float(load_u16(b)) * a->xd[blk];
@@ -2147,10 +2152,8 @@ static void q6k_digits_chunk(const void *p, int64_t c) {
                 tot[h] = _mm512_setzero_si512();
                 for (int k = 0; k < 2; k++) {
                     const int cc = 2 * h + k;      /* values 64 cc .. 64 cc + 63 */
-                    __m512i t = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q[k],
-                        _mm512_loadu_si512((const void *)(hi + 64 * cc))), 8);
-                    t = _mm512_dpbusd_epi32(t, q[k], _mm512_loadu_si512((const void *)(lo + 64 * cc)));
-                    tot[h] = _mm512_add_epi32(tot[h], _mm512_mullo_epi32(t, _mm512_permutexvar_epi32(pick[cc], sc)));
+                    tot[h] = _mm512_add_epi32(tot[h], digits_dot(q[k], hi + 64 * cc, lo + 64 * cc,
+                                                                 _mm512_permutexvar_epi32(pick[cc], sc)));
                 }
             }
             const __m512i off = _mm512_mullo_epi32(sc, _mm512_loadu_si512((const void *)(a->s16 + blk * 16)));
@@ -2203,10 +2206,8 @@ static inline __attribute__((always_inline)) void k23_digits_rows(const DgArgs *
                     if (three)
                         v = _mm512_or_si512(v, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(
                             hm, _mm512_add_epi16(up1, _mm512_set1_epi16(4 * h + 2 * k))), one), 2));
-                    __m512i t = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), v,
-                        _mm512_loadu_si512((const void *)(hi + 64 * cc))), 8);
-                    t = _mm512_dpbusd_epi32(t, v, _mm512_loadu_si512((const void *)(lo + 64 * cc)));
-                    tot = _mm512_add_epi32(tot, _mm512_mullo_epi32(t, _mm512_permutexvar_epi32(pick[cc], sc)));
+                    tot = _mm512_add_epi32(tot, digits_dot(v, hi + 64 * cc, lo + 64 * cc,
+                                                           _mm512_permutexvar_epi32(pick[cc], sc)));
                 }
             }
             const __m512i s16 = _mm512_loadu_si512((const void *)(a->s16 + blk * 16));

@@ -9,8 +9,8 @@ Paths behind one interface (`matmul`):
 - prefill (larger B): a tile of W's rows is dequantized (in C, threaded) into a
   cache-sized fp32 buffer and multiplied with BLAS, tile by tile. The K-quant kinds
   (q2k .. q6k) skip this: their integer products serve any number of rows (kernels.c
-  keeps sub-pieces of W in cache while every group of x's rows passes; from 16 rows
-  with AVX-512, 16 tokens across a vector's lanes). On a Qwen2.5-1.5B prefill the row
+  keeps sub-pieces of W in cache while every group of x's rows passes; from 13 rows
+  with AVX-512, 16 tokens across a vector's lanes, as q4 / q8 from 11). On a Qwen2.5-1.5B prefill the row
   kernels ran 1.5-1.8x the tiles' speed and the token lanes 1.5x the row kernels'.
 - AMX tiles (Xeons that have them; kernels.c asks the kernel for the tile state and
   probes it in a forked child): from 8 rows of x, every kind runs on bf16 tile products

@@ -1,19 +1,26 @@
 # Quick start: `make serve` and `make test`. Each sets itself up (virtualenv,
 # install, default model fetch) and caches that work after the first run.
+# `make serve` installs only what serving needs (pyproject's dependencies);
+# `make test` (and `make install`, for development) adds the test extras on top.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 
 .PHONY: serve test install model bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e .
 	touch $(STAMP)
 
-install: $(STAMP)
+$(TEST_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(TEST_STAMP)
+
+install: $(TEST_STAMP)
 
 model: $(STAMP)
 	$(BIN)/pantheon models fetch-default
@@ -21,14 +28,14 @@ model: $(STAMP)
 serve: model
 	$(BIN)/pantheon serve $(ARGS)
 
-test: model
+test: $(TEST_STAMP) model
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 bench: model
 	$(BIN)/pantheon bench engine
 
 # On a machine with an NVIDIA GPU: CuPy, the gpu tests, both benchmarks, one JSON line
-gpu-check: model
+gpu-check: $(TEST_STAMP) model
 	$(BIN)/python -m pantheon.bench.gpu_check
 
 clean:

@@ -1,14 +1,14 @@
 """Structured output: response_format -> grammar (common/grammar.py) and the token masks
 that enforce it (worker/constraint.py), down to greedy decoding with the real default model."""
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from pantheon.common.default_model import cached_path
 from pantheon.common.grammar import grammar_for_response_format, validate_grammar
 
-MODEL = Path("/root/.cache/pantheon/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+MODEL = cached_path()                      # the settings' cache folder (PANTHEON_CACHE_DIR)
 needs_model = pytest.mark.skipif(not MODEL.exists(), reason=f"{MODEL} missing")
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},

@@ -1,6 +1,5 @@
 """worker/quants.py against the gguf package's numpy reference dequantizer."""
 
-from pathlib import Path
 
 import gguf
 import gguf.quants
@@ -9,10 +8,11 @@ import pytest
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
+from pantheon.common.default_model import cached_path
 from pantheon.worker import quants
 from pantheon.worker.quants import SUPPORTED, dequantize
 
-MODEL = Path("/root/.cache/pantheon/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+MODEL = cached_path()                      # the settings' cache folder (PANTHEON_CACHE_DIR)
 
 # Byte offsets of the f16 scale fields inside each block, per type.  They are
 # overwritten with small finite halves so random block bytes decode to finite

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import llguidance
 import pytest
 from pantheon.common.chat_template import ChatTemplate, TemplateError
+from pantheon.common.default_model import cached_path
 from pantheon.common.tokenizer import open_tokenizer
 from pantheon.frontend.openai_api import APIError
 from pantheon.frontend.tools import (
@@ -20,7 +20,7 @@ from pantheon.frontend.tools import (
     tool_call_grammar,
 )
 
-MODEL = Path("/root/.cache/pantheon/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+MODEL = cached_path()                      # the settings' cache folder (PANTHEON_CACHE_DIR)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",

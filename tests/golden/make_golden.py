@@ -7,9 +7,9 @@ build; transformers' GGUF loader also needs accelerate):
 
     python3 -m venv /tmp/golden-venv
     /tmp/golden-venv/bin/pip install torch==2.13.0 transformers==5.24.0 numpy gguf safetensors accelerate
-    cd /work/main && /tmp/golden-venv/bin/python tests/golden/make_golden.py [NAME ...]
+    /tmp/golden-venv/bin/python tests/golden/make_golden.py [NAME ...]
 
-(about a minute; names limit it to those models; it prints one line per model
+(from the repository's root; about a minute; names limit it to those models; it prints one line per model
 and fails loudly on any mismatch)
 
 Last run with: torch 2.13.0+cpu, transformers 5.24.0, accelerate 1.15.0,

@@ -24,6 +24,7 @@ WORKER_TIMEOUT_S = 5.0                   # silence (or one step) this long: a wo
 WORKER_LOST_AFTER_S = 60.0               # silence this long: an external worker is lost
 MAX_MODELS = 16                          # resident replicas, all models together
 UNLOAD_TIMEOUT_S = 30.0                  # an unload's drain deadline
+ADMIN_TIMEOUT_S = 10.0                   # `pantheon admin`: wait this long for the server
 SHUTDOWN_TIMEOUT_S = 30.0                # SIGTERM: how long requests may run on
 ASYNC_POLL_US = 500                      # a GPU worker's longest sleep polling its step
 # bounds on one client (frontend/limits.py)

@@ -10,6 +10,7 @@ import sys
 import time
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from ..common import protocol as p
 from ..common.keys import curve_client, server_public
@@ -34,28 +35,65 @@ def bar(done: int, total: int, width: int = 30) -> str:
     return f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} layers"
 
 
+# commands that may run long on a live server: they wait as long as its socket answers
+LONG = ("load", "unload")
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+
+def not_answering(addr: str, timeout: float) -> TimeoutError:
+    return TimeoutError(f"the server is not answering at {addr} (waited {timeout:g} s; is it "
+                        "running there? --addr or PANTHEON_ADMIN_ADDR names another)")
+
+
 def call(addr: str, cmd: str, args: dict, key: str | None, timeout: float,
          on_progress=None, keys_dir: str | None = None) -> p.AdminReply:
+    """One admin command. Nobody answering at `addr` (no ZeroMQ handshake) within `timeout`
+    is a TimeoutError naming it; a short command's reply is due within `timeout` too; a load
+    or unload waits for its reply as long as the server's socket answers ZeroMQ heartbeats,
+    which its I/O thread does however long the command runs."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(int(timeout * 1000), 1000))
     if keys_dir:                  # CURVE: encrypted to the server; our key is ephemeral
         curve_client(sock, server_public(keys_dir))
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+                                      | HANDSHAKE_FAILED)
     sock.connect(addr)
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(monitor, zmq.POLLIN)
+    answered = False              # the server's socket completed the handshake
+    deadline = time.monotonic() + timeout
     try:
         sock.send(p.encode(p.AdminRequest(cmd, args, key or "")))
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not sock.poll(200):
-                continue
-            msg = p.decode(sock.recv())
-            if isinstance(msg, p.LoadProgress):
-                if on_progress:
-                    on_progress(msg)
-                continue
-            return msg
-        raise TimeoutError(f"no answer from {addr} within {timeout:g} s (is the server "
-                           "running? with `serve --keys`, pass --keys DIR)")
+        while True:
+            if time.monotonic() > deadline and not (answered and cmd in LONG):
+                if not answered:
+                    raise not_answering(addr, timeout)
+                raise TimeoutError(f"the server at {addr} did not answer `{cmd}` within "
+                                   f"{timeout:g} s")
+            ready = dict(poller.poll(100))
+            if monitor in ready:
+                event = recv_monitor_message(monitor)["event"]
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    answered = True
+                elif event & HANDSHAKE_FAILED:
+                    raise ConnectionError(f"the handshake with {addr} failed (with `serve "
+                                          "--keys`, pass --keys DIR)")
+                elif answered:    # gone, or silent past the heartbeat timeout
+                    raise ConnectionError(f"the server at {addr} stopped answering")
+            if sock in ready:
+                msg = p.decode(sock.recv())
+                if isinstance(msg, p.LoadProgress):
+                    if on_progress:
+                        on_progress(msg)
+                    continue
+                return msg
     finally:
+        sock.disable_monitor()
+        monitor.close()
         sock.close()
 
 
@@ -67,7 +105,7 @@ def main(args) -> int:
         reply = call(args.addr, args.admin_command, request_args(args), args.key, args.timeout,
                      progress if sys.stderr.isatty() or args.admin_command == "load" else None,
                      args.keys)
-    except (TimeoutError, p.ProtocolError) as exc:
+    except (TimeoutError, ConnectionError, p.ProtocolError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     if args.admin_command == "load":

@@ -1,16 +1,20 @@
 """`pantheon admin top`: a live view of a running server, like htop or nvidia-smi.
 
 One admin-socket call (`top`) per refresh; on a terminal the screen is redrawn every
-`--interval` seconds until `q` (curses); through a pipe, one snapshot is printed.
+`--interval` seconds until `q` (curses), which quits at any time; an error (no server
+answering within `--timeout`) is shown on the screen; through a pipe, one snapshot is printed.
 """
 from __future__ import annotations
 
 import curses
 import sys
+import threading
 import time
 
 from ..common import protocol as p
 from .admin_cli import call
+
+FAILURES = (TimeoutError, ConnectionError, RuntimeError, p.ProtocolError)
 
 
 def gib(n: int) -> str:
@@ -47,30 +51,54 @@ def snapshot(args) -> dict:
     return reply.body
 
 
+class Fetcher:
+    """Snapshots in a thread of their own, so that the screen shows at once (connecting,
+    then each snapshot or error) and `q` quits at any time, even while no server answers."""
+
+    def __init__(self, args):
+        self.args = args
+        self.lines = [f"Pantheon at {args.addr}: connecting…"]
+        self.version = 0
+        self.stop = threading.Event()
+        threading.Thread(target=self.run, daemon=True).start()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                lines = render(snapshot(self.args), self.args.addr)
+            except FAILURES as exc:
+                lines = [f"Pantheon at {self.args.addr}", "", f"error: {exc}"]
+            self.lines, self.version = lines, self.version + 1
+            self.stop.wait(self.args.interval)
+
+
 def live(screen, args) -> None:
     curses.curs_set(0)
-    screen.timeout(int(args.interval * 1000))        # getch waits at most one interval
-    while True:
-        try:
-            lines = render(snapshot(args), args.addr)
-        except (TimeoutError, RuntimeError, p.ProtocolError) as exc:
-            lines = [f"Pantheon at {args.addr}: {exc}"]
-        lines.append("")
-        lines.append("q quits")
-        screen.erase()
-        height, width = screen.getmaxyx()
-        for y, line in enumerate(lines[:height - 1]):
-            screen.addnstr(y, 0, line, width - 1)
-        screen.refresh()
-        if screen.getch() in (ord("q"), ord("Q")):
-            return
+    screen.timeout(100)                              # getch: a key or 0.1 s, whichever first
+    fetcher, shown = Fetcher(args), None
+    try:
+        while True:
+            key = screen.getch()
+            if key in (ord("q"), ord("Q")):
+                return
+            if fetcher.version == shown and key != curses.KEY_RESIZE:
+                continue
+            shown = fetcher.version
+            lines = fetcher.lines + ["", "q quits"]
+            screen.erase()
+            height, width = screen.getmaxyx()
+            for y, line in enumerate(lines[:height - 1]):
+                screen.addnstr(y, 0, line, width - 1)
+            screen.refresh()
+    finally:
+        fetcher.stop.set()
 
 
 def main(args) -> int:
     if not (sys.stdout.isatty() and sys.stdin.isatty()) or args.once:
         try:
             print("\n".join(render(snapshot(args), args.addr)))
-        except (TimeoutError, RuntimeError, p.ProtocolError) as exc:
+        except FAILURES as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
         return 0

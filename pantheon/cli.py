@@ -249,7 +249,11 @@ def build_parser() -> argparse.ArgumentParser:
     admin.add_argument("--addr", help="admin socket (env PANTHEON_ADMIN_ADDR, default "
                        f"{settings.ADMIN_ADDR})")
     admin.add_argument("--key", help="admin key (env PANTHEON_ADMIN_KEY)")
-    admin.add_argument("--timeout", type=float, default=1800, help="seconds to wait for the answer")
+    admin.add_argument("--timeout", type=float, default=settings.ADMIN_TIMEOUT_S,
+                       help="seconds to wait for the server to answer (default "
+                       f"{settings.ADMIN_TIMEOUT_S:g}); then 'the server is not answering at "
+                       "ADDR' and exit 1. A load or unload then runs as long as it needs "
+                       "while the server stays connected")
     admin.add_argument("--keys", metavar="DIR", help="a folder holding the server's public "
                        "key (server.key), when the admin socket uses CURVE (env "
                        "PANTHEON_KEYS_DIR)")

@@ -55,4 +55,4 @@ def test_top_says_clearly_when_no_server_answers():
     proc = subprocess.run([sys.executable, "-m", "pantheon.cli", "admin", "--addr",
                            "tcp://127.0.0.1:1", "--timeout", "1", "top"],
                           capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 1 and "no answer" in proc.stderr
+    assert proc.returncode == 1 and "not answering at tcp://127.0.0.1:1" in proc.stderr

@@ -1,0 +1,104 @@
+"""`pantheon admin` with nobody answering: a clear error within the default timeout, and
+`admin top` shows that error on its screen and quits on `q` at any time."""
+import os
+import pty
+import select
+import subprocess
+import sys
+import time
+
+import pytest
+
+from cluster import free_port
+
+ADMIN = [sys.executable, "-m", "pantheon.cli", "admin"]
+
+
+def read_until(fd: int, wanted: bytes, seconds: float) -> bytes:
+    seen, deadline = b"", time.monotonic() + seconds
+    while wanted not in seen and time.monotonic() < deadline:
+        if select.select([fd], [], [], 0.2)[0]:
+            try:
+                seen += os.read(fd, 65536)
+            except OSError:                   # the child closed the terminal
+                break
+    return seen
+
+
+def top_on_a_terminal(addr: str, *flags: str):
+    leader, follower = pty.openpty()
+    env = {**os.environ, "TERM": "xterm", "LINES": "24", "COLUMNS": "100"}
+    proc = subprocess.Popen(ADMIN + ["--addr", addr, *flags, "top", "--interval", "0.2"],
+                            stdin=follower, stdout=follower, stderr=follower, env=env,
+                            close_fds=True)
+    os.close(follower)
+    return proc, leader
+
+
+def test_admin_without_a_server_says_so_and_top_quits_on_q():
+    addr = f"tcp://127.0.0.1:{free_port()}"                    # nobody listens there
+    status = subprocess.Popen(ADMIN + ["--addr", addr, "status"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)       # the default timeout
+    try:
+        # top, waiting long for the server: its screen comes at once, and `q` ends it
+        waiting, leader = top_on_a_terminal(addr, "--timeout", "60")
+        assert b"connecting" in read_until(leader, b"q quits", 15)
+        os.write(leader, b"q")
+        assert waiting.wait(10) == 0
+        os.close(leader)
+        # top with a short timeout: the error is on the screen, then `q`
+        failing, leader = top_on_a_terminal(addr, "--timeout", "1")
+        screen = read_until(leader, b"not answering", 15)
+        assert b"the server is not answering at " + addr.encode() in screen
+        os.write(leader, b"q")
+        assert failing.wait(10) == 0
+        os.close(leader)
+
+        out, err = status.communicate(timeout=20)
+        assert status.returncode == 1 and out == ""
+        assert f"the server is not answering at {addr}" in err
+    finally:
+        status.kill()
+        status.wait()
+
+
+def test_admin_help_shows_the_timeout():
+    done = subprocess.run(ADMIN + ["--help"], capture_output=True, text=True, timeout=20)
+    assert "--timeout" in done.stdout and "default 10" in done.stdout
+
+
+def test_a_long_load_outlasts_the_timeout_while_the_server_answers():
+    """A server that takes 1.8 s to answer: a load (progress, then the reply) waits for it
+    past --timeout 1 (the server's socket answers heartbeats); a status does not."""
+    import threading
+
+    import zmq
+
+    from pantheon.common import protocol as p
+    from pantheon.frontend.admin_cli import call
+
+    server = zmq.Context.instance().socket(zmq.ROUTER)
+    server.setsockopt(zmq.LINGER, 0)
+    port = server.bind_to_random_port("tcp://127.0.0.1")
+
+    def slow_server():
+        for _ in range(2):
+            ident, data = server.recv_multipart()
+            request = p.decode(data)
+            time.sleep(1.8)
+            if request.cmd == "load":
+                server.send_multipart([ident, p.encode(p.LoadProgress("m", 1, 2))])
+            server.send_multipart([ident, p.encode(p.AdminReply(200, {"cmd": request.cmd}))])
+
+    thread = threading.Thread(target=slow_server, daemon=True)
+    thread.start()
+    addr = f"tcp://127.0.0.1:{port}"
+    try:
+        progress = []
+        reply = call(addr, "load", {"path": "/x.gguf"}, None, 1.0, progress.append)
+        assert reply.status == 200 and reply.body == {"cmd": "load"} and len(progress) == 1
+        with pytest.raises(TimeoutError, match=f"the server at {addr} did not answer `status`"):
+            call(addr, "status", {}, None, 1.0)
+        thread.join(10)
+    finally:
+        server.close()

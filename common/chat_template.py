@@ -4,15 +4,67 @@ Models ship their prompt format as a Hugging Face style Jinja template; renderin
 way `transformers.apply_chat_template` does (same environment options and helpers) is what
 makes a prompt look like the model's training data. Templates come from model files we do
 not control, so they run in Jinja's immutable sandbox.
+
+Special tokens come only from the template: the text of a control token (`<|im_start|>`)
+inside a message, a tool or a template argument is swapped for a placeholder before
+rendering and restored after, and the `Prompt` that comes back tells the tokenizer which
+spans those were, so that it encodes them as plain text. A user cannot forge a turn.
 """
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 
 import jinja2
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+# where a control token's text stood in the caller's data (U+E000, its number, U+E001)
+PLACEHOLDER = re.compile("\ue000(\\d+)\ue001")
+
+
+class Prompt(str):
+    """Rendered prompt text that knows where the caller's data spelt a control token.
+
+    `shielded` is the text with each such spot a placeholder and `literals[i]` what the
+    i-th placeholder stands for; with no literals the text holds no forged token at all."""
+
+    shielded: str
+    literals: tuple[str, ...]
+
+    @classmethod
+    def restore(cls, shielded: str, literals: list[str]) -> "Prompt":
+        def back(m: re.Match) -> str:
+            i = int(m[1])
+            return literals[i] if i < len(literals) else m[0]
+        prompt = cls(PLACEHOLDER.sub(back, shielded) if literals else shielded)
+        prompt.shielded, prompt.literals = shielded, tuple(literals)
+        return prompt
+
+
+class Shield:
+    """Swaps the text of control tokens in untrusted data for numbered placeholders. The
+    placeholder's own first character is shielded too, so no data can spell one."""
+
+    def __init__(self, specials):
+        texts = sorted({t for t in specials if t} | {"\ue000"}, key=len, reverse=True)
+        self.pattern = re.compile("|".join(map(re.escape, texts)))
+
+    def __call__(self, value, literals: list[str]):
+        if isinstance(value, str):
+            return self.pattern.sub(lambda m: self.hold(m[0], literals), value)
+        if isinstance(value, dict):
+            return {self(k, literals): self(v, literals) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self(v, literals) for v in value]
+        return value
+
+    @staticmethod
+    def hold(text: str, literals: list[str]) -> str:
+        literals.append(text)
+        return f"\ue000{len(literals) - 1}\ue001"
 
 
 class TemplateError(ValueError):
@@ -85,8 +137,12 @@ def _chatml(messages: list[dict], add_generation_prompt: bool) -> str:
 class ChatTemplate:
     """Renders chat messages with one model's template (or ChatML when it has none)."""
 
-    def __init__(self, source: str | None, bos_text: str = "", eos_text: str = ""):
+    def __init__(self, source: str | None, bos_text: str = "", eos_text: str = "",
+                 specials=()):
+        """`specials`: the tokenizer's control-token texts (Tokenizer.control_texts), which
+        messages may hold only as text; without them the data is rendered as given."""
         self.source = source
+        self._shield = Shield(specials) if specials else None
         self._bos, self._eos = bos_text, eos_text
         self._template = None
         if source is not None:
@@ -101,16 +157,20 @@ class ChatTemplate:
                                     f"{exc.message}") from exc
 
     def render(self, messages: list[dict], *, tools: list[dict] | None = None,
-               add_generation_prompt: bool = True, **extra) -> str:
+               add_generation_prompt: bool = True, **extra) -> Prompt:
         """The prompt text; `extra` reaches the template as variables (e.g. enable_thinking)."""
         messages = [_flatten(m) for m in messages]
+        literals: list[str] = []
+        if self._shield is not None:
+            messages, tools, extra = self._shield((messages, tools, extra), literals)
         if self._template is None:
-            return _chatml(messages, add_generation_prompt)
+            return Prompt.restore(_chatml(messages, add_generation_prompt), literals)
         try:
-            return self._template.render(messages=messages, tools=tools,
+            text = self._template.render(messages=messages, tools=tools,
                                          add_generation_prompt=add_generation_prompt,
                                          bos_token=self._bos, eos_token=self._eos, **extra)
         except TemplateError:
             raise
         except Exception as exc:  # the template is third-party code: any failure is its error
             raise TemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
+        return Prompt.restore(text, literals)

@@ -8,18 +8,22 @@ pipeline so that ids match llama.cpp's tokenizer (llama-vocab.cpp) for the same 
     piece has the highest score, which is a BPE whose merge ranks are ordered by score,
     plus `<0xNN>` byte fallback and a `▁` prefix at the start and after each special token.
 Control and user-defined tokens become added tokens, so `<|im_start|>` in a rendered chat
-template stays one token.
+template stays one token. A rendered `Prompt` (common/chat_template.py) marks where the
+caller's messages spelt a control token; those spans are encoded as plain text, as
+llama.cpp does with `parse_special` off, so only the template makes control tokens.
 """
 from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 from gguf import TokenType
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from .chat_template import PLACEHOLDER, Prompt
 from .gguf_file import open_gguf_cached
 
 log = logging.getLogger(__name__)
@@ -158,6 +162,15 @@ class Tokenizer:
         self.eos_text = "" if eos_id is None else hf.id_to_token(eos_id)
         named = {hf.token_to_id(name) for name in EOT_NAMES}
         self.eot_ids = frozenset((named | {eos_id} | set(extra_eot)) - {None})
+        # the control tokens' texts (ChatTemplate's `specials`); user-defined tokens such as
+        # `<think>` stay tokens even in message text, as in llama.cpp
+        control = {t.content: i for i, t in hf.get_added_tokens_decoder().items()
+                   if t.special and t.content}
+        self.control_texts = tuple(sorted(control, key=len, reverse=True))
+        self._control_ids = control
+        self._control_re = re.compile("(" + "|".join(map(re.escape, self.control_texts)) + ")") \
+            if control else None
+        self._plain: HFTokenizer | None = None      # built on the first forged prompt
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> "Tokenizer":
@@ -194,10 +207,45 @@ class Tokenizer:
                    chat_template=template, extra_eot=eos if isinstance(eos, list) else [eos])
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
-        """Token ids; special-token text (e.g. `<|im_start|>`) becomes the special token."""
-        ids = self._hf.encode(text, add_special_tokens=False).ids
+        """Token ids; special-token text (e.g. `<|im_start|>`) becomes the special token,
+        except where a rendered Prompt says it came from a message (then it is text)."""
+        if isinstance(text, Prompt) and text.literals and self._control_re is not None:
+            ids = self._encode_shielded(text)
+        else:
+            ids = self._hf.encode(text, add_special_tokens=False).ids
         add = self.add_bos if add_bos is None else add_bos
         return [self.bos_id, *ids] if add and self.bos_id is not None else ids
+
+    def _encode_shielded(self, prompt: Prompt) -> list[int]:
+        """The split `tokenizers` makes around added tokens, made by hand: the template's
+        control tokens are cut out as ids, and each run between them (the forged texts
+        put back) is encoded with control tokens read as text. A run is what the plain
+        encoder would have seen, so an honest prompt gets the same ids either way."""
+        if self._plain is None:
+            self._plain = HFTokenizer.from_str(self._hf.to_str())
+            self._plain.encode_special_tokens = True
+        runs, cuts, run = [], [], []            # cuts[i]: the control id after runs[i]
+        pieces = PLACEHOLDER.split(prompt.shielded)
+        for i, piece in enumerate(pieces):
+            if i % 2:                           # a placeholder's number: the forged text
+                n = int(piece)
+                run.append(prompt.literals[n] if n < len(prompt.literals) else piece)
+                continue
+            parts = self._control_re.split(piece)
+            for j, part in enumerate(parts):
+                if j % 2:                       # the template's own control token
+                    runs.append("".join(run))
+                    cuts.append(self._control_ids[part])
+                    run = []
+                else:
+                    run.append(part)
+        runs.append("".join(run))
+        ids: list[int] = []
+        for k, enc in enumerate(self._plain.encode_batch(runs, add_special_tokens=False)):
+            ids += enc.ids
+            if k < len(cuts):
+                ids.append(cuts[k])
+        return ids
 
     def decode(self, ids, skip_special: bool = False) -> str:
         return self._hf.decode(list(ids), skip_special_tokens=skip_special)

@@ -105,7 +105,8 @@ def open_model(path: str, name: str | None, created: int) -> ServedModel:
         raise ModelFileError(f"tensor {bad[0]} has type {bad[1]}, which Pantheon cannot load; "
                              f"supported: {', '.join(sorted(READABLE))}")
     tokenizer = open_tokenizer(path)
-    template = ChatTemplate(tokenizer.chat_template, tokenizer.bos_text, tokenizer.eos_text)
+    template = ChatTemplate(tokenizer.chat_template, tokenizer.bos_text, tokenizer.eos_text,
+                            tokenizer.control_texts)
     return ServedModel(name or Path(path).stem, str(path), config, tokenizer, template, created)
 
 

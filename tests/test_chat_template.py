@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pantheon.common.default_model import cached_path
-from pantheon.common.chat_template import ChatTemplate, TemplateError
+from pantheon.common.chat_template import ChatTemplate, Prompt, TemplateError
 from pantheon.common.tokenizer import Tokenizer
 
 MODEL = cached_path()                      # the settings' cache folder (PANTHEON_CACHE_DIR)
@@ -32,6 +32,12 @@ def test_smollm2_template_gives_reference_prompt_ids(smol, case):
     template = ChatTemplate(smol.chat_template, smol.bos_text, smol.eos_text)
     prompt = template.render(case["messages"], add_generation_prompt=True)
     assert smol.encode(prompt) == case["prompt_ids_fp32ref"]
+    # shielding message text from control tokens changes nothing for honest messages
+    shielded = ChatTemplate(smol.chat_template, smol.bos_text, smol.eos_text, smol.control_texts)
+    assert smol.encode(shielded.render(case["messages"])) == case["prompt_ids_fp32ref"]
+    # and the tokenizer's split around the template's tokens encodes as `tokenizers` does
+    forced = Prompt.restore(str(prompt), ["never used"])      # takes the shielded path
+    assert smol.encode(forced) == case["prompt_ids_fp32ref"]
 
 
 def test_content_parts_are_flattened(smol):

@@ -15,7 +15,8 @@ def run_chat(model_path, prompt: str, system: str | None = None, max_tokens: int
              params: SamplingParams | None = None, out=sys.stdout, stats=sys.stderr,
              quantize: str = "auto") -> str:
     tokenizer = open_tokenizer(model_path)
-    template = ChatTemplate(tokenizer.chat_template, tokenizer.bos_text, tokenizer.eos_text)
+    template = ChatTemplate(tokenizer.chat_template, tokenizer.bos_text, tokenizer.eos_text,
+                            tokenizer.control_texts)
     messages = ([{"role": "system", "content": system}] if system else []) + \
         [{"role": "user", "content": prompt}]
     ids = tokenizer.encode(template.render(messages, add_generation_prompt=True))

@@ -21,9 +21,12 @@ import numpy as np
 from gguf import GGUFReader, GGUFValueType
 from gguf.gguf_reader import ReaderField
 
+from .regular_file import require_regular
+
 
 def open_gguf(path: str | Path) -> "GGUFFile":
-    """A read-only, memory-mapped GGUF file."""
+    """A read-only, memory-mapped GGUF file; a FIFO or a device is refused unopened."""
+    require_regular(path)
     return GGUFFile(path, "r")
 
 
@@ -31,7 +34,7 @@ def open_gguf_cached(path: str | Path) -> "GGUFFile":
     """open_gguf, parsed once per process while the file is unchanged: opening a model
     reads its metadata for the config, the tokenizer and the tensor list (~0.5 s each for
     SmolLM2's vocabulary). Callers only read what it returns."""
-    st = os.stat(path)
+    st = require_regular(path)
     return _cached(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import settings
+from .regular_file import is_regular
 
 BLOCK = 1 << 20
 
@@ -94,7 +95,7 @@ def fetch(name: str, log=print) -> Path:
     """The model's cached path, downloaded and assembled first unless already cached."""
     model = entry(name)
     dest = models_dir() / model.filename
-    if dest.exists() and dest.stat().st_size == model.size and sha256_of(dest) == model.sha256:
+    if is_regular(dest) and dest.stat().st_size == model.size and sha256_of(dest) == model.sha256:
         log(f"{name} already cached: {dest}")
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -174,7 +175,7 @@ def listing() -> list[Listed]:
         size = path.stat().st_size
         rows.append(Listed(model.name, "cached" if size == model.size else "wrong size", size, path))
     known = {m.filename for m in CATALOG.values()}
-    for path in sorted(models_dir().glob("*.gguf")):
+    for path in sorted(p for p in models_dir().glob("*.gguf") if is_regular(p)):
         if path.name not in known:
             rows.append(Listed("-", "other", path.stat().st_size, path))
     return rows

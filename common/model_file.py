@@ -17,6 +17,7 @@ import gguf
 from .arch import BASE_FIELDS, HF_ARCH, REQUIRED, SUPPORTED_ARCHS, Family, family
 from .arch.stack import Block, RopeScaling
 from .gguf_file import open_gguf, open_gguf_cached
+from .regular_file import NotRegularFile, check_model_folder, require_regular
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,10 @@ def open_model_file(path: str | Path, cached: bool = False):
     path = Path(path)
     if not path.exists():
         raise ModelFileError(f"model not found: {path}")
+    try:                          # stat only: a FIFO or a device is never opened
+        check_model_folder(path) if path.is_dir() else require_regular(path)
+    except NotRegularFile as exc:
+        raise ModelFileError(str(exc)) from None
     if path.is_dir():
         return config_from_hf(path), None
     try:

@@ -25,6 +25,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from .chat_template import PLACEHOLDER, Prompt
 from .gguf_file import open_gguf_cached
+from .regular_file import check_model_folder
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +187,7 @@ class Tokenizer:
     def from_hf_dir(cls, path: str | Path) -> "Tokenizer":
         """From a Hugging Face model folder: tokenizer.json + tokenizer_config.json."""
         path = Path(path)
+        check_model_folder(path)                   # a FIFO among its files is never opened
         hf = HFTokenizer.from_file(str(path / "tokenizer.json"))
         config = _read_json(path / "tokenizer_config.json")
         ids = {}

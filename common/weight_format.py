@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from . import settings
+from .regular_file import require_regular
 
 QUANTIZE_MODES = ("auto", "none", "q8_0", "q4")   # `auto`: as stored (the default)
 
@@ -61,6 +62,7 @@ def tensor_list(path: str | Path) -> list[tuple[str, str, tuple[int, ...]]]:
     if path.is_dir():
         out = []
         for file in sorted(path.glob("*.safetensors")):
+            require_regular(file)
             with open(file, "rb") as fh:
                 header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
             out += [(name, info["dtype"], tuple(info["shape"]))

@@ -167,6 +167,23 @@ def confined(tmp_path_factory):
         yield srv
 
 
+def test_a_fifo_load_is_400_naming_it_and_never_opened(confined):
+    fifo = confined.folder / "fifo.gguf"
+    os.mkfifo(fifo)
+    try:
+        r = httpx.post(confined.url + "/admin/models/load", headers={"Authorization": "Bearer adm"},
+                       json={"path": str(fifo), "name": "fifo"}, timeout=30)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "path" and f"{fifo} is a FIFO" in err["message"]
+    finally:                      # a load that opened it (and blocked) ends: no writer-less hang
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
+    assert httpx.get(confined.url + "/health", timeout=10).status_code == 200
+
+
 def test_loads_outside_the_model_dirs_are_403_with_identical_bodies(confined, tmp_path):
     existing = tmp_path / "real.gguf"
     tm.write_gguf("llama", existing)

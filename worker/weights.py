@@ -31,6 +31,7 @@ import numpy as np
 from ..common.arch.stack import Rope
 from ..common.gguf_file import open_gguf
 from ..common.model_file import ModelConfig, ModelFileError
+from ..common.regular_file import require_regular
 from . import qmatrix as qm
 from .device import Device
 from .qmatrix import QMatrix
@@ -218,6 +219,7 @@ class SafetensorsSource:
         if not files:
             raise ModelFileError(f"{folder} holds no .safetensors files")
         for file in files:
+            require_regular(file)                  # a FIFO would block the open for ever
             with open(file, "rb") as fh:
                 size = int.from_bytes(fh.read(8), "little")
                 header = json.loads(fh.read(size))

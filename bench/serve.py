@@ -273,7 +273,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, help="requests per level (default 2*c, min 4)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompt-words", type=int, default=64, help="approximate prompt size")
-    parser.add_argument("--api-key", default=settings.openai_api_key())
+    parser.add_argument("--api-key", default=settings.openai_api_key(),
+                        help="key to send (env OPENAI_API_KEY); prefer --api-key-file")
+    parser.add_argument("--api-key-file", metavar="FILE", help="send the file's first key")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup", type=int, default=1, help="untimed requests first")
     parser.add_argument("--server-pid", type=int, metavar="PID",
@@ -285,6 +287,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args) -> int:
+    if args.api_key_file:                 # out of the process list, unlike --api-key
+        from ..common.key_set import first_key
+        args.api_key = first_key(args.api_key_file)
     levels = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
     result = run(args.url, args.model, levels, args.requests, args.max_tokens,
                  args.prompt_words, args.api_key, args.seed, warmup=args.warmup,

@@ -15,7 +15,6 @@ deadline, then aborts the rest with a clear error: never an unbounded wait.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ import zmq.asyncio
 
 from ..common import protocol as p
 from ..common import settings
+from ..common.key_set import KeySet
 from ..common.keys import KeyPair, curve_server
 from ..common.model_file import ModelFileError
 from ..common.weight_format import QUANTIZE_MODES
@@ -296,9 +296,9 @@ class Admin:
 class AdminSocket:
     """The ZeroMQ admin endpoint: AdminRequest in; LoadProgress…, AdminReply out."""
 
-    def __init__(self, admin: Admin, address: str, token: str | None,
+    def __init__(self, admin: Admin, address: str, token: str | KeySet | None,
                  curve: KeyPair | None = None):
-        self.admin, self.token = admin, token
+        self.admin, self.token = admin, KeySet.of(token)     # a key file is reread on change
         self.sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
         if curve is not None:        # encrypted; any client key: the token authenticates
             curve_server(self.sock, curve, "admin")
@@ -326,7 +326,7 @@ class AdminSocket:
         except p.ProtocolError as exc:
             await send(p.AdminReply(400, AdminError(400, str(exc)).body()))
             return
-        if self.token and not hmac.compare_digest(req.token.encode(), self.token.encode()):
+        if self.token and not self.token.matches(req.token):
             await send(p.AdminReply(401, AdminError(401, "invalid admin token").body()))
             return
 

@@ -1,7 +1,6 @@
 """The Starlette application: routes, CORS, API key, OpenAI-shaped errors."""
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import re
@@ -15,6 +14,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..common import logs
+from ..common.key_set import KeySet
 from .admission import Admission
 from .admin import Admin
 from .chat import ChatService, read_body
@@ -109,8 +109,8 @@ class Guard:
     def __init__(self, app, api_key: str | None, admin_key: str | None = None,
                  metrics_auth: bool = False):
         self.app = app
-        self.api_key = api_key.encode() if api_key else None
-        self.admin_key = admin_key.encode() if admin_key else None
+        self.api_key = KeySet.of(api_key)         # KeySets: key files are reread on change
+        self.admin_key = KeySet.of(admin_key)
         self.public = PUBLIC_PATHS - {"/metrics"} if metrics_auth else PUBLIC_PATHS
 
     async def __call__(self, scope, receive, send):
@@ -132,10 +132,10 @@ class Guard:
         await self.app(scope, receive, send_with_cors)
 
     @staticmethod
-    def authorized(scope, key: bytes) -> bool:
+    def authorized(scope, keys: KeySet) -> bool:
         header = dict(scope["headers"]).get(b"authorization", b"")
         scheme, _, token = header.partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key)
+        return scheme.lower() == b"bearer" and keys.matches(token.strip())
 
     @staticmethod
     async def reply(send, status: int, body: dict, headers) -> None:

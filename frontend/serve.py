@@ -13,6 +13,7 @@ import zmq
 import zmq.asyncio
 
 from ..common import settings
+from ..common.key_set import KeySet
 from .admission import Admission
 from .admin import Admin, AdminSocket
 from .app import build_app
@@ -43,7 +44,7 @@ class ServeConfig:
     spawn: list[str] = field(default_factory=lambda: ["cpu"])   # [] = --no-spawn
     slots: int = settings.SLOTS
     ctx: int = 0
-    api_key: str | None = None
+    api_key: KeySet | str | None = None           # a KeySet: --api-key and --api-key-file
     max_body_bytes: int = settings.MAX_BODY_BYTES
     worker_timeout_s: float = settings.WORKER_TIMEOUT_S     # silence (or a step): slow
     prefill_chunk: int = settings.PREFILL_CHUNK
@@ -51,7 +52,7 @@ class ServeConfig:
     queue_depth: int = settings.QUEUE_DEPTH
     queue_timeout_s: float = settings.QUEUE_TIMEOUT_S
     admin_addr: str = settings.ADMIN_ADDR
-    admin_key: str | None = None
+    admin_key: KeySet | str | None = None
     max_models: int = settings.MAX_MODELS
     context_cap: bool = True
     worker_lost_after_s: float = settings.WORKER_LOST_AFTER_S   # silence: external one lost
@@ -252,13 +253,15 @@ def main(args) -> int:
     spawn = [] if args.no_spawn else [d.strip() for d in args.spawn_workers.split(",") if d.strip()]
     cfg = ServeConfig(
         models=models, host=args.host, port=args.port, worker_addr=args.worker_addr,
-        spawn=spawn, slots=args.slots, ctx=args.ctx, api_key=args.api_key,
+        spawn=spawn, slots=args.slots, ctx=args.ctx,
+        api_key=KeySet.of(KeySet([args.api_key], args.api_key_file)),
         max_body_bytes=args.max_body_bytes, worker_timeout_s=args.worker_timeout,
         prefill_chunk=args.prefill_chunk if args.prefill_chunk is not None
         else settings.prefill_chunk(), prefix_cache_mb=args.prefix_cache_mb,
         queue_depth=args.queue_depth if args.queue_depth is not None else settings.queue_depth(),
         queue_timeout_s=args.queue_timeout, admin_addr=args.admin_addr,
-        admin_key=args.admin_key, max_models=args.max_models,
+        admin_key=KeySet.of(KeySet([args.admin_key], args.admin_key_file)),
+        max_models=args.max_models,
         context_cap=not args.no_context_cap, worker_lost_after_s=args.worker_lost_after,
         quantize=args.quantize, shutdown_timeout_s=args.shutdown_timeout,
         metrics_auth=args.metrics_auth, log_format=args.log_format or settings.log_format(),

@@ -83,6 +83,9 @@ def cmd_serve(args) -> int:
 def cmd_admin(args) -> int:
     from pantheon.frontend import admin_cli, admin_top
     args.addr = args.addr or settings.admin_addr()
+    if args.key_file:
+        from pantheon.common.key_set import first_key
+        args.key = first_key(args.key_file)
     args.key = args.key or settings.admin_key()
     args.keys = args.keys or settings.keys_dir()
     return (admin_top if args.admin_command == "top" else admin_cli).main(args)
@@ -208,9 +211,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds a request may wait for a slot before a 429")
     serve.add_argument("--ctx", type=int, default=0,
                        help="context per slot (default: the model's, at most 4096)")
-    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (env PANTHEON_API_KEY)")
+    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (env "
+                       "PANTHEON_API_KEY); visible to every user in the process list: "
+                       "prefer --api-key-file")
+    serve.add_argument("--api-key-file", metavar="FILE", help="API keys, one per line, "
+                       "reread when the file changes (chmod 600)")
     serve.add_argument("--admin-key", help="key for /admin/ routes and the admin socket "
-                       "(env PANTHEON_ADMIN_KEY; default: the API key guards /admin/)")
+                       "(env PANTHEON_ADMIN_KEY; default: the API key guards /admin/); "
+                       "visible in the process list: prefer --admin-key-file")
+    serve.add_argument("--admin-key-file", metavar="FILE", help="admin keys, one per "
+                       "line, reread when the file changes (chmod 600)")
     serve.add_argument("--admin-addr", help="ZeroMQ admin socket to bind "
                        f"(env PANTHEON_ADMIN_ADDR, default {settings.ADMIN_ADDR})")
     serve.add_argument("--max-models", type=int, default=settings.MAX_MODELS,
@@ -248,7 +258,10 @@ def build_parser() -> argparse.ArgumentParser:
     admin = sub.add_parser("admin", help="load, unload and inspect models on a running server")
     admin.add_argument("--addr", help="admin socket (env PANTHEON_ADMIN_ADDR, default "
                        f"{settings.ADMIN_ADDR})")
-    admin.add_argument("--key", help="admin key (env PANTHEON_ADMIN_KEY)")
+    admin.add_argument("--key", help="admin key (env PANTHEON_ADMIN_KEY); visible in the "
+                       "process list: prefer --key-file")
+    admin.add_argument("--key-file", metavar="FILE", help="a file holding the admin key "
+                       "(its first line)")
     admin.add_argument("--timeout", type=float, default=settings.ADMIN_TIMEOUT_S,
                        help="seconds to wait for the server to answer (default "
                        f"{settings.ADMIN_TIMEOUT_S:g}); then 'the server is not answering at "

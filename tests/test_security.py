@@ -5,6 +5,7 @@ import os
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -160,11 +161,47 @@ def test_model_dirs_judge_the_resolved_path(tmp_path):
 def confined(tmp_path_factory):
     folder = tmp_path_factory.mktemp("served")
     model = tm.write_gguf("llama", folder / "tiny.gguf")
-    srv = Server("--model", str(model), "--ctx", "128", "--slots", "1", "--admin-key", "adm")
+    keys = folder / "admin.keys"                      # the admin key from a file, not argv
+    keys.write_text("adm\n")
+    keys.chmod(0o600)
+    srv = Server("--model", str(model), "--ctx", "128", "--slots", "1",
+                 "--admin-key-file", str(keys))
     srv.admin_addr = srv.args[srv.args.index("--admin-addr") + 1]
-    srv.folder = folder
+    srv.folder, srv.keys = folder, keys
     with srv:
         yield srv
+
+
+def test_the_admin_key_file_is_out_of_argv_and_reread_on_change(confined, tmp_path):
+    argv = (Path("/proc") / str(confined.proc.pid) / "cmdline")
+    if argv.exists():
+        assert b"adm" not in argv.read_bytes().split(b"\0")
+    dies = confined.url + "/admin/dies"
+
+    def status(key: str) -> int:
+        return httpx.get(dies, headers={"Authorization": f"Bearer {key}"}, timeout=10).status_code
+
+    def until(check) -> bool:                # the server looks at the file once a second
+        for _ in range(50):
+            if check():
+                return True
+            time.sleep(0.2)
+        return False
+    assert status("adm") == 200 and status("adm-next") == 401
+    client = tmp_path / "client.key"
+    client.write_text("adm-next\n")
+    cli = [sys.executable, "-m", "pantheon.cli", "admin", "--addr", confined.admin_addr,
+           "--key-file", str(client), "status"]
+    try:
+        confined.keys.write_text("adm\nadm-next\n")                # rotation: both, then new
+        assert until(lambda: status("adm-next") == 200) and status("adm") == 200
+        confined.keys.write_text("adm-next\n")
+        assert until(lambda: status("adm") == 401) and status("adm-next") == 200
+        done = subprocess.run(cli, capture_output=True, text=True, timeout=30)   # the socket too
+        assert done.returncode == 0 and '"service": "pantheon"' in done.stdout, done.stderr
+    finally:
+        confined.keys.write_text("adm\n")
+        assert until(lambda: status("adm") == 200)
 
 
 def test_a_fifo_load_is_400_naming_it_and_never_opened(confined):

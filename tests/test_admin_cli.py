@@ -35,31 +35,33 @@ def top_on_a_terminal(addr: str, *flags: str):
     return proc, leader
 
 
-def test_admin_without_a_server_says_so_and_top_quits_on_q():
-    addr = f"tcp://127.0.0.1:{free_port()}"                    # nobody listens there
+@pytest.fixture(scope="module")
+def no_server():
+    """An address nobody listens on, and `admin status` against it with the default
+    timeout, started first so that the other tests run while it waits."""
+    addr = f"tcp://127.0.0.1:{free_port()}"
     status = subprocess.Popen(ADMIN + ["--addr", addr, "status"], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)       # the default timeout
-    try:
-        # top, waiting long for the server: its screen comes at once, and `q` ends it
-        waiting, leader = top_on_a_terminal(addr, "--timeout", "60")
-        assert b"connecting" in read_until(leader, b"q quits", 15)
-        os.write(leader, b"q")
-        assert waiting.wait(10) == 0
-        os.close(leader)
-        # top with a short timeout: the error is on the screen, then `q`
-        failing, leader = top_on_a_terminal(addr, "--timeout", "1")
-        screen = read_until(leader, b"not answering", 15)
-        assert b"the server is not answering at " + addr.encode() in screen
-        os.write(leader, b"q")
-        assert failing.wait(10) == 0
-        os.close(leader)
+                              stderr=subprocess.PIPE, text=True)
+    yield addr, status
+    status.kill()
+    status.wait()
 
-        out, err = status.communicate(timeout=20)
-        assert status.returncode == 1 and out == ""
-        assert f"the server is not answering at {addr}" in err
-    finally:
-        status.kill()
-        status.wait()
+
+def test_top_without_a_server_shows_at_once_says_so_and_quits_on_q(no_server):
+    addr, _ = no_server
+    # waiting long for the server: its screen comes at once, and `q` ends it
+    waiting, leader = top_on_a_terminal(addr, "--timeout", "60")
+    assert b"connecting" in read_until(leader, b"q quits", 15)
+    os.write(leader, b"q")
+    assert waiting.wait(10) == 0
+    os.close(leader)
+    # with a short timeout: the error is on the screen, then `q`
+    failing, leader = top_on_a_terminal(addr, "--timeout", "1")
+    screen = read_until(leader, b"not answering", 15)
+    assert b"the server is not answering at " + addr.encode() in screen
+    os.write(leader, b"q")
+    assert failing.wait(10) == 0
+    os.close(leader)
 
 
 def test_admin_help_shows_the_timeout():
@@ -68,8 +70,8 @@ def test_admin_help_shows_the_timeout():
 
 
 def test_a_long_load_outlasts_the_timeout_while_the_server_answers():
-    """A server that takes 1.8 s to answer: a load (progress, then the reply) waits for it
-    past --timeout 1 (the server's socket answers heartbeats); a status does not."""
+    """A server that takes 1.2 s to answer: a load (progress, then the reply) waits for it
+    past --timeout 0.5 (the server's socket answers heartbeats); a status does not."""
     import threading
 
     import zmq
@@ -85,7 +87,7 @@ def test_a_long_load_outlasts_the_timeout_while_the_server_answers():
         for _ in range(2):
             ident, data = server.recv_multipart()
             request = p.decode(data)
-            time.sleep(1.8)
+            time.sleep(1.2)
             if request.cmd == "load":
                 server.send_multipart([ident, p.encode(p.LoadProgress("m", 1, 2))])
             server.send_multipart([ident, p.encode(p.AdminReply(200, {"cmd": request.cmd}))])
@@ -95,10 +97,17 @@ def test_a_long_load_outlasts_the_timeout_while_the_server_answers():
     addr = f"tcp://127.0.0.1:{port}"
     try:
         progress = []
-        reply = call(addr, "load", {"path": "/x.gguf"}, None, 1.0, progress.append)
+        reply = call(addr, "load", {"path": "/x.gguf"}, None, 0.5, progress.append)
         assert reply.status == 200 and reply.body == {"cmd": "load"} and len(progress) == 1
-        with pytest.raises(TimeoutError, match=f"the server at {addr} did not answer `status`"):
-            call(addr, "status", {}, None, 1.0)
+        with pytest.raises(TimeoutError, match=f"the server at {addr} did not answer `status` within 0.5 s"):
+            call(addr, "status", {}, None, 0.5)
         thread.join(10)
     finally:
         server.close()
+
+
+def test_admin_without_a_server_says_so_within_the_default_timeout(no_server):
+    addr, status = no_server
+    out, err = status.communicate(timeout=20)
+    assert status.returncode == 1 and out == ""
+    assert f"the server is not answering at {addr}" in err

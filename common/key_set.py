@@ -39,7 +39,7 @@ def read_key_file(path: str | Path) -> list[str]:
     except (OSError, UnicodeDecodeError, NotRegularFile) as exc:
         raise KeyFileError(f"cannot read key file {path}: {exc}") from None
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        log.warning("key file %s is readable by other users (mode %o): chmod 600 %s",
+        log.warning("key file %s is open to other users (mode %o): chmod 600 %s",
                     path, stat.S_IMODE(st.st_mode), path)
     return [line.strip() for line in text.splitlines()
             if line.strip() and not line.strip().startswith("#")]

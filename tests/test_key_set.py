@@ -31,7 +31,7 @@ def test_others_reading_a_key_file_is_warned(tmp_path, caplog):
     path = write(tmp_path / "keys", "k\n", 0o644)
     with caplog.at_level(logging.WARNING, "pantheon.keys"):
         read_key_file(path)
-    assert "readable by other users" in caplog.text and "chmod 600" in caplog.text
+    assert "open to other users (mode 644)" in caplog.text and "chmod 600" in caplog.text
 
 
 def test_an_empty_key_file_refuses_everyone(tmp_path):

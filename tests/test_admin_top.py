@@ -42,7 +42,7 @@ def test_top_prints_one_snapshot_through_a_pipe_and_runs_live_on_a_terminal():
                                 stderr=follower, close_fds=True)
         os.close(follower)
         seen, deadline = b"", time.monotonic() + 30
-        while b"q quits" not in seen and time.monotonic() < deadline:
+        while not (b"q quits" in seen and b"SmolLM2" in seen) and time.monotonic() < deadline:
             if select.select([leader], [], [], 0.5)[0]:
                 seen += os.read(leader, 65536)
         assert b"q quits" in seen and b"SmolLM2" in seen

@@ -38,11 +38,13 @@ def call(addr: str, cmd: str, args: dict, key: str | None, timeout: float,
          on_progress=None, keys_dir: str | None = None) -> p.AdminReply:
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_MESSAGE_BYTES)
     if keys_dir:                  # CURVE: encrypted to the server; our key is ephemeral
         curve_client(sock, server_public(keys_dir))
     sock.connect(addr)
     try:
-        sock.send(p.encode(p.AdminRequest(cmd, args, key or "")))
+        # the token in a frame of its own: the server checks it before reading the request
+        sock.send_multipart([(key or "").encode(), p.encode(p.AdminRequest(cmd, args))])
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not sock.poll(200):

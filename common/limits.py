@@ -38,6 +38,7 @@ class DecodeLimits:
     max_array: int                  # elements of one array
     max_map: int                    # entries of one map
     max_containers: int             # arrays and maps in one message, all levels together
+    max_depth: int = 0              # nesting of arrays and maps (0: msgpack's own, 1024)
 
 
 # The worker link: a Generate's prompt is the longest array, a grammar the longest string;
@@ -45,4 +46,4 @@ class DecodeLimits:
 LINK = DecodeLimits(MAX_MESSAGE_BYTES, 4 * MAX_GRAMMAR_CHARS, MAX_PROMPT_TOKENS,
                     4 * MAX_LOGIT_BIAS, 1 << 16)
 # The admin socket: small commands, read before anything is trusted.
-ADMIN = DecodeLimits(MAX_ADMIN_MESSAGE_BYTES, MAX_TEXT_CHARS, 1024, 256, 4096)
+ADMIN = DecodeLimits(MAX_ADMIN_MESSAGE_BYTES, MAX_TEXT_CHARS, 1024, 256, 4096, 16)

@@ -417,12 +417,30 @@ def unpack(data: bytes, limits: lim.DecodeLimits = lim.LINK):
             raise TooMany(f"more than {limits.max_containers} arrays and maps")
         return container
     try:
-        return msgpack.unpackb(data, raw=False, strict_map_key=False, max_bin_len=0,
+        body = msgpack.unpackb(data, raw=False, strict_map_key=False, max_bin_len=0,
                                max_ext_len=0, max_str_len=limits.max_str,
                                max_map_len=limits.max_map, max_array_len=limits.max_array,
                                object_hook=count, list_hook=count)
     except Exception as exc:  # msgpack raises several unrelated types
         raise ProtocolError(f"undecodable message: {str(exc)[:200]}") from None
+    if limits.max_depth and nesting(body) > limits.max_depth:
+        raise ProtocolError(f"a message may nest at most {limits.max_depth} levels")
+    return body
+
+
+def nesting(value) -> int:
+    """Depth of nested lists and dicts, without recursion (a scalar: 0); its cost is
+    bounded by the containers the decoder let through."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            node = node.values()
+        elif not isinstance(node, list):
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in node if isinstance(child, (list, dict)))
+    return deepest
 
 
 def decode(data: bytes, limits: lim.DecodeLimits = lim.LINK):

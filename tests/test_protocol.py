@@ -190,3 +190,8 @@ def test_the_admin_limits_are_tighter():
         p.decode(p.encode(p.AdminRequest("load", {"dies": list(range(2000))})), lim.ADMIN)
     with pytest.raises(p.ProtocolError, match="exceeds"):
         p.decode(b"\x80" * (lim.MAX_ADMIN_MESSAGE_BYTES + 1), lim.ADMIN)
+    deep: list = []
+    for _ in range(40):
+        deep = [deep]
+    with pytest.raises(p.ProtocolError, match="nest"):
+        p.decode(p.encode(p.AdminRequest("load", {"dies": deep})), lim.ADMIN)

@@ -73,8 +73,12 @@ class Replica:
     constraints: Future | None = None    # ConstraintFactory, built after the load
 
     def constraint(self, grammar: str):
-        """A matcher for `grammar` (runs in the preparation thread)."""
-        return self.constraints.result().make(grammar)
+        """A matcher for `grammar`, its first mask computed (runs in the preparation
+        thread, which llguidance lets run beside the loop: a grammar whose lexer blows up,
+        as `^(a{1000}){1000}$` does for seconds, does it here and not in a batch's step)."""
+        matcher = self.constraints.result().make(grammar)
+        matcher.bitmask()
+        return matcher
 
 
 class Heartbeats(threading.Thread):

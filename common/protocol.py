@@ -2,10 +2,12 @@
 
 Every message is one msgpack map `{"v": PROTOCOL, "k": kind, ...fields}` in a
 single ZeroMQ frame. The frontend binds a ROUTER socket; each worker connects
-a DEALER (so a restarted worker simply rejoins). Decoding is defensive: size
-limits on the raw bytes and inside msgpack, strict map keys, then a check of
-every field's type against the message class before anything uses it. No
-pickle, ever.
+a DEALER (so a restarted worker simply rejoins). Decoding is defensive, within
+the one table of common/limits.py: size limits on the raw bytes and inside
+msgpack (lengths, and the count of arrays and maps, so a bomb is refused before
+it is built), strict map keys, then a check of every field's type and size
+(`bounded`) against the message class before anything uses it; `encode`
+refuses what the peer's decoder would. No pickle, ever.
 
 New fields go at the end of a class, with defaults, so an older peer still
 decodes what a newer one sends (unknown fields are ignored).
@@ -308,9 +310,9 @@ class Ping:
 
 @dataclass(slots=True)
 class AdminRequest:
-    """A command. The admin token travels in a frame of its own before this message
-    (ADMIN_FRAMES), checked before this one is decoded; `token` is read only from a
-    one-frame request, which a server with a token refuses undecoded."""
+    """A command. The admin token travels in a frame of its own before this message,
+    compared before this one is decoded (frontend/admin.AdminSocket); `token` is read only
+    from a one-frame request (older clients), which a server with a token refuses unread."""
 
     cmd: str = bounded(64)                     # load | unload | dies | models | status
     args: dict[str, object] = field(default_factory=dict)

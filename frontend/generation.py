@@ -55,7 +55,7 @@ class Generation:
         return len(self.token_ids)
 
     # the HTTP field each wire field comes from, for a refusal's `param`
-    PARAMS = {"grammar": "response_format", "prompt": "messages", "session_id": "session_id",
+    PARAMS = {"grammar": "response_format", "session_id": "session_id",
               "logit_bias": "logit_bias"}
 
     def refusal(self) -> APIError | None:

@@ -194,7 +194,7 @@ class WorkerPool:
         worker.requests.add(msg.request_id)
         try:
             await self.send(worker, msg)
-        except BaseException:       # lost, or a message the wire refuses (ProtocolError)
+        except (WorkerLost, p.ProtocolError):    # lost, or a message the wire refuses
             self.release(msg.request_id)
             raise
         return stream

@@ -45,5 +45,9 @@ class DecodeLimits:
 # an Outputs message of a 256-slot batch asking for 20 logprobs holds ~6,000 containers.
 LINK = DecodeLimits(MAX_MESSAGE_BYTES, 4 * MAX_GRAMMAR_CHARS, MAX_PROMPT_TOKENS,
                     4 * MAX_LOGIT_BIAS, 1 << 16)
+# What a worker sends the frontend (hellos, heartbeats, a step's outputs): never a prompt,
+# so far tighter, and the frontend's ROUTER drops a larger frame. It is read from any peer
+# that reaches the worker port, before its hello has been judged.
+FROM_WORKER = DecodeLimits(16 << 20, 1 << 20, 1 << 16, 4096, 1 << 16)
 # The admin socket: small commands, read before anything is trusted.
 ADMIN = DecodeLimits(MAX_ADMIN_MESSAGE_BYTES, MAX_TEXT_CHARS, 1024, 256, 4096, 16)

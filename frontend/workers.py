@@ -31,6 +31,7 @@ from typing import Callable
 import zmq
 import zmq.asyncio
 
+from ..common import limits
 from ..common import protocol as p
 from ..common import settings
 from ..common.keys import KeyPair, curve_server
@@ -144,7 +145,7 @@ class WorkerPool:
         self.unanswered: dict[str, RequestStream] = {}   # sent, no word from the worker yet
         self.ctx = zmq.asyncio.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_MESSAGE_BYTES)   # larger: peer dropped
+        self.sock.setsockopt(zmq.MAXMSGSIZE, limits.FROM_WORKER.max_bytes)   # larger: dropped
         if curve is not None:        # only workers whose key ZAP allows get through
             curve_server(self.sock, curve, "workers")
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -263,9 +264,9 @@ class WorkerPool:
                 continue
             ident, data = frames
             try:
-                msg = p.decode(data)
+                msg = p.decode(data, limits.FROM_WORKER)
             except p.ProtocolError as exc:
-                log.warning("refused a message from %r: %s", ident, exc)
+                log.warning("refused a message from %r: %s", ident[:64], exc)
                 continue
             try:
                 self.dispatch(ident, msg)

@@ -195,3 +195,14 @@ def test_the_admin_limits_are_tighter():
         deep = [deep]
     with pytest.raises(p.ProtocolError, match="nest"):
         p.decode(p.encode(p.AdminRequest("load", {"dies": deep})), lim.ADMIN)
+
+
+def test_what_the_frontend_reads_from_workers_is_bounded_tighter():
+    """The frontend reads the worker port before a peer's hello is judged: no prompt-sized
+    arrays come that way, so none are built."""
+    step = p.Outputs([p.Tokens(f"r{i}", [i], logprobs=[[-0.5, [[i, -0.5]] * 20]])
+                      for i in range(256)])
+    assert p.decode(p.encode(step), lim.FROM_WORKER) == step
+    with pytest.raises(p.ProtocolError, match="max_array_len"):
+        p.decode(p.encode(p.Generate("r", "m", list(range(70_000)), p.Sampling(), 1)),
+                 lim.FROM_WORKER)

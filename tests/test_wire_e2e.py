@@ -157,3 +157,13 @@ def test_the_admin_socket_decodes_nothing_unbounded_or_unauthenticated(server):
     finally:
         sock.close()
     assert rss(server) - before < 100 << 20, (before, rss(server))
+
+
+def test_text_completions_take_the_same_limits(server):
+    r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": "hi", "max_tokens": 2,
+        "logit_bias": {str(2**64): 1}, "session_id": "s"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
+    r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": "hi", "max_tokens": 2, "cache_salt": 7})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"

@@ -2,10 +2,12 @@
 
 Every message is one msgpack map `{"v": PROTOCOL, "k": kind, ...fields}` in a
 single ZeroMQ frame. The frontend binds a ROUTER socket; each worker connects
-a DEALER (so a restarted worker simply rejoins). Decoding is defensive: size
-limits on the raw bytes and inside msgpack, strict map keys, then a check of
-every field's type against the message class before anything uses it. No
-pickle, ever.
+a DEALER (so a restarted worker simply rejoins). Decoding is defensive, within
+the one table of common/limits.py: size limits on the raw bytes and inside
+msgpack (lengths, and the count of arrays and maps, so a bomb is refused before
+it is built), strict map keys, then a check of every field's type and size
+(`bounded`) against the message class before anything uses it; `encode`
+refuses what the peer's decoder would. No pickle, ever.
 
 New fields go at the end of a class, with defaults, so an older peer still
 decodes what a newer one sends (unknown fields are ignored).
@@ -20,14 +22,21 @@ from dataclasses import dataclass, field
 
 import msgpack
 
+from . import limits as lim
 from .settings import PREFILL_CHUNK
 
 PROTOCOL = 1
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024      # a prompt of a few million tokens at most
+MAX_MESSAGE_BYTES = lim.MAX_MESSAGE_BYTES   # a frame on the worker link: ZMQ_MAXMSGSIZE too
 
 
 class ProtocolError(ValueError):
     """Bytes that are not a valid message of this protocol."""
+
+
+def bounded(most: int, **kw):
+    """A field whose value (a string, list or map) may hold at most `most` characters or
+    entries (common/limits.py): the decoder refuses more, naming the field."""
+    return field(metadata={"max": most}, **kw)
 
 
 CRITICAL = 3
@@ -166,6 +175,14 @@ class Tokens:
 
 
 @dataclass(slots=True)
+class Accepted:
+    """A Generate was taken (answered at once, before any token): the frontend's deadline
+    for a first answer stops. A refused one is answered with an Error instead."""
+
+    request_id: str = bounded(lim.MAX_ID_CHARS)
+
+
+@dataclass(slots=True)
 class Outputs:
     """Every request's new tokens from one worker step, in one message (vLLM's
     EngineCoreOutputs): the frontend decodes one message per step, not one per request."""
@@ -238,7 +255,7 @@ class Sampling:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict[int, float] = field(default_factory=dict)
+    logit_bias: dict[int, float] = bounded(lim.MAX_LOGIT_BIAS, default_factory=dict)
     seed: int | None = None
     repeat_last_n: int = 64       # tokens the repetition penalty looks back on
 
@@ -256,21 +273,27 @@ class Sampling:
 
 @dataclass(slots=True)
 class Generate:
-    request_id: str
-    model_id: str
-    prompt: list[int]
-    sampling: Sampling
-    max_tokens: int
-    stop_ids: list[int] = field(default_factory=list)
-    session_id: str | None = None
-    grammar: str | None = None       # llguidance grammar the output must follow
+    request_id: str = bounded(lim.MAX_ID_CHARS)
+    model_id: str = bounded(lim.MAX_ID_CHARS)
+    prompt: list[int] = bounded(lim.MAX_PROMPT_TOKENS)
+    sampling: Sampling = field()
+    max_tokens: int = field()
+    stop_ids: list[int] = bounded(lim.MAX_STOP_IDS, default_factory=list)
+    session_id: str | None = bounded(lim.MAX_SESSION_ID_CHARS, default=None)
+    # llguidance grammar the output must follow
+    grammar: str | None = bounded(lim.MAX_GRAMMAR_CHARS, default=None)
     logprobs: int = -1               # -1: none; N >= 0: the chosen token's and the top N
-    trace: str = ""                  # the client's request id (X-Request-Id), for logs
+    # the client's request id (X-Request-Id), for logs
+    trace: str = bounded(lim.MAX_ID_CHARS, default="")
+    # prefix-cache scope: a warm state (slot or host cache) serves only requests with the
+    # same salt, sessions included. The frontend derives it from the caller's API key and
+    # the request's `cache_salt`, so no client learns from another's cached_tokens.
+    cache_salt: str = bounded(lim.MAX_ID_CHARS, default="")
 
 
 @dataclass(slots=True)
 class Abort:
-    request_id: str
+    request_id: str = bounded(lim.MAX_ID_CHARS)
 
 
 @dataclass(slots=True)
@@ -287,7 +310,11 @@ class Ping:
 
 @dataclass(slots=True)
 class AdminRequest:
-    cmd: str                                   # load | unload | dies | models | status
+    """A command. The admin token travels in a frame of its own before this message,
+    compared before this one is decoded (frontend/admin.AdminSocket); `token` is read only
+    from a one-frame request (older clients), which a server with a token refuses unread."""
+
+    cmd: str = bounded(64)                     # load | unload | dies | models | status
     args: dict[str, object] = field(default_factory=dict)
     token: str = ""
 
@@ -304,6 +331,7 @@ MESSAGES: dict[str, type] = {
     "hello": Hello, "heartbeat": Heartbeat, "loaded": Loaded, "load_failed": LoadFailed,
     "load_progress": LoadProgress,
     "unloaded": Unloaded, "tokens": Tokens, "outputs": Outputs, "error": Error,
+    "accepted": Accepted,
     "stopping": Stopping,
     "load": Load, "unload": Unload, "generate": Generate, "abort": Abort, "shutdown": Shutdown,
     "ping": Ping,
@@ -314,12 +342,45 @@ NESTED = {Sampling, Resident, Tokens, ReplicaLoad}
 
 
 def encode(msg) -> bytes:
+    """The message's bytes; ProtocolError for one its peer's decoder would refuse (a field
+    past its limit, a value msgpack cannot carry, more than MAX_MESSAGE_BYTES)."""
     kind = KIND_OF.get(type(msg))
     if kind is None:
         raise TypeError(f"{type(msg).__name__} is not a protocol message")
+    if (found := oversized(msg)) is not None:
+        raise ProtocolError(found[1])
     body = {"v": PROTOCOL, "k": kind}
     body.update(as_map(msg))
-    return msgpack.packb(body, use_bin_type=True)
+    try:
+        data = msgpack.packb(body, use_bin_type=True)
+    except (OverflowError, TypeError, ValueError) as exc:   # an int past 64 bits, ...
+        raise ProtocolError(f"cannot encode {type(msg).__name__}: {exc}") from None
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"{type(msg).__name__} of {len(data)} bytes exceeds "
+                            f"{MAX_MESSAGE_BYTES}")
+    return data
+
+
+@functools.lru_cache(maxsize=None)
+def limits_of(cls) -> tuple[tuple[str, int], ...]:
+    return tuple((f.name, f.metadata["max"]) for f in dataclasses.fields(cls)
+                 if "max" in f.metadata)
+
+
+def oversized(msg) -> tuple[str, str] | None:
+    """(field, why) for the first field of `msg`, or of a message nested in it, past its
+    limit (`bounded`); None when every one fits. The frontend asks this of each Generate
+    before sending it, the decoder of each message it builds: the same table both ways."""
+    for name, most in limits_of(type(msg)):
+        value = getattr(msg, name)
+        if value is not None and len(value) > most:
+            what = "characters" if isinstance(value, str) else "entries"
+            return name, f"{name} has {len(value)} {what}, more than the {most} allowed"
+    for name in field_names(type(msg)):
+        value = getattr(msg, name)
+        if type(value) in NESTED and (found := oversized(value)) is not None:
+            return found
+    return None
 
 
 @functools.lru_cache(maxsize=None)
@@ -340,24 +401,88 @@ def plain(value):
     return value
 
 
-def decode(data: bytes):
-    """A validated message object from untrusted bytes; ProtocolError otherwise."""
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+class TooMany(ValueError):
+    """More containers than a message may hold (raised inside msgpack's hooks)."""
+
+
+def unpack(data: bytes, limits: lim.DecodeLimits = lim.LINK):
+    """msgpack → Python within `limits`: every length is checked as its header is read,
+    and the count of arrays and maps is bounded (msgpack has no such bound of its own:
+    a message of empty maps costs ~64 bytes of memory per byte on the wire)."""
+    if len(data) > limits.max_bytes:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds {limits.max_bytes}")
+    left = [limits.max_containers]
+
+    def count(container):
+        left[0] -= 1
+        if left[0] < 0:
+            raise TooMany(f"more than {limits.max_containers} arrays and maps")
+        return container
     try:
         body = msgpack.unpackb(data, raw=False, strict_map_key=False, max_bin_len=0,
-                               max_ext_len=0, max_str_len=1 << 20, max_map_len=1 << 16,
-                               max_array_len=MAX_MESSAGE_BYTES // 2)
+                               max_ext_len=0, max_str_len=limits.max_str,
+                               max_map_len=limits.max_map, max_array_len=limits.max_array,
+                               object_hook=count, list_hook=count)
     except Exception as exc:  # msgpack raises several unrelated types
-        raise ProtocolError(f"undecodable message: {exc}") from None
+        raise ProtocolError(f"undecodable message: {str(exc)[:200]}") from None
+    if limits.max_depth and nesting(body) > limits.max_depth:
+        raise ProtocolError(f"a message may nest at most {limits.max_depth} levels")
+    return body
+
+
+def nesting(value) -> int:
+    """Depth of nested lists and dicts, without recursion (a scalar: 0); its cost is
+    bounded by the containers the decoder let through."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            node = node.values()
+        elif not isinstance(node, list):
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in node if isinstance(child, (list, dict)))
+    return deepest
+
+
+def decode(data: bytes, limits: lim.DecodeLimits = lim.LINK):
+    """A validated message object from untrusted bytes; ProtocolError otherwise."""
+    body = unpack(data, limits)
     if not isinstance(body, dict):
         raise ProtocolError("a message must be a map")
     if body.get("v") != PROTOCOL:
-        raise ProtocolError(f"protocol version {body.get('v')!r}, expected {PROTOCOL}")
-    cls = MESSAGES.get(body.get("k"))
+        raise ProtocolError(f"protocol version {str(body.get('v'))[:20]!r}, expected {PROTOCOL}")
+    cls = MESSAGES.get(body.get("k")) if isinstance(body.get("k"), str) else None
     if cls is None:
-        raise ProtocolError(f"unknown message kind {body.get('k')!r}")
-    return build(cls, body)
+        raise ProtocolError(f"unknown message kind {str(body.get('k'))[:40]!r}")
+    msg = build(cls, body)
+    if (found := oversized(msg)) is not None:
+        raise ProtocolError(f"{cls.__name__}.{found[1]}")
+    return msg
+
+
+def peek_request_id(data: bytes) -> str | None:
+    """The `request_id` of a message that failed to decode, if one can be read cheaply and
+    safely (so its sender learns which request was refused): the top-level map's keys are
+    read one by one and every other value skipped unbuilt."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        return None
+    reader = msgpack.Unpacker(raw=False, max_buffer_size=max(len(data), 1),
+                              max_str_len=4 * lim.MAX_ID_CHARS, max_bin_len=0, max_ext_len=0,
+                              max_array_len=0, max_map_len=0)
+    try:
+        reader.feed(data)
+        for _ in range(min(reader.read_map_header(), 64)):
+            key = reader.unpack()
+            if key != "request_id":
+                reader.skip()
+                continue
+            value = reader.unpack()
+            return value if isinstance(value, str) and len(value) <= lim.MAX_ID_CHARS \
+                else None
+    except Exception:  # anything unreadable: no id
+        return None
+    return None
 
 
 def build(cls, body: dict):

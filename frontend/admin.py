@@ -22,6 +22,7 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
+from ..common import limits as wire
 from ..common import protocol as p
 from ..common import settings
 from ..common.key_set import KeySet
@@ -294,7 +295,13 @@ class Admin:
 
 
 class AdminSocket:
-    """The ZeroMQ admin endpoint: AdminRequest in; LoadProgress…, AdminReply out."""
+    """The ZeroMQ admin endpoint: [token, AdminRequest] in; LoadProgress…, AdminReply out.
+
+    Nothing is decoded before it is allowed: a frame past MAX_ADMIN_MESSAGE_BYTES drops
+    its peer inside libzmq (MAXMSGSIZE), the token (a frame of its own) is compared before
+    the request is read, and the request is then decoded within the ADMIN limits. A
+    one-frame request (older clients: the token inside) is decoded only by a server
+    without a token; one with a token answers it 401 unread."""
 
     def __init__(self, admin: Admin, address: str, token: str | KeySet | None,
                  curve: KeyPair | None = None):
@@ -303,31 +310,38 @@ class AdminSocket:
         if curve is not None:        # encrypted; any client key: the token authenticates
             curve_server(self.sock, curve, "admin")
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_ADMIN_MESSAGE_BYTES)
         self.sock.bind(address)
         self.address = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.tasks: set[asyncio.Task] = set()
 
     async def serve(self) -> None:
         while True:
-            frames = await self.sock.recv_multipart()
-            if len(frames) < 2:
+            frames = await self.sock.recv_multipart(copy=False)
+            if not 2 <= len(frames) <= 3:
                 continue
-            task = asyncio.ensure_future(self.handle(frames[0], frames[-1]))
+            ident, *rest = (f.bytes for f in frames)
+            token, data = rest if len(rest) == 2 else (None, rest[0])
+            task = asyncio.ensure_future(self.handle(ident, data, token))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
 
-    async def handle(self, ident: bytes, data: bytes) -> None:
+    async def handle(self, ident: bytes, data: bytes, token: bytes | None) -> None:
         async def send(msg):
             await self.sock.send_multipart([ident, p.encode(msg)])
+        if self.token and (token is None or len(token) > wire.MAX_ADMIN_TOKEN_BYTES or
+                           not self.token.matches(token)):
+            why = "invalid admin token" if token is not None else \
+                "the admin token goes in a frame of its own before the request (an older " \
+                "client?)"
+            await send(p.AdminReply(401, AdminError(401, why).body()))
+            return
         try:
-            req = p.decode(data)
+            req = p.decode(data, wire.ADMIN)
             if not isinstance(req, p.AdminRequest):
                 raise p.ProtocolError(f"expected an admin request, got {type(req).__name__}")
         except p.ProtocolError as exc:
             await send(p.AdminReply(400, AdminError(400, str(exc)).body()))
-            return
-        if self.token and not self.token.matches(req.token):
-            await send(p.AdminReply(401, AdminError(401, "invalid admin token").body()))
             return
 
         async def progress(model_id, done, total):

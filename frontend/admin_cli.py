@@ -56,6 +56,7 @@ def call(addr: str, cmd: str, args: dict, key: str | None, timeout: float,
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(int(timeout * 1000), 1000))
+    sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_MESSAGE_BYTES)
     if keys_dir:                  # CURVE: encrypted to the server; our key is ephemeral
         curve_client(sock, server_public(keys_dir))
     monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
@@ -67,7 +68,8 @@ def call(addr: str, cmd: str, args: dict, key: str | None, timeout: float,
     answered = False              # the server's socket completed the handshake
     deadline = time.monotonic() + timeout
     try:
-        sock.send(p.encode(p.AdminRequest(cmd, args, key or "")))
+        # the token in a frame of its own: the server checks it before reading the request
+        sock.send_multipart([(key or "").encode(), p.encode(p.AdminRequest(cmd, args))])
         while True:
             if time.monotonic() > deadline and not (answered and cmd in LONG):
                 if not answered:

@@ -7,11 +7,13 @@ before any byte is sent: validation, tools, grammar, the chat template, the cont
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import time
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
 
+from ..common import limits as wire
 from ..common.chat_template import TemplateError
 from ..common.grammar import grammar_for_response_format, validate_grammar
 from .emitter import Emitter
@@ -55,11 +57,28 @@ def request_grammar(response_format, tools, tool_choice) -> str | None:
         raise APIError(400, "response_format cannot be combined with a forced tool_choice",
                        param="response_format")
     grammar = forced or wanted
+    if grammar and len(grammar) > wire.MAX_GRAMMAR_CHARS:
+        raise APIError(400, f"the output constraint (response_format or a forced tool call) "
+                            f"comes to a grammar of {len(grammar)} characters, more than "
+                            f"{wire.MAX_GRAMMAR_CHARS}", param="tools" if forced
+                       else "response_format", code="limit_exceeded")
     if grammar:
         problem = validate_grammar(grammar)
         if problem:
             raise APIError(400, f"invalid response_format: {problem}", param="response_format")
     return grammar
+
+
+def cache_salt(headers, salt: str | None) -> str:
+    """The request's prefix-cache scope: its API key (the bearer token it was admitted
+    with) and its own `cache_salt`, hashed (the key never crosses the wire). Requests of
+    different scopes never share a warm state, so `cached_tokens` tells a client nothing
+    of another's prompts; "" (no key, no salt) is the one shared scope."""
+    key = headers.get("authorization", "").partition(" ")[2].strip()
+    if not key and not salt:
+        return ""
+    both = key.encode() + b"\0" + (salt or "").encode()
+    return hashlib.blake2b(both, digest_size=16).hexdigest()
 
 
 def fit_context(model: ServedModel, messages: list[dict], tools, ctx: int,
@@ -125,7 +144,7 @@ class ChatService:
                                 model.tokenizer, req, req.n, capped)
         return Job(model, choices, req.stream, renderer,
                    None if capped else req.session_id,      # a capped turn is not cached
-                   req.include_usage)
+                   req.include_usage, salt=cache_salt(request.headers, req.cache_salt))
 
     async def __call__(self, scope, receive, send) -> None:
         request = Request(scope, receive)

@@ -12,7 +12,7 @@ import time
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
-from .chat import read_body, request_grammar, seeded
+from .chat import cache_salt, read_body, request_grammar, seeded
 from .emitter import Emitter
 from .errors import APIError
 from .lifecycle import Choice, Job, Lifecycle
@@ -57,7 +57,8 @@ class CompletionService:
                           if req.echo else "")
         renderer = CompletionRenderer(completion_id("cmpl"), int(time.time()), model.name,
                                       model.tokenizer, req, len(choices), echoes)
-        return Job(model, choices, req.stream, renderer, req.session_id, req.include_usage)
+        return Job(model, choices, req.stream, renderer, req.session_id, req.include_usage,
+                   salt=cache_salt(request.headers, req.cache_salt))
 
     async def __call__(self, scope, receive, send) -> None:
         request = Request(scope, receive)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from ..common import limits as wire
 from ..common import protocol as p
 from .admission import Admission
 from .emitter import Emitter, Event
@@ -30,13 +31,13 @@ class Generation:
                  replica: Replica, prompt: list[int], sampling: p.Sampling, max_tokens: int,
                  emitter: Emitter, session_id: str | None = None, grammar: str | None = None,
                  logprobs: int = -1, figures=None, arrived: float | None = None,
-                 trace: str = ""):
+                 trace: str = "", salt: str = ""):
         self.pool, self.admission, self.model, self.replica = pool, admission, model, replica
         self.prompt, self.max_tokens, self.emitter = prompt, max_tokens, emitter
         self.request_id = pool.new_request_id()
         self.msg = p.Generate(self.request_id, replica.model_id, prompt, sampling, max_tokens,
                               sorted(model.tokenizer.eot_ids), session_id, grammar, logprobs,
-                              trace)
+                              trace[:wire.MAX_ID_CHARS], salt)
         self.detok = model.tokenizer.detokenizer()
         self.cached_tokens = 0
         self.token_ids: list[int] = []     # every id the worker generated, end token included
@@ -53,9 +54,33 @@ class Generation:
     def completion_tokens(self) -> int:
         return len(self.token_ids)
 
+    # the HTTP field each wire field comes from, for a refusal's `param`
+    PARAMS = {"grammar": "response_format", "session_id": "session_id",
+              "logit_bias": "logit_bias"}
+
+    def refusal(self) -> APIError | None:
+        """The 400 for a Generate the worker's decoder would refuse (the wire's limits,
+        token ids in the vocabulary): nothing the edge accepts is refused downstream."""
+        found = p.oversized(self.msg)
+        if found is not None:
+            return APIError(400, found[1], param=self.PARAMS.get(found[0]),
+                            code="limit_exceeded")
+        try:
+            self.msg.sampling.check(self.model.config.vocab_size)
+        except ValueError as exc:
+            return APIError(400, str(exc), param="logit_bias" if "logit_bias" in str(exc)
+                            else None)
+        return None
+
     async def start(self) -> None:
+        if (refused := self.refusal()) is not None:
+            self.close()
+            raise refused
         try:
             self.stream = await self.pool.generate(self.replica.worker, self.msg)
+        except p.ProtocolError as exc:             # past a limit msgpack or the link has
+            self.close()
+            raise APIError(400, str(exc), code="limit_exceeded") from None
         except WorkerLost as exc:
             self.close()
             raise worker_lost(exc) from exc

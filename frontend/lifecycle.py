@@ -61,6 +61,7 @@ class Job:
     include_usage: bool = False
     headers: dict = field(default_factory=dict)
     error: APIError | None = None      # what ended a stream after its first byte
+    salt: str = ""                     # prefix-cache scope (chat.cache_salt)
 
 
 class Lifecycle:
@@ -106,7 +107,7 @@ class Lifecycle:
                                        c.sampling, c.max_tokens, c.emitter,
                                        job.session if i == 0 else None, c.grammar, c.logprobs,
                                        figures, arrived if i == 0 else None,
-                                       info.get("request_id", "")))
+                                       info.get("request_id", ""), job.salt))
             self.generations.update(gens)
             for gen in gens:
                 await gen.start()

@@ -14,6 +14,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from ..common import limits as wire
 from ..common.protocol import SAMPLING_RANGES, Sampling
 from .emitter import joined
 from .errors import APIError
@@ -43,6 +44,7 @@ class GenerationRequest:
     n: int = 1
     response_format: dict | None = None
     return_token_ids: bool = False      # vLLM's: token_ids per choice, prompt_token_ids
+    cache_salt: str | None = None       # vLLM's: a prefix-cache scope of the client's own
 
 
 @dataclass(slots=True, kw_only=True)
@@ -173,11 +175,14 @@ def _logit_bias(value) -> dict[int, float]:
         return {}
     if not isinstance(value, dict):
         raise _bad("logit_bias", "logit_bias must be an object mapping token ids to numbers")
+    if len(value) > wire.MAX_LOGIT_BIAS:
+        raise _bad("logit_bias", f"logit_bias may have at most {wire.MAX_LOGIT_BIAS} entries, "
+                                 f"got {len(value)}", code="limit_exceeded")
     out = {}
     for key, bias in value.items():
-        if not _TOKEN_ID.fullmatch(key):
+        if not _TOKEN_ID.fullmatch(key) or len(key) > 10 or int(key) > wire.MAX_TOKEN_ID:
             raise _bad("logit_bias", f"logit_bias key {_show(key)} is not a token id "
-                                     "(an integer >= 0)")
+                                     f"(an integer in [0, {wire.MAX_TOKEN_ID}])")
         if not _is_number(bias, False) or not -100 <= bias <= 100:
             raise _bad("logit_bias", f"logit_bias[{key}] must be a number in [-100, 100], "
                                      f"got {_show(bias)}")
@@ -238,6 +243,15 @@ def _common(data: dict, session_header: str | None) -> dict:
         include_usage = _optional(options, "include_usage", bool, "a boolean",
                                   "stream_options.") or False
     session_id = _optional(data, "session_id", str, "a string")
+    if session_id is None:
+        session_id = session_header or None
+    if session_id is not None and len(session_id) > wire.MAX_SESSION_ID_CHARS:
+        raise _bad("session_id", f"session_id may have at most {wire.MAX_SESSION_ID_CHARS} "
+                                 f"characters, got {len(session_id)}", code="limit_exceeded")
+    cache_salt = _optional(data, "cache_salt", str, "a string")
+    if cache_salt is not None and len(cache_salt) > wire.MAX_CACHE_SALT_CHARS:
+        raise _bad("cache_salt", f"cache_salt may have at most {wire.MAX_CACHE_SALT_CHARS} "
+                                 f"characters, got {len(cache_salt)}", code="limit_exceeded")
     response_format = _optional(data, "response_format", dict, "an object")
     return_token_ids = _optional(data, "return_token_ids", bool, "a boolean") or False
     return dict(model=_optional(data, "model", str, "a string"),
@@ -245,7 +259,7 @@ def _common(data: dict, session_header: str | None) -> dict:
                 stop=_stop(data.get("stop")),
                 stream=stream, include_usage=include_usage, n=numbers["n"] or 1,
                 user=_optional(data, "user", str, "a string"),
-                session_id=session_id if session_id is not None else (session_header or None),
+                session_id=session_id, cache_salt=cache_salt,
                 response_format=response_format, return_token_ids=return_token_ids), numbers
 
 

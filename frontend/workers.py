@@ -12,6 +12,11 @@ runs long (its heartbeat thread says so) or that falls silent past
 another replica can serve. A spawned worker is judged by its process: lost
 only when it exits. An external one is lost when its connection drops (a
 probe fails to reach it) or after `lost_after_s` of silence.
+
+Every request gets an answer: a worker acknowledges each Generate it takes
+(Accepted) or refuses it with an Error naming it; one that is still
+unanswered after `answer_deadline_s` during which its worker was not slow (so
+its loop read the message) fails with an error instead of waiting for ever.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ from typing import Callable
 import zmq
 import zmq.asyncio
 
+from ..common import limits
 from ..common import protocol as p
 from ..common import settings
 from ..common.keys import KeyPair, curve_server
@@ -106,6 +112,7 @@ class RequestStream:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.buffered = 0
         self.stalled = asyncio.Event()
+        self.waited = 0.0          # seconds without an answer while its worker was not slow
 
     def put(self, msg) -> int:
         """Queue `msg`; the tokens now buffered."""
@@ -126,13 +133,19 @@ class RequestStream:
 class WorkerPool:
     PROBE_AFTER_S = 2 * p.HEARTBEAT_S    # silence after which an external link is probed
 
+    ANSWER_DEADLINE_S = 30.0     # a Generate unanswered this long (worker not slow): failed
+
     def __init__(self, address: str, slow_after_s: float = 5.0, lost_after_s: float = 60.0,
                  curve: KeyPair | None = None,
-                 stream_buffer_tokens: int = settings.STREAM_BUFFER_TOKENS):
+                 stream_buffer_tokens: int = settings.STREAM_BUFFER_TOKENS,
+                 answer_deadline_s: float = ANSWER_DEADLINE_S):
         self.address, self.slow_after_s, self.lost_after_s = address, slow_after_s, lost_after_s
         self.stream_buffer_tokens = stream_buffer_tokens
+        self.answer_deadline_s = answer_deadline_s
+        self.unanswered: dict[str, RequestStream] = {}   # sent, no word from the worker yet
         self.ctx = zmq.asyncio.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, limits.FROM_WORKER.max_bytes)   # larger: dropped
         if curve is not None:        # only workers whose key ZAP allows get through
             curve_server(self.sock, curve, "workers")
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -178,10 +191,11 @@ class WorkerPool:
     async def generate(self, worker: WorkerInfo, msg: p.Generate) -> RequestStream:
         stream = RequestStream(msg.request_id, worker)
         self.streams[msg.request_id] = stream
+        self.unanswered[msg.request_id] = stream
         worker.requests.add(msg.request_id)
         try:
             await self.send(worker, msg)
-        except WorkerLost:
+        except (WorkerLost, p.ProtocolError):    # lost, or a message the wire refuses
             self.release(msg.request_id)
             raise
         return stream
@@ -189,6 +203,7 @@ class WorkerPool:
     def release(self, request_id: str) -> None:
         """Forget a request's stream (finished, failed or abandoned)."""
         stream = self.streams.pop(request_id, None)
+        self.unanswered.pop(request_id, None)
         if stream is not None:
             stream.worker.requests.discard(request_id)
 
@@ -249,9 +264,9 @@ class WorkerPool:
                 continue
             ident, data = frames
             try:
-                msg = p.decode(data)
+                msg = p.decode(data, limits.FROM_WORKER)
             except p.ProtocolError as exc:
-                log.warning("refused a message from %r: %s", ident, exc)
+                log.warning("refused a message from %r: %s", ident[:64], exc)
                 continue
             try:
                 self.dispatch(ident, msg)
@@ -284,6 +299,8 @@ class WorkerPool:
                 self.deliver(tokens.request_id, tokens)
         elif isinstance(msg, p.Tokens):
             self.deliver(msg.request_id, msg)
+        elif isinstance(msg, p.Accepted):
+            self.unanswered.pop(msg.request_id, None)
         elif isinstance(msg, p.Error):
             if msg.request_id:
                 self.deliver(msg.request_id, msg)
@@ -355,6 +372,7 @@ class WorkerPool:
         stream = self.streams.get(request_id)
         if stream is None:            # finished or abandoned; late tokens are dropped
             return
+        self.unanswered.pop(request_id, None)
         if stream.put(msg) > self.stream_buffer_tokens and not stream.stalled.is_set():
             # its client reads nothing: abort rather than hold its tokens without end
             # (the worker's batch never waits for a client either way)
@@ -367,6 +385,7 @@ class WorkerPool:
     async def liveness_loop(self) -> None:
         while True:
             await asyncio.sleep(0.25)
+            self.check_answers(0.25)
             now = time.monotonic()
             for worker in [w for w in self.workers.values() if w.alive]:
                 silent = worker.silent_s(now)
@@ -376,6 +395,24 @@ class WorkerPool:
                 if not worker.spawned and silent > self.PROBE_AFTER_S:
                     await self.probe(worker)
                 self.check_slow(worker, now)
+
+    def check_answers(self, elapsed: float) -> None:
+        """Fail the requests a worker has not answered within the deadline, counting only
+        time while it was not slow: a worker between steps reads what was sent, and answers
+        it at once, so silence then means the message was lost or never understood."""
+        for request_id, stream in list(self.unanswered.items()):
+            if not stream.worker.alive or stream.worker.slow:
+                continue
+            stream.waited += elapsed
+            if stream.waited < self.answer_deadline_s:
+                continue
+            del self.unanswered[request_id]
+            log.warning("request %s: no answer from the worker for die %s in %g s",
+                        request_id, stream.worker.die, self.answer_deadline_s)
+            stream.put(p.Error(f"the worker for die {stream.worker.die} did not answer the "
+                               f"request within {self.answer_deadline_s:g} s",
+                               code="no_answer", request_id=request_id))
+            self.abort_soon(request_id)
 
     async def probe(self, worker: WorkerInfo) -> None:
         """A dropped connection (the peer's process died, its host went away) fails the

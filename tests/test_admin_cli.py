@@ -85,7 +85,7 @@ def test_a_long_load_outlasts_the_timeout_while_the_server_answers():
 
     def slow_server():
         for _ in range(2):
-            ident, data = server.recv_multipart()
+            ident, _token, data = server.recv_multipart()
             request = p.decode(data)
             time.sleep(1.2)
             if request.cmd == "load":

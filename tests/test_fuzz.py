@@ -206,8 +206,8 @@ def test_the_worker_socket_drops_random_frames_and_serves_on_long(server):
     pool_survives(server, MANY * 5)
 
 
-def admin_request(sock, data: bytes):
-    sock.send(data)
+def admin_request(sock, data: bytes, token: bytes = b"adm"):
+    sock.send_multipart([token, data])      # the token in its own frame, then the request
     if not sock.poll(30_000):
         return None
     return p.decode(sock.recv())
@@ -226,9 +226,9 @@ def admin_survives(srv, n):
         args, st.sampled_from(["adm", "", "wrong"]))
 
     @budget(n)
-    @given(requests | frames(["admin_request", "admin_reply"]))
-    def run(data):
-        sock.send(data)
+    @given(requests | frames(["admin_request", "admin_reply"]), st.sampled_from([b"adm", b"x"]))
+    def run(data, token):
+        sock.send_multipart([token, data])     # past the token (or not): decoded, or a 401
         while sock.poll(50):            # answers to malformed frames: 4xx replies
             reply = p.decode(sock.recv())
             if isinstance(reply, p.AdminReply):

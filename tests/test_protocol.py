@@ -1,7 +1,10 @@
 """Every wire message round-trips; bad bytes are refused with ProtocolError."""
+import tracemalloc
+
 import msgpack
 import pytest
 
+from pantheon.common import limits as lim
 from pantheon.common import protocol as p
 
 SAMPLES = [
@@ -35,6 +38,8 @@ SAMPLES = [
                128, stop_ids=[2], session_id="s"),
     p.Generate("r3", "m-1", [1], p.Sampling(0.0), 8, grammar='{"grammars": []}', logprobs=2),
     p.Generate("r4", "m-1", [1], p.Sampling(), 8, trace="client-id-7"),
+    p.Generate("r5", "m-1", [1], p.Sampling(), 8, session_id="s" * 256, cache_salt="k1"),
+    p.Accepted("r5"),
     p.Tokens("r3", [5], logprobs=[[-0.5, [[5, -0.5], [7, -1.25]]]]),
     p.Outputs([]),
     p.Outputs([p.Tokens("r1", [7]), p.Tokens("r2", [], finish="stop", prompt_tokens=3,
@@ -119,3 +124,85 @@ def test_a_step_of_eight_requests_decodes_in_one_message_cheaply():
         p.decode(data)
     per_message = (time.perf_counter() - t0) / 2000
     assert per_message < 200e-6          # ~25 us here; a decode per field lookup was ~190 us
+
+
+def raw_generate(**fields) -> bytes:
+    body = {"v": p.PROTOCOL, "k": "generate", "request_id": "r7", "model_id": "m",
+            "prompt": [1], "sampling": {}, "max_tokens": 2, **fields}
+    return msgpack.packb(body, use_bin_type=True)
+
+
+@pytest.mark.parametrize("fields, named", [
+    ({"session_id": "s" * (lim.MAX_SESSION_ID_CHARS + 1)}, "session_id"),
+    ({"session_id": "s" * (5 << 20)}, "max_str_len"),            # past msgpack's own bound
+    ({"sampling": {"logit_bias": {i: 1.0 for i in range(lim.MAX_LOGIT_BIAS + 1)}}},
+     "logit_bias"),
+    ({"sampling": {"logit_bias": {i: 1.0 for i in range(65_537)}}}, "max_map_len"),
+    ({"grammar": "g" * (lim.MAX_GRAMMAR_CHARS + 1)}, "grammar"),
+    ({"cache_salt": "c" * (lim.MAX_ID_CHARS + 1)}, "cache_salt"),
+])
+def test_fields_past_their_limit_are_refused_and_the_request_id_still_read(fields, named):
+    data = raw_generate(**fields)
+    with pytest.raises(p.ProtocolError, match=named):
+        p.decode(data)
+    assert p.peek_request_id(data) == "r7"           # so the worker can say which one
+
+
+def test_the_request_id_is_read_only_when_safe():
+    assert p.peek_request_id(b"\xc1") is None
+    assert p.peek_request_id(msgpack.packb([1, 2])) is None
+    assert p.peek_request_id(raw_generate(request_id="x" * 300)) is None
+    assert p.peek_request_id(raw_generate(request_id=5)) is None
+
+
+def test_encode_refuses_what_the_peer_would_refuse():
+    with pytest.raises(p.ProtocolError, match="session_id"):
+        p.encode(p.Generate("r", "m", [1], p.Sampling(), 1, session_id="s" * 257))
+    with pytest.raises(p.ProtocolError, match="cannot encode"):     # not an OverflowError
+        p.encode(p.Generate("r", "m", [1], p.Sampling(logit_bias={2**64: 1.0}), 1))
+    assert p.oversized(p.Generate("r", "m", [1], p.Sampling(logit_bias={1: 1.0}), 1)) is None
+
+
+@pytest.mark.parametrize("bomb, limits", [
+    (b"\xdd" + (2_000_000).to_bytes(4, "big") + b"\x80" * 2_000_000, lim.LINK),  # empty maps
+    (b"\xdd" + (2_000_000).to_bytes(4, "big") + b"\x90" * 2_000_000, lim.LINK),  # arrays
+    (b"\xdd" + (60 << 20).to_bytes(4, "big") + b"\x80" * (60 << 20), lim.LINK),  # too long
+    ((b"\xdc" + (1000).to_bytes(2, "big")) * 1000, lim.ADMIN),       # deep, preallocated
+    (b"\xdc" + (1000).to_bytes(2, "big") + b"\x80" * 1000 + b"\x80" * 5000, lim.ADMIN),
+])
+def test_a_msgpack_bomb_is_refused_before_it_is_built(bomb, limits):
+    """msgpack bounds each length but neither depth nor the count of containers: one byte
+    per empty map on the wire is ~64 bytes decoded. The container count is bounded too."""
+    tracemalloc.start()
+    try:
+        with pytest.raises(p.ProtocolError):
+            p.decode(bomb, limits)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 32 << 20, peak
+
+
+def test_the_admin_limits_are_tighter():
+    status = p.encode(p.AdminRequest("status"))
+    assert p.decode(status, lim.ADMIN) == p.AdminRequest("status")
+    with pytest.raises(p.ProtocolError):
+        p.decode(p.encode(p.AdminRequest("load", {"dies": list(range(2000))})), lim.ADMIN)
+    with pytest.raises(p.ProtocolError, match="exceeds"):
+        p.decode(b"\x80" * (lim.MAX_ADMIN_MESSAGE_BYTES + 1), lim.ADMIN)
+    deep: list = []
+    for _ in range(40):
+        deep = [deep]
+    with pytest.raises(p.ProtocolError, match="nest"):
+        p.decode(p.encode(p.AdminRequest("load", {"dies": deep})), lim.ADMIN)
+
+
+def test_what_the_frontend_reads_from_workers_is_bounded_tighter():
+    """The frontend reads the worker port before a peer's hello is judged: no prompt-sized
+    arrays come that way, so none are built."""
+    step = p.Outputs([p.Tokens(f"r{i}", [i], logprobs=[[-0.5, [[i, -0.5]] * 20]])
+                      for i in range(256)])
+    assert p.decode(p.encode(step), lim.FROM_WORKER) == step
+    with pytest.raises(p.ProtocolError, match="max_array_len"):
+        p.decode(p.encode(p.Generate("r", "m", list(range(70_000)), p.Sampling(), 1)),
+                 lim.FROM_WORKER)

@@ -335,3 +335,54 @@ def test_a_waiting_copy_computes_its_prompt_when_the_source_is_aborted():
         for out in sched.step():
             got += out.tokens
     assert out.request_id == "b" and got == fresh(prompt, 3)
+
+
+def test_warm_states_serve_only_their_own_salt():
+    """A slot's history and the host cache's states are scoped by salt (one per API key):
+    another scope's identical prompt is computed afresh, sessions included."""
+    model = HistoryModel(1)                                  # one slot: every turn evicts
+    cache = PrefixCache(1 << 20)
+    sched = Scheduler(model, 1, ctx=256, kv=model, cache=cache)
+    secret = list(range(60))
+    run(sched, Request("a1", secret + [1], GREEDY, 1, session_id="s", salt="alice"))
+    _, out = run(sched, Request("b1", secret + [1], GREEDY, 1, session_id="s", salt="bob"))
+    assert out.cached_tokens == 0                            # the slot is alice's: no hit
+    assert cache.stats()["entries"] == 1                     # alice's state went to the host
+    _, out = run(sched, Request("b2", secret + [2], GREEDY, 1, salt="bob"))
+    assert out.cached_tokens == 60                           # bob's own slot state
+    _, out = run(sched, Request("c1", secret + [3], GREEDY, 1, salt="carol"))
+    assert out.cached_tokens == 0                            # neither the slot nor the host
+    _, out = run(sched, Request("a2", secret + [4], GREEDY, 1, salt="alice"))
+    assert out.cached_tokens == 60 and cache.hits >= 1       # alice's, back from the host
+
+
+class BrokenGrammar:
+    """A constraint whose every step fails the way llguidance's lexer limit does: a long
+    message that quotes the grammar."""
+
+    def bitmask(self):
+        return np.full(1, -1, np.int32)
+
+    def accept(self, token):
+        raise ValueError("lexer error: too many expressions constructed\n<state>...</state>"
+                         "<grammar>SECRET SCHEMA</grammar>")
+
+    def finished(self):
+        return False
+
+
+def test_a_failing_grammar_ends_its_request_alone():
+    sched = Scheduler(FakeModel(), n_slots=3, ctx=64)
+    sched.add(Request("a", [1], GREEDY, max_tokens=5))
+    sched.add(Request("bad", [2], GREEDY, max_tokens=5, constraint=BrokenGrammar()))
+    sched.add(Request("c", [3], GREEDY, max_tokens=5))
+    outs = {}
+    while sched.active():
+        for out in sched.step():
+            outs.setdefault(out.request_id, []).append(out)
+    assert [o.finish for o in outs["bad"]] == ["error"] and outs["bad"][0].tokens == []
+    assert outs["bad"][0].error.startswith("lexer error") and "SECRET" not in outs["bad"][0].error
+    for rid, first in (("a", 2), ("c", 4)):
+        tokens = [t for o in outs[rid] for t in o.tokens]
+        assert tokens == list(range(first, first + 5)) and outs[rid][-1].finish == "length"
+    assert sched.free_slots() == 3

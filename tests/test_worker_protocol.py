@@ -96,12 +96,20 @@ def test_load_generate_abort_unload_shutdown(worker):
         finish = msg.finish
     assert finish == "length" and len(tokens) == 5 and msg.completion_tokens == 5
     assert p.Outputs in fe.kinds                  # a step's tokens travel in one message
+    assert p.Accepted in fe.kinds                 # taken at once: the frontend's deadline stops
     assert tokens[0] == int(tm.load_golden("llama")[0][-1].argmax())
     # bad requests are refused per request
     fe.send(p.Generate("r2", "tiny", [1, 999], greedy, 5))
     assert fe.recv(p.Error).code == "bad_request"
     fe.send(p.Generate("r3", "tiny", list(range(64)), greedy, 5))
     assert "context" in fe.recv(p.Error).message
+    # one the decoder refuses (past a field's limit, or msgpack's) still names its request
+    for session in ("s" * 257, "s" * (5 << 20)):
+        fe.send(msgpack.packb({"v": p.PROTOCOL, "k": "generate", "request_id": "r3b",
+                               "model_id": "tiny", "prompt": [1], "sampling": {},
+                               "max_tokens": 2, "session_id": session}))
+        err = fe.recv(p.Error)
+        assert err.request_id == "r3b" and err.code == "bad_request", err
     # abort a long one: it ends with finish "abort"
     fe.send(p.Generate("r4", "tiny", [1, 2, 3], greedy, 50))
     fe.recv(p.Tokens)

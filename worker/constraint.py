@@ -12,6 +12,16 @@ from __future__ import annotations
 
 import numpy as np
 
+SUMMARY_CHARS = 160
+
+
+def summary(text: str) -> str:
+    """A grammar error fit for the request's reply: llguidance's first line, cut short.
+    Its full message dumps the matcher's state and the grammar itself, which belong in no
+    reply (and, before per-request isolation, reached every request of the batch)."""
+    line = (text or "error").strip().splitlines()[0] if (text or "").strip() else "error"
+    return line if len(line) <= SUMMARY_CHARS else line[:SUMMARY_CHARS - 3] + "..."
+
 
 class Constraint:
     """One request's grammar state during generation."""
@@ -62,7 +72,7 @@ class Constraint:
         self._allowed, self._filled = None, False
         if not self._matcher.consume_token(token):
             raise ValueError(f"token {token} rejected by the grammar: "
-                             f"{self._matcher.get_error() or 'not allowed here'}")
+                             f"{summary(self._matcher.get_error() or 'not allowed here')}")
 
     def finished(self) -> bool:
         """The grammar is complete and nothing but end-of-sequence may follow: generation
@@ -76,7 +86,7 @@ class Constraint:
     @property
     def error(self) -> str | None:
         """Why the matcher failed, if it did."""
-        return (self._matcher.get_error() or "error") if self._matcher.is_error() else None
+        return summary(self._matcher.get_error()) if self._matcher.is_error() else None
 
 
 class ConstraintFactory:
@@ -101,5 +111,5 @@ class ConstraintFactory:
         from llguidance import LLMatcher
         matcher = LLMatcher(self._tok, grammar, log_level=0)
         if matcher.is_error():
-            raise ValueError(f"invalid grammar: {matcher.get_error()}")
+            raise ValueError(f"invalid grammar: {summary(matcher.get_error())}")
         return Constraint(matcher, self.vocab_size, self._not_eos)

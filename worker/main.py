@@ -12,8 +12,11 @@ Heartbeats come from a thread of their own, on a socket of their own, so a
 step of any length (a long prefill, a GC pause, a contended host) never
 silences the worker: each says whether the loop is busy and for how long.
 
-A malformed or unknown message is logged and answered with an Error; nothing
-a peer sends can end this loop except Shutdown.
+A malformed or unknown message is logged and answered with an Error (carrying
+its request id when one can be read from it, so that request ends at once);
+nothing a peer sends can end this loop except Shutdown. A Generate taken is
+acknowledged at once (Accepted), so the frontend knows it arrived. A
+request's grammar or sampling failure ends that request alone.
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ from ..common import protocol as p
 from ..common import settings
 from ..common.keys import KeyPair, curve_client, is_local_address, server_public, worker_pair
 from .device import Device, open_device
+from .constraint import summary
 from .engine import Engine, load_engine
 from .scheduler import Request
 
@@ -69,8 +73,12 @@ class Replica:
     constraints: Future | None = None    # ConstraintFactory, built after the load
 
     def constraint(self, grammar: str):
-        """A matcher for `grammar` (runs in the preparation thread)."""
-        return self.constraints.result().make(grammar)
+        """A matcher for `grammar`, its first mask computed (runs in the preparation
+        thread, which llguidance lets run beside the loop: a grammar whose lexer blows up,
+        as `^(a{1000}){1000}$` does for seconds, does it here and not in a batch's step)."""
+        matcher = self.constraints.result().make(grammar)
+        matcher.bitmask()
+        return matcher
 
 
 class Heartbeats(threading.Thread):
@@ -87,6 +95,7 @@ class Heartbeats(threading.Thread):
         sock = self.worker.ctx.socket(zmq.DEALER)   # a socket belongs to one thread
         sock.setsockopt(zmq.IDENTITY, self.identity + p.HEARTBEAT_SUFFIX)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_MESSAGE_BYTES)
         if self.keys:
             curve_client(sock, *self.keys)
         sock.connect(self.frontend)
@@ -125,6 +134,7 @@ class Worker:
         ident = f"{die}-{os.getpid()}-{secrets.token_hex(4)}".encode()
         self.sock.setsockopt(zmq.IDENTITY, ident)
         self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_MESSAGE_BYTES)   # a larger frame: dropped
         if keys:
             curve_client(self.sock, *keys)
         self.monitor = self.sock.get_monitor_socket(
@@ -303,8 +313,12 @@ class Worker:
         try:
             msg = p.decode(data)
         except p.ProtocolError as exc:
-            log.warning("refused a message: %s", exc)
-            self.send(p.Error(str(exc)))
+            # the request it names (if any) ends now, instead of waiting for an answer
+            request_id = p.peek_request_id(data)
+            log.warning("refused a message%s: %s",
+                        f" for request {request_id}" if request_id else "", exc)
+            self.send(p.Error(str(exc), code="bad_request" if request_id else "bad_message",
+                              request_id=request_id))
             return
         handler = self.HANDLERS.get(type(msg))
         if handler is None:
@@ -349,8 +363,10 @@ class Worker:
             self.request_log(logging.DEBUG, msg.request_id, "queued on %s: prompt %d, "
                              "max_tokens %d", msg.model_id, len(msg.prompt), msg.max_tokens)
         request = Request(msg.request_id, msg.prompt, params, msg.max_tokens,
-                          frozenset(msg.stop_ids), msg.session_id, None, min(msg.logprobs, 20))
+                          frozenset(msg.stop_ids), msg.session_id, None, min(msg.logprobs, 20),
+                          msg.cache_salt)
         self.owner[msg.request_id] = replica
+        self.send(p.Accepted(msg.request_id))         # taken: the frontend's first answer
         if msg.grammar:         # its matcher is made in the preparation thread
             future = self.prep.submit(replica.constraint, msg.grammar)
             future.add_done_callback(lambda _: self.wake())
@@ -371,9 +387,11 @@ class Worker:
                 request.constraint = future.result()
             except Exception as exc:
                 self.owner.pop(req_id, None)
-                self.request_log(logging.INFO, req_id, "invalid grammar: %s", exc)
+                why = summary(str(exc))
+                self.request_log(logging.INFO, req_id, "grammar refused: %s", why)
                 self.traces.pop(req_id, None)
-                self.send(p.Error(f"invalid grammar: {exc}", code="bad_request",
+                self.send(p.Error(why if why.startswith("invalid grammar")
+                                  else f"invalid grammar: {why}", code="bad_request",
                                   request_id=req_id))
                 continue
             replica.waiting.append(request)
@@ -494,14 +512,18 @@ class Worker:
             if self.step_floor:
                 time.sleep(max(0.0, self.step_floor - (time.perf_counter() - started)))
         except Exception as exc:  # a failed step fails its requests, not the worker
+            # (a request's own grammar or sampling failure never gets here: it ends that
+            # request alone, below). The reply names no request's data: the detail, which
+            # may quote any of them, goes to the log only.
             log.exception("step failed on %s", replica.model_id)
             for req_id in list(sched.by_id):
                 sched.abort(req_id)
                 self.owner.pop(req_id, None)
-                self.request_log(logging.WARNING, req_id, "failed: %s", exc)
+                self.request_log(logging.WARNING, req_id, "failed: %s", type(exc).__name__)
                 self.traces.pop(req_id, None)
-                self.send(p.Error(f"generation failed: {exc}", code="internal",
-                                  request_id=req_id))
+                self.send(p.Error(f"generation failed on this replica "
+                                  f"({type(exc).__name__}); the server's log has the detail",
+                                  code="internal", request_id=req_id))
             return
         seconds = time.perf_counter() - started
         self.step_counts[bisect.bisect_left(p.STEP_BUCKETS, seconds)] += 1
@@ -511,7 +533,13 @@ class Worker:
             print(f"[bs_stats] die={self.die} model={replica.model_id} step={self.steps} "
                   f"batch={n_decode + (n_prompt > 0)} decode={n_decode} prefill={n_prompt} "
                   f"active={sched.active()} ms={seconds * 1e3:.2f}", file=sys.stderr, flush=True)
-        for out in outputs:
+        failed = [o for o in outputs if o.finish == "error"]
+        for out in failed:                       # its grammar failed: it ends alone
+            self.request_log(logging.INFO, out.request_id, "failed: %s", out.error)
+            self.send(p.Error(f"the request's output constraint failed: {out.error}",
+                              code="bad_request", request_id=out.request_id))
+        outputs = [o for o in outputs if o.finish != "error"]
+        for out in failed + outputs:
             if out.finish:
                 self.owner.pop(out.request_id, None)
                 if log.isEnabledFor(logging.DEBUG):

@@ -6,7 +6,8 @@ into an LRU bounded by a byte budget. A later request whose prompt begins
 with a stored history (the session's next turn, a retried request, a common
 system prompt) gets that state copied back into its slot and skips those
 tokens. Entries are keyed by session id when there is one (a session keeps
-only its latest state), else by their tokens.
+only its latest state), else by their tokens, and scoped by a salt (one per API
+key, see protocol.Generate.cache_salt): an entry serves only its own salt.
 
 Plain Python: the states are opaque objects made and restored by the KV
 cache, with their size in bytes.
@@ -35,6 +36,7 @@ class Entry:
     state: object
     nbytes: int
     session_id: str | None
+    salt: str = ""
 
 
 class PrefixCache:
@@ -45,21 +47,22 @@ class PrefixCache:
         self.hits = self.misses = 0
 
     @staticmethod
-    def key(tokens: np.ndarray, session_id: str | None) -> str:
+    def key(tokens: np.ndarray, session_id: str | None, salt: str = "") -> str:
         if session_id:
-            return "s:" + session_id
-        return "t:" + hashlib.blake2b(tokens.astype(np.int64).tobytes(), digest_size=16).hexdigest()
+            return f"s:{salt}\0{session_id}"
+        digest = hashlib.blake2b(tokens.astype(np.int64).tobytes(), digest_size=16).hexdigest()
+        return f"t:{salt}\0{digest}"
 
     def worth_keeping(self, n_tokens: int, nbytes: int) -> bool:
         return n_tokens >= self.min_tokens and nbytes <= self.budget
 
-    def put(self, tokens, state, nbytes: int, session_id: str | None) -> None:
+    def put(self, tokens, state, nbytes: int, session_id: str | None, salt: str = "") -> None:
         tokens = np.asarray(tokens, dtype=np.int64)
         if not self.worth_keeping(len(tokens), nbytes):
             return
-        key = self.key(tokens, session_id)
+        key = self.key(tokens, session_id, salt)
         self.drop(key)
-        self.entries[key] = Entry(tokens, state, nbytes, session_id)
+        self.entries[key] = Entry(tokens, state, nbytes, session_id, salt)
         self.used += nbytes
         while self.used > self.budget:
             self.drop(next(iter(self.entries)))          # least recently used first
@@ -69,17 +72,19 @@ class PrefixCache:
         if entry is not None:
             self.used -= entry.nbytes
 
-    def best(self, prompt, session_id: str | None = None,
-             whole: bool = False) -> tuple[Entry | None, int]:
+    def best(self, prompt, session_id: str | None = None, whole: bool = False,
+             salt: str = "") -> tuple[Entry | None, int]:
         """The stored state sharing the longest prefix with `prompt`, and that length.
 
-        The session's own entry wins ties. With `whole` (a state that cannot be cut)
+        Only entries of `salt` count; the session's own entry wins ties. With `whole` (a state that cannot be cut)
         only entries whose entire history is a prefix of the prompt, shorter than
         it, count. A hit moves the entry to the most-recently-used end.
         """
         prompt = np.asarray(prompt, dtype=np.int64)
         best_key, best_len = None, 0
         for key, entry in self.entries.items():
+            if entry.salt != salt:
+                continue
             n = common_prefix(entry.tokens, prompt)
             if whole and (n != len(entry.tokens) or n >= len(prompt)):
                 continue

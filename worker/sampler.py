@@ -32,6 +32,7 @@ from collections import Counter
 import numpy as np
 
 from ..common.protocol import Sampling
+from .constraint import summary
 
 F32 = np.float32
 
@@ -54,6 +55,13 @@ class SequenceSampler:
         self.rng = np.random.default_rng(None if params.seed is None else params.seed % (1 << 64))
         self.bias_ids = np.fromiter(params.logit_bias.keys(), dtype=np.int64)
         self.bias_vals = np.fromiter(params.logit_bias.values(), dtype=np.float32)
+        # why this sequence cannot go on (its grammar failed): the scheduler ends it alone,
+        # with this short message; the rest of its batch never sees the failure
+        self.failed: str | None = None
+
+    def fail(self, exc: Exception) -> None:
+        if self.failed is None:
+            self.failed = summary(str(exc)) or type(exc).__name__
 
     @property
     def greedy(self) -> bool:
@@ -97,7 +105,11 @@ class Sampler:
             self.settle()           # the step's kernels are done: the copy will not wait
         picks = self.host(tokens).tolist()
         for seq, token in zip(seqs, picks):
-            seq.accept(token)
+            if seq.failed is None:
+                try:                    # one grammar's failure is its own request's
+                    seq.accept(token)
+                except Exception as exc:
+                    seq.fail(exc)
         return list(zip(picks, entries))
 
     # -- logits → adjusted logits, in place ------------------------------------------------
@@ -143,7 +155,16 @@ class Sampler:
         rows = [i for i, s in enumerate(seqs) if s.constraint is not None]
         if not rows:
             return
-        words = np.stack([seqs[i].constraint.bitmask() for i in rows]).astype("<i4", copy=False)
+        words = []
+        for i in rows:          # a grammar that fails here fails its own request alone
+            try:
+                words.append(seqs[i].constraint.bitmask() if seqs[i].failed is None else None)
+            except Exception as exc:
+                seqs[i].fail(exc)
+                words.append(None)
+        width = max((w.size for w in words if w is not None), default=(logits.shape[1] + 31) // 32)
+        words = np.stack([w if w is not None else np.full(width, -1, np.int32)
+                          for w in words]).astype("<i4", copy=False)
         bits = xp.unpackbits(xp.asarray(words.view(np.uint8)), bitorder="little")
         bits = bits.reshape(len(rows), -1)                                 # [C, 32 W]: 1 = allowed
         V = logits.shape[1]

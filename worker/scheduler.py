@@ -74,6 +74,7 @@ class Request:
     session_id: str | None = None
     constraint: object = None        # a grammar the output must follow (worker/constraint.py)
     logprobs: int = -1               # -1: none; N: the chosen token's logprob and the top N
+    salt: str = ""                   # its prefix-cache scope (Generate.cache_salt)
 
 
 @dataclass
@@ -82,11 +83,12 @@ class Output:
 
     request_id: str
     tokens: list[int]
-    finish: str | None = None        # "stop" | "length" | "abort"
+    finish: str | None = None        # "stop" | "length" | "abort" | "error"
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0           # prompt tokens whose KV was reused, not computed
     logprobs: list = field(default_factory=list)   # [logprob, [[id, logprob], ...]] per token
+    error: str | None = None         # finish "error": why, short, of this request alone
 
 
 @dataclass
@@ -100,6 +102,7 @@ class Slot:
     generated: int = 0
     reused: int = 0                  # prompt tokens taken from a warm state
     session_id: str | None = None    # of the last request that ran here
+    salt: str = ""                   # the cache scope of that request: of its history
     last_used: int = 0
     fork_from: "Slot | None" = None  # WAIT: the slot whose prefix this one will copy
     fork_len: int = 0
@@ -186,13 +189,17 @@ class Scheduler:
         if not idle:
             raise RuntimeError("no free slot")
         prompt = np.asarray(req.prompt, dtype=np.int64)
+        # a warm state serves only requests of its own salt (a scope per API key): a hit
+        # shows in cached_tokens, which would let one client read another's prompt
         matches = {s.index: self.usable(common_prefix(np.asarray(s.history, dtype=np.int64),
                                                       prompt), len(s.history), len(prompt))
-                   for s in idle}
-        slot = max(idle, key=lambda s: (bool(req.session_id) and s.session_id == req.session_id,
+                   if s.salt == req.salt else 0 for s in idle}
+        slot = max(idle, key=lambda s: (bool(req.session_id) and s.session_id == req.session_id
+                                        and s.salt == req.salt,
                                         matches[s.index], -s.last_used))
         reuse = self.warm_start(slot, matches[slot.index], req)
         slot.state, slot.request, slot.last_used = SlotState.PREFILL, req, next(self.uses)
+        slot.salt = req.salt
         slot.sampler = SequenceSampler(req.params, req.prompt, req.constraint, req.logprobs)
         slot.history = list(req.prompt[:reuse])
         slot.feed, slot.generated, slot.reused = list(req.prompt[reuse:]), 0, reuse
@@ -216,7 +223,8 @@ class Scheduler:
             return None, 0
         best, best_len = None, self.FORK_MIN - 1
         for other in self.slots:
-            if other is not slot and other.state is SlotState.PREFILL:
+            if other is not slot and other.state is SlotState.PREFILL \
+                    and other.request.salt == slot.request.salt:
                 shared = min(common_prefix(np.asarray(other.request.prompt, dtype=np.int64),
                                            prompt), len(prompt) - 1)
                 if shared > best_len:
@@ -248,8 +256,9 @@ class Scheduler:
             # a state that is about to lose most of its history is kept on the host
             if match < slot.cached // 2 and slot.cached >= self.cache.min_tokens:
                 state, nbytes = self.kv.save(slot.index, slot.cached)
-                self.cache.put(slot.history, state, nbytes, slot.session_id)
-            entry, stored = self.cache.best(req.prompt, req.session_id, whole=self.exact)
+                self.cache.put(slot.history, state, nbytes, slot.session_id, slot.salt)
+            entry, stored = self.cache.best(req.prompt, req.session_id, whole=self.exact,
+                                            salt=req.salt)
             if entry is not None and stored > match:
                 self.kv.restore(slot.index, entry.state)
                 match = stored
@@ -322,10 +331,21 @@ class Scheduler:
 
     def _advance(self, slot: Slot, token: int, logprobs: list | None) -> Output:
         req = slot.request
+        if slot.sampler.failed is None and req.constraint is not None:
+            try:
+                done = req.constraint.finished()
+            except Exception as exc:
+                slot.sampler.fail(exc)
+        if slot.sampler.failed is not None:       # its grammar failed: it ends alone
+            out = self._output(slot, [], "error")
+            out.error = slot.sampler.failed
+            del self.by_id[req.id]
+            slot.release()
+            return out
         slot.generated += 1
         slot.state = SlotState.DECODE
         finish = None
-        if token in req.stop_ids or (req.constraint is not None and req.constraint.finished()):
+        if token in req.stop_ids or (req.constraint is not None and done):
             finish = "stop"
         elif slot.generated >= req.max_tokens or slot.cached + 1 >= self.ctx:
             finish = "length"

@@ -165,6 +165,16 @@ def keys_dir() -> str | None:
     return os.environ.get("PANTHEON_KEYS_DIR") or None
 
 
+SPAWN_PROOF_ENV = "PANTHEON_SPAWN_PROOF"   # set by `serve` for the workers it spawns
+
+
+def spawn_proof() -> str | None:
+    """The secret a spawning frontend handed this worker (its hello carries it back).
+    Taken out of the environment as it is read, so nothing this process starts inherits
+    it; /proc/PID/environ shows it to this user only."""
+    return os.environ.pop(SPAWN_PROOF_ENV, None) or None
+
+
 def admin_addr() -> str:
     """Where `pantheon admin` finds the admin socket (`PANTHEON_ADMIN_ADDR`)."""
     return os.environ.get("PANTHEON_ADMIN_ADDR", ADMIN_ADDR)

@@ -86,7 +86,8 @@ class ServeConfig:
 
 async def serve(cfg: ServeConfig) -> int:
     enforce(Exposure(cfg.host, cfg.worker_addr, cfg.admin_addr, cfg.api_key, cfg.admin_key,
-                     cfg.keys_dir, cfg.http_admin).problems(), cfg.insecure)
+                     cfg.keys_dir, cfg.http_admin, spawn=bool(cfg.spawn)).problems(),
+            cfg.insecure)
     created = int(time.time())
     registry = Registry()
     for path, name in cfg.models:        # metadata and tokenizers: refuse bad files up front
@@ -100,9 +101,10 @@ async def serve(cfg: ServeConfig) -> int:
     curve = link.pair if link else None
     # bind every socket before anything starts, so a taken address fails fast and clean
     try:
+        # workers we did not spawn join over CURVE, or with --insecure
         pool = bind("worker", cfg.worker_addr, lambda: WorkerPool(
             cfg.worker_addr, cfg.worker_timeout_s, cfg.worker_lost_after_s, curve,
-            cfg.stream_buffer_tokens))
+            cfg.stream_buffer_tokens, external=curve is not None or cfg.insecure))
     except RuntimeError:
         if link:
             link.close()

@@ -73,7 +73,7 @@ def test_an_allowed_worker_joins_and_a_rogue_or_keyless_one_does_not(secured):
     rogue_dir = secured.base / "rogue"        # knows the server's public key; not allowed
     keys.worker_folder(rogue_dir, secured.keys / "server.key")
     procs = [worker(secured, "cpu:rogue", "--keys", str(rogue_dir)),
-             worker(secured, "cpu:plain"),
+             worker(secured, "cpu:plain", "--insecure"),
              worker(secured, "cpu:ext", "--keys", str(secured.keys / "ext"))]
     try:
         assert wait_for(lambda: "cpu:ext" in dies(secured)), secured.logs()

@@ -117,24 +117,25 @@ class LinkAuth:
 
     def folder_stamp(self) -> tuple:
         """What changes when a key is added, removed or rewritten in place (a rotated
-        key file keeps its name, and the folder's own time with it)."""
+        key file keeps its name, and the folder's time with it): the files themselves,
+        a few hundred bytes each, read at each connection ZAP judges."""
         folder = self.dir / keys.AUTHORIZED
-        if not folder.is_dir():
-            return ()
         stamp = []
-        for f in sorted(folder.glob("*.key")):
+        for f in sorted(folder.glob("*.key")) if folder.is_dir() else []:
             try:
-                st = f.stat()
+                if not f.is_file():          # a FIFO would block this loop: not a key
+                    continue
+                with f.open("rb") as fh:
+                    stamp.append((f.name, fh.read(4096)))
             except OSError:
-                continue
-            stamp.append((f.name, st.st_ino, st.st_size, st.st_mtime_ns))
-        return (folder.stat().st_mtime_ns, *stamp)
+                stamp.append((f.name, b""))
+        return tuple(stamp)
 
     def callback(self, domain: str, key: bytes) -> bool:
         """ZAP's question: may the peer with this (z85) public key connect?"""
         if domain == ADMIN_DOMAIN:
             return True                          # the admin token authenticates
-        if self.folder_stamp() != self.stamp:    # keys added or removed: reread
+        if self.folder_stamp() != self.stamp:    # keys added, removed, rotated: reread
             try:
                 self.allowed, self.stamp = keys.authorized_keys(self.dir), self.folder_stamp()
             except keys.KeyFileError as exc:

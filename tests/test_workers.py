@@ -117,14 +117,18 @@ def test_a_hello_for_a_live_die_is_refused_and_the_worker_keeps_its_request():
 
 def test_a_burst_of_sends_to_a_worker_that_is_not_reading_is_not_a_loss():
     """Thousands of sends while the worker reads nothing fill its queue (high-water
-    marks on both sides): they wait, in order, and none declares the worker lost."""
+    marks on both sides; the socket stays writable through the worker's heartbeat
+    pipe, so each send is tried and refused): they wait, in order, and none declares
+    the worker lost."""
     async def body(pool, peer):
         busy = peer(b"busy", rcvhwm=10)
         await busy.send(hello())
         await until(lambda: pool.live())
+        beats = peer(b"busy" + p.HEARTBEAT_SUFFIX)   # its heartbeat socket: a pipe with room
+        await beats.send(beat())
         (worker,) = pool.live()
-        n = 3000
-        sends = asyncio.gather(*(pool.send(worker, p.Abort(f"r{i}")) for i in range(n)),
+        n, pad = 3000, "x" * 10_000       # 30 MB: past the kernel's buffers and both HWMs
+        sends = asyncio.gather(*(pool.send(worker, p.Abort(f"r{i}{pad}")) for i in range(n)),
                                return_exceptions=True)
         await asyncio.sleep(0.5)                       # the queue is full by now
         assert worker.alive, worker.lost_reason
@@ -132,7 +136,7 @@ def test_a_burst_of_sends_to_a_worker_that_is_not_reading_is_not_a_loss():
         while len(got) < n:                            # the worker reads again
             got += [m.request_id for m in await busy.messages(0.2)
                     if isinstance(m, p.Abort)]           # (and the probes of its silence)
-        assert got == [f"r{i}" for i in range(n)]
+        assert got == [f"r{i}{pad}" for i in range(n)]
         assert await sends == [None] * n
         assert worker.alive
     run(lambda addr: WorkerPool(addr, external=True), body)

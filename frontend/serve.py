@@ -54,7 +54,7 @@ class ServeConfig:
     admin_key: str | None = None
     max_models: int = settings.MAX_MODELS
     context_cap: bool = True
-    worker_lost_after_s: float = settings.WORKER_LOST_AFTER_S   # silence: external one lost
+    worker_lost_after_s: float = settings.WORKER_LOST_AFTER_S   # unanswered silence: lost
     quantize: str = "auto"
     shutdown_timeout_s: float = settings.SHUTDOWN_TIMEOUT_S
     metrics_auth: bool = False                 # /metrics takes the API key
@@ -77,6 +77,8 @@ class ServeConfig:
     def __post_init__(self):
         if self.worker_lost_after_s < self.worker_timeout_s:
             raise ValueError("--worker-lost-after must be at least --worker-timeout")
+        if self.worker_lost_after_s < 2.0:       # probes start after 1 s of silence
+            raise ValueError("--worker-lost-after must be at least 2 seconds")
         if self.shutdown_timeout_s < 0:
             raise ValueError("--shutdown-timeout must be >= 0")
         if self.metrics_auth and not self.api_key:

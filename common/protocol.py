@@ -82,6 +82,9 @@ class Hello:
     # what it holds, so that a rejoining worker is reconciled instead of reloaded
     replicas: list[Resident] = field(default_factory=list)
     running: list[str] = field(default_factory=list)  # request ids it is still generating
+    # a spawned worker's proof: the secret its frontend handed it at spawn (in its
+    # environment, never on a command line); "" for an external worker
+    proof: str = ""
 
 
 @dataclass(slots=True)
@@ -303,7 +306,9 @@ class Shutdown:
 
 @dataclass(slots=True)
 class Ping:
-    """A probe of the link (a dropped connection fails to take it); no answer."""
+    """A probe of the link: a dropped connection fails to take it; sent to a worker's
+    heartbeat socket, it is answered at once with a heartbeat (a live process answers,
+    a hung one cannot)."""
 
 
 # -- ops script → frontend admin socket, and back ----------------------------------

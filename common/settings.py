@@ -21,7 +21,7 @@ QUEUE_DEPTH = 32                         # requests that may wait for a slot, pe
 QUEUE_TIMEOUT_S = 30.0
 MAX_BODY_BYTES = 8 << 20
 WORKER_TIMEOUT_S = 5.0                   # silence (or one step) this long: a worker is slow
-WORKER_LOST_AFTER_S = 60.0               # silence this long: an external worker is lost
+WORKER_LOST_AFTER_S = 60.0               # silent, probes unanswered, this long: lost
 MAX_MODELS = 16                          # resident replicas, all models together
 UNLOAD_TIMEOUT_S = 30.0                  # an unload's drain deadline
 ADMIN_TIMEOUT_S = 10.0                   # `pantheon admin`: wait this long for the server
@@ -164,6 +164,16 @@ def admin_key() -> str | None:
 def keys_dir() -> str | None:
     """The CURVE keys folder of the ZeroMQ links (`PANTHEON_KEYS_DIR`; `--keys` wins)."""
     return os.environ.get("PANTHEON_KEYS_DIR") or None
+
+
+SPAWN_PROOF_ENV = "PANTHEON_SPAWN_PROOF"   # set by `serve` for the workers it spawns
+
+
+def spawn_proof() -> str | None:
+    """The secret a spawning frontend handed this worker (its hello carries it back).
+    Taken out of the environment as it is read, so nothing this process starts inherits
+    it; /proc/PID/environ shows it to this user only."""
+    return os.environ.pop(SPAWN_PROOF_ENV, None) or None
 
 
 def admin_addr() -> str:

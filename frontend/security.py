@@ -11,7 +11,7 @@ this host's users. Off loopback nothing is open by default:
 - `LinkAuth` is the CURVE side of the frontend (ZAP through pyzmq's asyncio
   authenticator), on both ZeroMQ sockets whenever `--keys DIR` is given, on
   loopback too. A worker joins only with a public key in the allow list
-  (DIR/authorized/, reread when the folder changes) or with the server's own pair
+  (DIR/authorized/, reread when a key in it is added, removed or rewritten) or with the server's own pair
   (the workers this frontend spawns read its keys folder, as it does). The admin
   socket takes any client key: the channel is encrypted, the admin token
   authenticates.
@@ -49,6 +49,7 @@ class Exposure:
     admin_key: str | None
     keys_dir: str | None
     http_admin: bool = True
+    spawn: bool = True          # False: --no-spawn, every worker is an external one
 
     def problems(self) -> list[str]:
         out = []
@@ -72,6 +73,12 @@ class Exposure:
             out.append(f"--worker-addr {self.worker_addr} is reachable from other hosts: any "
                        "process there could join as a worker and receive prompts; pass --keys "
                        "DIR (CURVE; `pantheon keys generate DIR` writes it)")
+        elif not self.keys_dir and not self.spawn:   # no worker could ever prove itself
+            out.append("--no-spawn and the worker link has no keys: workers this server did "
+                       "not spawn (`pantheon worker`) are refused, on loopback too; pass "
+                       "--keys DIR (CURVE; `pantheon keys generate DIR`, and the workers' "
+                       "--keys) to let them in, or --insecure to let any process on this "
+                       "host join as a worker")
         return out
 
 
@@ -108,15 +115,27 @@ class LinkAuth:
         log.info("CURVE on: workers need a key in %s (%d allowed)",
                  self.dir / keys.AUTHORIZED, len(self.allowed))
 
-    def folder_stamp(self) -> float:
+    def folder_stamp(self) -> tuple:
+        """What changes when a key is added, removed or rewritten in place (a rotated
+        key file keeps its name, and the folder's time with it): the files themselves,
+        a few hundred bytes each, read at each connection ZAP judges."""
         folder = self.dir / keys.AUTHORIZED
-        return folder.stat().st_mtime if folder.is_dir() else 0.0
+        stamp = []
+        for f in sorted(folder.glob("*.key")) if folder.is_dir() else []:
+            try:
+                if not f.is_file():          # a FIFO would block this loop: not a key
+                    continue
+                with f.open("rb") as fh:
+                    stamp.append((f.name, fh.read(4096)))
+            except OSError:
+                stamp.append((f.name, b""))
+        return tuple(stamp)
 
     def callback(self, domain: str, key: bytes) -> bool:
         """ZAP's question: may the peer with this (z85) public key connect?"""
         if domain == ADMIN_DOMAIN:
             return True                          # the admin token authenticates
-        if self.folder_stamp() != self.stamp:    # keys added or removed: reread
+        if self.folder_stamp() != self.stamp:    # keys added, removed, rotated: reread
             try:
                 self.allowed, self.stamp = keys.authorized_keys(self.dir), self.folder_stamp()
             except keys.KeyFileError as exc:

@@ -55,7 +55,7 @@ class ServeConfig:
     admin_key: KeySet | str | None = None
     max_models: int = settings.MAX_MODELS
     context_cap: bool = True
-    worker_lost_after_s: float = settings.WORKER_LOST_AFTER_S   # silence: external one lost
+    worker_lost_after_s: float = settings.WORKER_LOST_AFTER_S   # unanswered silence: lost
     quantize: str = "auto"
     shutdown_timeout_s: float = settings.SHUTDOWN_TIMEOUT_S
     metrics_auth: bool = False                 # /metrics takes the API key
@@ -78,6 +78,8 @@ class ServeConfig:
     def __post_init__(self):
         if self.worker_lost_after_s < self.worker_timeout_s:
             raise ValueError("--worker-lost-after must be at least --worker-timeout")
+        if self.worker_lost_after_s < 2.0:       # probes start after 1 s of silence
+            raise ValueError("--worker-lost-after must be at least 2 seconds")
         if self.shutdown_timeout_s < 0:
             raise ValueError("--shutdown-timeout must be >= 0")
         if self.metrics_auth and not self.api_key:
@@ -87,7 +89,8 @@ class ServeConfig:
 
 async def serve(cfg: ServeConfig) -> int:
     enforce(Exposure(cfg.host, cfg.worker_addr, cfg.admin_addr, cfg.api_key, cfg.admin_key,
-                     cfg.keys_dir, cfg.http_admin).problems(), cfg.insecure)
+                     cfg.keys_dir, cfg.http_admin, spawn=bool(cfg.spawn)).problems(),
+            cfg.insecure)
     created = int(time.time())
     registry = Registry()
     for path, name in cfg.models:        # metadata and tokenizers: refuse bad files up front
@@ -101,9 +104,10 @@ async def serve(cfg: ServeConfig) -> int:
     curve = link.pair if link else None
     # bind every socket before anything starts, so a taken address fails fast and clean
     try:
+        # workers we did not spawn join over CURVE, or with --insecure
         pool = bind("worker", cfg.worker_addr, lambda: WorkerPool(
             cfg.worker_addr, cfg.worker_timeout_s, cfg.worker_lost_after_s, curve,
-            cfg.stream_buffer_tokens))
+            cfg.stream_buffer_tokens, external=curve is not None or cfg.insecure))
     except RuntimeError:
         if link:
             link.close()

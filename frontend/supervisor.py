@@ -2,12 +2,19 @@
 
 (Under supervisord or systemd, `--no-spawn` leaves this to them.) A CPU die
 gets its own share of the host's cores; GPU dies are not pinned to cores.
+
+Each process gets a fresh secret in its environment (never on its command line), which
+its hello carries back: that is how the pool tells our workers from anyone else on the
+link. A worker the pool finds hung (silent, its probes unanswered) is killed here and
+started again like any worker that exited.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
+import secrets
+import signal
 import sys
 
 import psutil
@@ -48,6 +55,7 @@ class Supervisor:
         self.procs: dict[str, asyncio.subprocess.Process] = {}
         self.tasks: list[asyncio.Task] = []
         self.stopping = False
+        pool.on_hung.append(self.kill)
 
     def command(self, die: str) -> list[str]:
         cmd = [sys.executable, "-m", "pantheon.cli", "worker", "--die", die,
@@ -67,13 +75,15 @@ class Supervisor:
         backoff = 1.0
         loop = asyncio.get_running_loop()
         while not self.stopping:
-            proc = await asyncio.create_subprocess_exec(*self.command(die))
+            proof = secrets.token_urlsafe(32)
+            env = {**os.environ, settings.SPAWN_PROOF_ENV: proof}
+            proc = await asyncio.create_subprocess_exec(*self.command(die), env=env)
             self.procs[die] = proc
-            self.pool.spawned_pids.add(proc.pid)     # judged by its exit, not its silence
+            self.pool.expect(proof, die, proc.pid)   # before its hello can be read
             started = loop.time()
             log.info("spawned worker for die %s (pid %d)", die, proc.pid)
             code = await proc.wait()
-            self.pool.spawned_pids.discard(proc.pid)
+            self.pool.spawn_proofs.pop(proof, None)  # its successor gets a new one
             if self.stopping:
                 return
             self.pool.process_exited(proc.pid, code)
@@ -84,12 +94,19 @@ class Supervisor:
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 30.0)
 
+    def kill(self, worker) -> None:
+        """SIGKILL a spawned worker the pool found hung; keep_alive starts it again."""
+        proc = self.procs.get(worker.die)
+        if proc is not None and proc.pid == worker.hello.pid and proc.returncode is None:
+            log.warning("killing the hung worker for die %s (pid %d)", worker.die, proc.pid)
+            proc.send_signal(signal.SIGKILL)
+
     async def stop(self, timeout: float = 5.0) -> None:
         """Ask every worker to shut down; terminate what does not."""
         self.stopping = True
         for worker in self.pool.live():
-            try:
-                await self.pool.send(worker, p.Shutdown())
+            try:                   # a worker whose queue stays full is terminated below
+                await asyncio.wait_for(self.pool.send(worker, p.Shutdown()), 1.0)
             except Exception:
                 pass
         procs = [proc for proc in self.procs.values() if proc.returncode is None]

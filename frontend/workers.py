@@ -6,12 +6,22 @@ every worker message to whoever waits for it (a request's token stream, a
 load), and fails a dead worker's requests at once instead of leaving them
 to hang.
 
+Who may join: a worker this frontend spawned proves itself with the secret it was
+handed at spawn (its hello carries it back, bound to its die and pid); any other
+worker only when the link is CURVE (ZAP has already judged its key) or `--insecure`
+opened it. A hello for a die whose worker is alive never displaces it: it is refused,
+unless that worker's connection has dropped (a probe says so), as a restarted one's
+has. Identities are 128-bit random, so nobody takes over a worker's connection.
+
 A worker is *ready*, *slow* or *lost*. Busy is not dead: a worker whose step
 runs long (its heartbeat thread says so) or that falls silent past
 `slow_after_s` is slow: it keeps its requests and gets no new ones while
-another replica can serve. A spawned worker is judged by its process: lost
-only when it exits. An external one is lost when its connection drops (a
-probe fails to reach it) or after `lost_after_s` of silence.
+another replica can serve. Silence is probed: a ping to its heartbeat socket is
+answered at once by a live process. A worker is lost when its connection drops (a
+probe fails to reach it), when a spawned one's process exits, or after `lost_after_s`
+of silence with every probe unanswered (hung, or SIGSTOPped); a spawned one hung like
+that is killed, and its supervisor starts it again. A full send queue is never a
+loss: a send to a busy worker waits its turn.
 
 Every request gets an answer: a worker acknowledges each Generate it takes
 (Accepted) or refuses it with an Error naming it; one that is still
@@ -65,6 +75,9 @@ class WorkerInfo:
     slow: bool = False
     beat_at: float = 0.0           # when the last heartbeat arrived
     lost_reason: str = ""
+    probed_at: float = 0.0         # the last probe of a silent worker
+    # sends to one worker go one at a time, in order (a Generate before its Abort)
+    sending: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
     def die(self) -> str:
@@ -131,18 +144,25 @@ class RequestStream:
 
 
 class WorkerPool:
-    PROBE_AFTER_S = 2 * p.HEARTBEAT_S    # silence after which an external link is probed
+    PROBE_AFTER_S = 2 * p.HEARTBEAT_S    # silence after which a worker is probed
+    PROBE_EVERY_S = 2 * p.HEARTBEAT_S    # and again this often while it stays silent
 
     ANSWER_DEADLINE_S = 30.0     # a Generate unanswered this long (worker not slow): failed
 
     def __init__(self, address: str, slow_after_s: float = 5.0, lost_after_s: float = 60.0,
                  curve: KeyPair | None = None,
                  stream_buffer_tokens: int = settings.STREAM_BUFFER_TOKENS,
-                 answer_deadline_s: float = ANSWER_DEADLINE_S):
+                 answer_deadline_s: float = ANSWER_DEADLINE_S,
+                 external: bool | None = None):
         self.address, self.slow_after_s, self.lost_after_s = address, slow_after_s, lost_after_s
         self.stream_buffer_tokens = stream_buffer_tokens
         self.answer_deadline_s = answer_deadline_s
         self.unanswered: dict[str, RequestStream] = {}   # sent, no word from the worker yet
+        # workers without a spawn proof may join: CURVE judged their key, or --insecure
+        self.external = curve is not None if external is None else external
+        if self.external and curve is None:
+            log.warning("--insecure: the worker link takes workers without keys: any "
+                        "process on this host can join as a worker for a die that has none")
         self.ctx = zmq.asyncio.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.MAXMSGSIZE, limits.FROM_WORKER.max_bytes)   # larger: dropped
@@ -152,8 +172,10 @@ class WorkerPool:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)   # sending to a gone peer raises
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)    # a reconnecting worker takes over
         self.sock.bind(address)
-        self.spawned_pids: set[int] = set()             # kept by the supervisor
+        # proof → (die, pid) of each worker process the supervisor spawned and runs
+        self.spawn_proofs: dict[str, tuple[str, int]] = {}
         self.strangers: set[bytes] = set()              # unknown peers already logged
+        self.refused: set[bytes] = set()                # refused hellos already logged
         self.workers: dict[bytes, WorkerInfo] = {}
         self.joins: dict[str, int] = {}                 # die → worker processes that joined
         self.streams: dict[str, RequestStream] = {}
@@ -164,6 +186,7 @@ class WorkerPool:
         self.on_join: list[Callable[[WorkerInfo], None]] = []
         self.on_lost: list[Callable[[WorkerInfo], None]] = []
         self.on_change: list[Callable[[], None]] = []   # load or capacity may have changed
+        self.on_hung: list[Callable[[WorkerInfo], None]] = []   # a spawned one to kill
         self.ids = itertools.count()
         self.id_prefix = secrets.token_hex(3)   # ids stay unique across frontend restarts
         self.tasks: list[asyncio.Task] = []
@@ -182,11 +205,25 @@ class WorkerPool:
 
     # -- sending -----------------------------------------------------------------------
     async def send(self, worker: WorkerInfo, msg) -> None:
-        try:
-            await self.sock.send_multipart([worker.ident, p.encode(msg)])
-        except zmq.ZMQError as exc:   # EHOSTUNREACH: the peer disconnected
-            self.lose(worker, f"send failed: {exc}")
-            raise WorkerLost(f"worker for die {worker.die} is unreachable") from exc
+        """Send `msg` to `worker`, in order with its other messages. A full queue (the
+        worker is inside a long step, its high-water mark reached) is not a loss: the
+        send waits its turn for as long as the worker lives. Only a connection that is
+        gone (EHOSTUNREACH) loses the worker here."""
+        frames, delay = [worker.ident, p.encode(msg)], 0.005
+        async with worker.sending:
+            while True:
+                if not worker.alive:
+                    raise WorkerLost(f"the worker for die {worker.die} went away "
+                                     f"({worker.lost_reason})")
+                try:
+                    await self.sock.send_multipart(frames, flags=zmq.NOBLOCK)
+                    return
+                except zmq.Again:
+                    await asyncio.sleep(delay)          # busy, not lost
+                    delay = min(delay * 2, 0.1)
+                except zmq.ZMQError as exc:   # EHOSTUNREACH: the peer disconnected
+                    self.lose(worker, f"send failed: {exc}")
+                    raise WorkerLost(f"worker for die {worker.die} is unreachable") from exc
 
     async def generate(self, worker: WorkerInfo, msg: p.Generate) -> RequestStream:
         stream = RequestStream(msg.request_id, worker)
@@ -327,14 +364,43 @@ class WorkerPool:
         if ident.endswith(p.HEARTBEAT_SUFFIX):
             self.stranger(ident, "a hello from a heartbeat socket")
             return
+        spawned = self.spawn_proofs.get(msg.proof) == (msg.die, msg.pid) if msg.proof else False
+        if not spawned and not self.external:
+            self.refuse(ident, msg, "it is not a worker this frontend spawned, and external "
+                        "workers need CURVE keys (serve --keys DIR, worker --keys DIR) or "
+                        "serve --insecure" if not msg.proof else "its spawn proof is wrong")
+            return
         old = self.workers.get(ident)
-        if old is not None and old.alive and old.hello.pid == msg.pid:
+        if old is not None and old.alive and old.hello.pid == msg.pid and old.die == msg.die:
             old.hello, old.last_seen = msg, now    # the same process, introducing itself
             return                                  # again (after queued heartbeats)
-        for other in list(self.workers.values()):   # one worker per die: a newcomer
-            if other.alive and (other is old or other.die == msg.die):   # replaces it
-                self.lose(other, f"replaced by a new worker (pid {msg.pid})")
-        info = WorkerInfo(ident, msg, now, spawned=msg.pid in self.spawned_pids)
+        holder = next((w for w in self.workers.values()
+                       if w.alive and (w is old or w.die == msg.die)), None)
+        if holder is not None:        # never displaced by a hello: unless it is gone
+            self.own(asyncio.ensure_future(self.contest(ident, msg, holder)))
+            return
+        self.join(ident, msg, now, spawned)
+
+    async def contest(self, ident: bytes, msg: p.Hello, holder: WorkerInfo) -> None:
+        """A hello for a die whose worker is alive: let the newcomer in only if the
+        holder's connection has dropped (a restarted worker's has); refuse it otherwise."""
+        if holder.alive and await self.reachable(holder):
+            self.refuse(ident, msg, f"die {holder.die} has a live worker (pid "
+                        f"{holder.hello.pid})")
+            return
+        self.lose(holder, "its connection dropped")
+        self.hello(ident, msg, time.monotonic())
+
+    def refuse(self, ident: bytes, msg: p.Hello, why: str) -> None:
+        """Refuse a hello: logged once per peer, and said to the peer every time."""
+        if ident not in self.refused and len(self.refused) < 1024:
+            self.refused.add(ident)
+            log.warning("refused a hello for die %s (pid %d) from peer %r: %s", msg.die,
+                        msg.pid, ident[:64], why)
+        self.spawn_send(ident, p.Error(f"hello refused: {why}", code="refused"))
+
+    def join(self, ident: bytes, msg: p.Hello, now: float, spawned: bool) -> None:
+        info = WorkerInfo(ident, msg, now, spawned=spawned)
         self.workers[ident] = info
         self.joins[msg.die] = self.joins.get(msg.die, 0) + 1
         self.strangers.discard(ident + p.HEARTBEAT_SUFFIX)
@@ -354,7 +420,11 @@ class WorkerPool:
             log.info("dropped %s from peer %r", what, ident[:64])
 
     def spawn_send(self, ident: bytes, msg) -> None:
-        task = asyncio.ensure_future(self.sock.send_multipart([ident, p.encode(msg)]))
+        """Send without waiting: a gone peer or a full queue drops the message. (Every
+        send here is non-blocking: one blocked send would hold up all that follow it, to
+        every worker.)"""
+        task = asyncio.ensure_future(self.sock.send_multipart([ident, p.encode(msg)],
+                                                              flags=zmq.NOBLOCK))
         task.add_done_callback(lambda t: t.cancelled() or t.exception())   # a gone peer
         self.own(task)
 
@@ -389,11 +459,20 @@ class WorkerPool:
             now = time.monotonic()
             for worker in [w for w in self.workers.values() if w.alive]:
                 silent = worker.silent_s(now)
-                if not worker.spawned and silent > self.lost_after_s:
-                    self.lose(worker, f"silent for {silent:.1f} s")
+                if silent > self.lost_after_s:   # every probe since went unanswered
+                    self.lose(worker, f"no heartbeat for {silent:.1f} s and no answer to "
+                              "a probe" + (": killed, to be restarted" if worker.spawned
+                                           else ""))
+                    if worker.spawned:
+                        for callback in self.on_hung:
+                            callback(worker)
                     continue
-                if not worker.spawned and silent > self.PROBE_AFTER_S:
-                    await self.probe(worker)
+                if silent > self.PROBE_AFTER_S and now - worker.probed_at >= self.PROBE_EVERY_S:
+                    worker.probed_at = now
+                    if not await self.reachable(worker):
+                        self.lose(worker, "connection dropped")
+                        continue
+                    self.ping_heartbeats(worker)
                 self.check_slow(worker, now)
 
     def check_answers(self, elapsed: float) -> None:
@@ -414,16 +493,23 @@ class WorkerPool:
                                code="no_answer", request_id=request_id))
             self.abort_soon(request_id)
 
-    async def probe(self, worker: WorkerInfo) -> None:
-        """A dropped connection (the peer's process died, its host went away) fails the
-        send at once (ROUTER_MANDATORY); a live but busy worker just queues the ping."""
+    async def reachable(self, worker: WorkerInfo) -> bool:
+        """False when the worker's connection is gone: a dropped connection (its process
+        died, its host went away) fails the send at once (ROUTER_MANDATORY). A full queue
+        is a live worker that is not reading: reachable."""
         try:
-            await asyncio.wait_for(self.sock.send_multipart(
-                [worker.ident, p.encode(p.Ping())]), 1.0)
-        except zmq.ZMQError as exc:
-            self.lose(worker, f"connection dropped ({exc})")
-        except asyncio.TimeoutError:
-            pass                                 # its queue is full: alive, not reading
+            await self.sock.send_multipart([worker.ident, p.encode(p.Ping())],
+                                           flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return True
+        except zmq.ZMQError:
+            return False
+        return True
+
+    def ping_heartbeats(self, worker: WorkerInfo) -> None:
+        """Ask the worker's heartbeat thread for a beat now: a live process answers
+        whatever its loop is doing; a hung or stopped one stays silent."""
+        self.spawn_send(worker.ident + p.HEARTBEAT_SUFFIX, p.Ping())
 
     def check_slow(self, worker: WorkerInfo, now: float) -> None:
         silent, step = worker.silent_s(now), worker.step_s(now)
@@ -441,10 +527,15 @@ class WorkerPool:
             log.info("worker for die %s is ready again", worker.die)
             self.changed()                       # requests may be routed to it again
 
+    def expect(self, proof: str, die: str, pid: int) -> None:
+        """The supervisor spawned `pid` for `die` and handed it `proof`."""
+        self.spawn_proofs[proof] = (die, pid)
+
     def process_exited(self, pid: int, code: int | None) -> None:
-        """A spawned worker process ended: lose it now rather than at its timeout."""
+        """A spawned worker process ended: lose it now rather than at its timeout (its
+        successor then joins in its place)."""
         for worker in list(self.workers.values()):
-            if worker.alive and worker.hello.pid == pid:
+            if worker.alive and worker.spawned and worker.hello.pid == pid:
                 self.lose(worker, f"process exited with code {code}")
 
     def lose(self, worker: WorkerInfo, reason: str) -> None:

@@ -122,8 +122,8 @@ def add_security_arguments(serve: argparse.ArgumentParser) -> None:
                        "socket: a folder from `pantheon keys generate` (env "
                        "PANTHEON_KEYS_DIR); required off loopback")
     serve.add_argument("--insecure", action="store_true",
-                       help="start even where a bind off loopback lacks its key (a warning "
-                            "at every start)")
+                       help="start even where a bind off loopback lacks its key, and let "
+                            "workers join the link without keys (warned at every start)")
     serve.add_argument("--no-http-admin", action="store_true",
                        help="no /admin/ routes on the HTTP server (the admin socket stays)")
     serve.add_argument("--model-dir", action="append", metavar="DIR",
@@ -250,8 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "other replica can serve")
     serve.add_argument("--worker-lost-after", type=float,
                        default=settings.WORKER_LOST_AFTER_S,
-                       help="seconds of silence after which an external worker is lost "
-                            "(spawned workers are lost only when their process exits)")
+                       help="seconds a worker may answer neither heartbeats nor probes "
+                            "before it is lost (a spawned one is then killed and restarted)")
     add_security_arguments(serve)
     serve.set_defaults(func=cmd_serve)
 
@@ -306,9 +306,11 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--parent-pid", type=int,
                         help="exit when this process (the spawning frontend) is gone")
     worker.add_argument("--keys", metavar="DIR", help="CURVE: a worker folder from `pantheon "
-                        "keys generate` (server.key, worker.key_secret; env PANTHEON_KEYS_DIR)")
+                        "keys generate` (server.key, worker.key_secret; env PANTHEON_KEYS_DIR); "
+                        "required unless --insecure")
     worker.add_argument("--insecure", action="store_true",
-                        help="connect to a frontend off this host without keys (warned)")
+                        help="connect to the frontend without keys, on loopback too: the "
+                             "worker obeys whatever process bound the address (warned)")
     add_kv_cache(worker)
     worker.set_defaults(func=cmd_worker)
 

@@ -1,6 +1,7 @@
 """CURVE on the ZeroMQ links: `serve --keys DIR` with its spawned worker, an external
-worker with an allowed key, a rogue with an unlisted one and one with none, and the
-admin socket through `pantheon admin --keys`."""
+worker with an allowed key, a rogue with an unlisted one and one with none, a worker
+that meets a frontend with another key, and the admin socket through `pantheon admin
+--keys`."""
 import subprocess
 import sys
 import time
@@ -73,7 +74,7 @@ def test_an_allowed_worker_joins_and_a_rogue_or_keyless_one_does_not(secured):
     rogue_dir = secured.base / "rogue"        # knows the server's public key; not allowed
     keys.worker_folder(rogue_dir, secured.keys / "server.key")
     procs = [worker(secured, "cpu:rogue", "--keys", str(rogue_dir)),
-             worker(secured, "cpu:plain"),
+             worker(secured, "cpu:plain", "--insecure"),
              worker(secured, "cpu:ext", "--keys", str(secured.keys / "ext"))]
     try:
         assert wait_for(lambda: "cpu:ext" in dies(secured)), secured.logs()
@@ -92,6 +93,45 @@ def test_an_allowed_worker_joins_and_a_rogue_or_keyless_one_does_not(secured):
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_a_worker_talks_only_to_the_frontend_whose_key_it_holds(secured):
+    """Whoever binds the port a worker dials gains nothing: a rogue keyless frontend, or
+    one with CURVE under another key, completes no handshake with a worker holding the
+    real server's key, so it never hears a hello (or anything); the worker says why."""
+    import zmq
+    from cluster import free_port
+    ctx = zmq.Context.instance()
+    rogues, procs = [], []
+    try:
+        for curve in (False, True):
+            sock = ctx.socket(zmq.ROUTER)
+            sock.setsockopt(zmq.LINGER, 0)
+            if curve:
+                sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+                sock.curve_server = True
+            port = free_port()
+            sock.bind(f"tcp://127.0.0.1:{port}")
+            rogues.append(sock)
+            log = secured.base / f"fooled-{curve}.log"
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "pantheon.cli", "worker", "--die", "cpu",
+                 "--frontend", f"tcp://127.0.0.1:{port}", "--keys", str(secured.keys / "ext")],
+                stdout=subprocess.DEVNULL, stderr=log.open("w"))
+            proc.log = log
+            procs.append(proc)
+        for proc in procs:
+            assert wait_for(lambda: "refused the link's handshake" in proc.log.read_text()
+                            or "no handshake with the frontend" in proc.log.read_text(), 60), \
+                proc.log.read_text()[-2000:]
+        assert not any(sock.poll(0) for sock in rogues)       # not a byte of a message
+        assert all(proc.poll() is None for proc in procs)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        for sock in rogues:
+            sock.close()
 
 
 def test_the_admin_socket_needs_the_server_key(secured):

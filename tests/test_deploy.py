@@ -50,10 +50,14 @@ def worker_of(sup: psutil.Process) -> psutil.Process:
 def test_supervisord_runs_and_restarts_the_cluster(tmp_path):
     pytest.importorskip("supervisor")
     port = free_port()
+    keys = subprocess.run([sys.executable, "-m", "pantheon.cli", "keys", "generate",
+                           str(tmp_path / "keys")], capture_output=True, text=True)
+    assert keys.returncode == 0, keys.stderr
     env = {**os.environ, "PANTHEON_BIN": str(Path(sys.executable).parent),
            "PANTHEON_PORT": str(port), "PANTHEON_RUN": str(tmp_path),
            "PANTHEON_WORKER_ADDR": f"tcp://127.0.0.1:{free_port()}",
-           "PANTHEON_ADMIN_ADDR": f"tcp://127.0.0.1:{free_port()}"}
+           "PANTHEON_ADMIN_ADDR": f"tcp://127.0.0.1:{free_port()}",
+           "PANTHEON_KEYS_DIR": str(tmp_path / "keys")}
     sup = subprocess.Popen([sys.executable, "-m", "supervisor.supervisord", "-c", str(CONF)],
                            env=env, cwd=tmp_path, start_new_session=True)
     url = f"http://127.0.0.1:{port}"

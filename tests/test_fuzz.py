@@ -114,7 +114,8 @@ def worker(tmp_path_factory):
     fe = FakeFrontend()
     log = tmp_path_factory.mktemp("fuzz-worker") / "worker.log"    # a line per bad frame
     proc = subprocess.Popen([sys.executable, "-m", "pantheon.cli", "worker", "--die", "cpu",
-                             "--frontend", f"tcp://127.0.0.1:{fe.port}", "--slots", "1"],
+                             "--frontend", f"tcp://127.0.0.1:{fe.port}", "--slots", "1",
+                             "--insecure"],
                             stdout=subprocess.DEVNULL, stderr=log.open("w"))
     fe.recv(p.Hello)
     yield fe, proc

@@ -14,7 +14,7 @@ import pytest
 import tiny_models as tm
 from cluster import Server, free_port
 from pantheon.common import keys
-from pantheon.frontend.security import Exposure, ModelDirs
+from pantheon.frontend.security import Exposure, LinkAuth, ModelDirs
 
 
 def pantheon(*args, timeout=60, env=None):
@@ -66,6 +66,7 @@ def test_loopback_needs_nothing_and_each_exposure_names_its_flag():
     (["--worker-addr", "tcp://0.0.0.0:5999"], "--keys"),
     (["--admin-addr", "tcp://0.0.0.0:5998", "--admin-key", "a"], "--keys"),
     (["--admin-addr", "tcp://0.0.0.0:5998", "--keys", "/nonexistent"], "--admin-key"),
+    ([], "--no-spawn and the worker link has no keys"),    # nobody could join it
 ])
 def test_serve_refuses_an_unguarded_bind_naming_the_flag(extra, flag):
     r = pantheon(*serve_args(*extra))
@@ -106,6 +107,32 @@ def test_no_http_admin_removes_the_routes(tmp_path):
 def test_worker_refuses_a_remote_frontend_without_keys():
     r = pantheon("worker", "--frontend", "tcp://10.255.255.1:5570")
     assert r.returncode == 1 and "refusing to start" in r.stderr and "--keys" in r.stderr
+
+
+def test_worker_refuses_a_keyless_link_on_loopback_too():
+    """Without keys a worker would obey whatever process bound its frontend's port
+    first: refused unless --insecure (a worker `serve` spawns holds its spawn proof)."""
+    r = pantheon("worker", "--frontend", f"tcp://127.0.0.1:{free_port()}")
+    assert r.returncode == 1 and "refusing to start" in r.stderr, r.stderr
+    assert "--keys" in r.stderr and "--insecure" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_worker_key_rewritten_in_place_is_read_again(tmp_path):
+    """Rotating a worker's key by rewriting authorized/NAME.key in place (the folder's
+    own time unchanged): the next connection is judged by the new key, not the old."""
+    k = tmp_path / "k"
+    keys.generate(k, ["ext"])
+    auth = LinkAuth(k)
+    old = keys.worker_pair(k / "ext").public
+    assert auth.callback("workers", old)
+    folder = k / "authorized"
+    before = folder.stat()
+    rotated = keys.write_pair(tmp_path / "new", "worker")
+    (folder / "ext.key").write_bytes(rotated.read_bytes())
+    os.utime(folder, ns=(before.st_atime_ns, before.st_mtime_ns))
+    new = keys.read_key(rotated, secret=False).public
+    assert auth.callback("workers", new)
+    assert not auth.callback("workers", old)
 
 
 def test_keys_generate_writes_the_layout_with_private_secrets(tmp_path):

@@ -16,3 +16,12 @@ def test_accepted_connections_do_not_wait_for_delayed_acks():
         assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
     finally:
         accepted.close(), client.close(), listener.close()
+
+
+def test_worker_lost_after_leaves_room_for_a_probe():
+    """A silent worker is probed after 1 s: a shorter loss deadline would lose live ones."""
+    import pytest
+    from pantheon.frontend.serve import ServeConfig
+    with pytest.raises(ValueError, match="at least 2 seconds"):
+        ServeConfig(models=[], worker_timeout_s=1.0, worker_lost_after_s=1.5)
+    assert ServeConfig(models=[], worker_timeout_s=1.0, worker_lost_after_s=2.0)

@@ -59,7 +59,8 @@ def test_killed_spawned_worker_fails_requests_and_is_restarted():
 
 def start_worker(srv, die="cpu"):
     return subprocess.Popen([sys.executable, "-m", "pantheon.cli", "worker", "--die", die,
-                             "--frontend", f"tcp://127.0.0.1:{srv.zport}", "--slots", "2"],
+                             "--frontend", f"tcp://127.0.0.1:{srv.zport}", "--slots", "2",
+                             "--insecure"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -74,7 +75,7 @@ def health_when_up(srv, timeout=60) -> int:
 
 
 def test_external_worker_is_used_again_when_it_reconnects():
-    srv = Server("--no-spawn", "--ctx", "512", "--worker-timeout", "2")
+    srv = Server("--no-spawn", "--insecure", "--ctx", "512", "--worker-timeout", "2")
     srv.proc = subprocess.Popen([sys.executable, "-m", "pantheon.cli", *srv.args],
                                 stdout=srv.log, stderr=subprocess.STDOUT,
                                 start_new_session=True)

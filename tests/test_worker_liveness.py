@@ -1,8 +1,9 @@
 """A busy worker is not a dead worker: real servers, real workers, a contended host.
 
-Slow (silent, or inside a long step) keeps a worker's requests; only a spawned
-worker's exit or an external worker's dropped link or long silence loses it; a
-worker that comes back still holding its models keeps them.
+Slow (silent, or inside a long step) keeps a worker's requests; a worker is lost when
+its process exits, its link drops, or it answers neither heartbeats nor probes for
+--worker-lost-after (a spawned one is then killed and restarted); a worker that comes
+back still holding its models keeps them; nobody else's hello takes its die.
 """
 import concurrent.futures as cf
 import os
@@ -14,10 +15,11 @@ import time
 import httpx
 import msgpack
 import openai
+import psutil
 import pytest
 import zmq
 
-from cluster import Server
+from cluster import Server, Stream
 from pantheon.common import protocol as p
 from pantheon.common.default_model import cached_path
 
@@ -141,7 +143,8 @@ def srv_name(srv):
 
 def start_worker(srv, die="cpu"):
     return subprocess.Popen([sys.executable, "-m", "pantheon.cli", "worker", "--die", die,
-                             "--frontend", f"tcp://127.0.0.1:{srv.zport}", "--slots", "2"],
+                             "--frontend", f"tcp://127.0.0.1:{srv.zport}", "--slots", "2",
+                             "--insecure"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -163,7 +166,7 @@ def test_a_silent_external_worker_is_lost_after_the_grace_then_kept_when_it_retu
     """SIGSTOP freezes an external worker (its link stays up): slow after 1 s, lost
     after the 3 s grace (its stream fails), and when it resumes it rejoins still holding
     the model, which is kept, not reloaded."""
-    srv = Server("--no-spawn", "--ctx", "512", "--worker-timeout", "1",
+    srv = Server("--no-spawn", "--insecure", "--ctx", "512", "--worker-timeout", "1",
                  "--worker-lost-after", "3")
     start_unspawned(srv)
     worker = start_worker(srv)
@@ -208,9 +211,10 @@ class FakePeer:
     def send(self, msg):
         self.sock.send(msg if isinstance(msg, bytes) else p.encode(msg))
 
-    def messages(self, seconds: float):
+    def messages(self, seconds: float, count: int = 0):
+        """What arrives within `seconds` (or the first `count` messages)."""
         out, deadline = [], time.monotonic() + seconds
-        while (left := deadline - time.monotonic()) > 0:
+        while (left := deadline - time.monotonic()) > 0 and not 0 < count <= len(out):
             if self.sock.poll(int(left * 1000) + 1):
                 out.append(p.decode(self.sock.recv()))
         return out
@@ -223,7 +227,7 @@ def test_strange_peers_are_dropped_and_claimed_replicas_unloaded():
     """Heartbeats before a hello, from the wrong socket or with a wrong pid, malformed
     hellos: dropped and logged, the server unharmed. A worker that claims a replica
     the frontend never placed is told to unload it."""
-    srv = Server("--no-spawn", "--ctx", "256")
+    srv = Server("--no-spawn", "--insecure", "--ctx", "256")
     start_unspawned(srv)
     peers = []
     try:
@@ -260,3 +264,97 @@ def test_strange_peers_are_dropped_and_claimed_replicas_unloaded():
         for peer in peers:
             peer.close()
         srv.stop()
+
+
+@pytest.fixture(scope="module")
+def guarded():
+    """A default server (spawned CPU worker, no keys) that loses a silent worker after
+    3 s; every step lasts at least 50 ms, so a 24-token stream runs for 1.2 s or more."""
+    with Server("--ctx", "512", "--slots", "2", "--worker-timeout", "1",
+                "--worker-lost-after", "3", env={"PANTHEON_TEST_STEP_FLOOR": "0.05"}) as srv:
+        yield srv
+
+
+def test_a_rogue_hello_is_refused_and_the_worker_keeps_its_streams(guarded):
+    """Any local process can reach the worker port: its hello for die cpu is refused
+    (no spawn proof, and the die has a live worker), the stream already running
+    finishes whole with the text it gives alone, and the rogue never gets a prompt."""
+    srv = guarded
+    (worker,) = srv.workers()
+    ask = {"model": "m", "messages": [{"role": "user", "content": "Tell me about ships."}],
+           "max_tokens": 24, "temperature": 0, "logit_bias": NO_EOS}
+    want = httpx.post(srv.url + "/v1/chat/completions", json=ask, timeout=120).json()
+    stream = Stream(srv.url, ask)
+    stream.start()
+    assert stream.first.wait(60)
+    rogue = FakePeer(srv, b"rogue")
+    try:
+        rogue.send(p.Hello("cpu", "cpu", "fake", 1 << 30, 1 << 30, 2, pid=4242))
+        rogue.send(p.Hello("cpu:9", "cpu", "fake", 1 << 30, 1 << 30, 2, pid=4242,
+                           proof="guess"))               # a die nobody holds: no proof
+        answers = rogue.messages(10, count=2)
+        stream.join(120)
+        assert stream.status == 200 and stream.error() is None, stream.events[-3:]
+        text = "".join(c["choices"][0]["delta"].get("content") or ""
+                       for c in stream.chunks() if c["choices"])
+        assert text == want["choices"][0]["message"]["content"]
+        assert stream.usage()["completion_tokens"] == 24
+        r = srv.client().chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+        assert r.usage.completion_tokens == 3
+        answers += rogue.messages(0.2)
+        assert [(type(m), m.code) for m in answers] == [(p.Error, "refused")] * 2
+        assert {d: (x["pid"], x["state"]) for d, x in dies(srv).items()} == {
+            "cpu": (worker.pid, "ready")}
+        log = full_log(srv)
+        assert "refused a hello for die cpu (pid 4242) from peer b'rogue': it is not a " \
+            "worker this frontend spawned" in log
+        assert log.count("refused a hello") == 1 and "lost" not in log   # once a peer
+    finally:
+        rogue.close()
+
+
+def test_a_sigstopped_spawned_worker_is_killed_and_restarted(guarded):
+    """SIGSTOP freezes the spawned worker, heartbeat thread and all: it answers no
+    probe, so after --worker-lost-after its requests fail (a streamed one with an error
+    event, a plain one with a 503 worker_lost) instead of waiting for ever, and the
+    frontend kills it and starts another, which serves."""
+    srv = guarded
+    (worker,) = srv.workers()
+    stream = srv.client(timeout=60).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "A long story."}],
+        max_tokens=400, stream=True, logit_bias=NO_EOS)
+    next(iter(stream))
+    with cf.ThreadPoolExecutor(1) as pool:
+        plain = pool.submit(httpx.post, srv.url + "/v1/chat/completions", timeout=60, json={
+            "model": "m", "messages": [{"role": "user", "content": "Another story."}],
+            "max_tokens": 400, "logit_bias": NO_EOS})
+        wait_for(lambda: [r["in_flight"] for r in replicas(srv).values()] == [2], 30,
+                 "both requests running")
+        worker.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(openai.APIError, match="went away"):
+                for _ in stream:
+                    pass
+            r = plain.result()
+            assert r.status_code == 503 and r.json()["error"]["code"] == "worker_lost"
+            wait_for(lambda: not worker.is_running()
+                     or worker.status() == psutil.STATUS_ZOMBIE, 30, "the hung worker killed")
+        finally:
+            try:
+                worker.send_signal(signal.SIGCONT)
+            except psutil.NoSuchProcess:
+                pass
+    srv.wait_healthy(120)                                    # restarted and reloaded
+    (again,) = srv.workers()
+    assert again.pid != worker.pid and dies(srv)["cpu"]["pid"] == again.pid
+    r = srv.client().chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+    assert r.usage.completion_tokens == 3
+    log = full_log(srv)
+    assert "no answer to a probe" in log and "killing the hung worker for die cpu" in log
+
+
+def full_log(srv) -> str:
+    with open(srv.log.name, errors="replace") as fh:
+        return fh.read()

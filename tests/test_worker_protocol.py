@@ -55,7 +55,8 @@ class FakeFrontend:
 def worker(tmp_path):
     fe = FakeFrontend()
     proc = subprocess.Popen([sys.executable, "-m", "pantheon.cli", "worker", "--die", "cpu",
-                             "--frontend", f"tcp://127.0.0.1:{fe.port}", "--slots", "2"])
+                             "--frontend", f"tcp://127.0.0.1:{fe.port}", "--slots", "2",
+                             "--insecure"])
     hello = fe.recv(p.Hello)
     assert hello.die == "cpu" and hello.kind == "cpu" and hello.slots == 2 and hello.models == []
     assert hello.mem_total > 0
@@ -133,7 +134,8 @@ def test_heartbeats_go_on_through_a_stalled_step(tmp_path):
     fe = FakeFrontend()
     env = {**os.environ, "PANTHEON_TEST_STALL": "2:4"}
     proc = subprocess.Popen([sys.executable, "-m", "pantheon.cli", "worker", "--die", "cpu",
-                             "--frontend", f"tcp://127.0.0.1:{fe.port}", "--slots", "2"],
+                             "--frontend", f"tcp://127.0.0.1:{fe.port}", "--slots", "2",
+                             "--insecure"],
                             env=env)
     try:
         fe.recv(p.Hello)

@@ -105,17 +105,19 @@ class Heartbeats(threading.Thread):
                 deadline = time.monotonic() + p.HEARTBEAT_S
                 while (left := deadline - time.monotonic()) > 0 and not self.stopped.is_set():
                     if sock.poll(int(left * 1000) + 1, zmq.POLLIN):
-                        self.answer(sock.recv())
+                        self.answer(sock, sock.recv())
                 self.worker.check_parent()
         finally:
             sock.close()
 
-    def answer(self, data: bytes) -> None:
+    def answer(self, sock: zmq.Socket, data: bytes) -> None:
         try:
             msg = p.decode(data)
         except p.ProtocolError:
             return
-        if isinstance(msg, p.Error) and msg.code == "unknown_worker":
+        if isinstance(msg, p.Ping):             # the frontend's probe: alive, say so now
+            sock.send(p.encode(self.worker.beat()), copy=False)
+        elif isinstance(msg, p.Error) and msg.code == "unknown_worker":
             self.worker.rehello = True          # the loop introduces us again
             self.worker.wake()
 
@@ -123,15 +125,18 @@ class Heartbeats(threading.Thread):
 class Worker:
     def __init__(self, device: Device, frontend: str, die: str, slots: int = settings.SLOTS,
                  prefix_cache_bytes: int = 0, parent_pid: int = 0, budget: int = 0,
-                 keys: tuple[bytes, KeyPair] | None = None):
+                 keys: tuple[bytes, KeyPair] | None = None, proof: str = ""):
         self.device, self.die, self.slots = device, die, slots
         self.keys = keys                 # (server public key, own pair): CURVE
+        self.proof = proof               # from the frontend that spawned us: our hello's
+        self.refused_at = -60.0          # the last refused hello logged
         self.parent_pid = parent_pid     # spawned by a frontend: live and die with it
         self.budget = budget
         self.prefix_cache_bytes = prefix_cache_bytes
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
-        ident = f"{die}-{os.getpid()}-{secrets.token_hex(4)}".encode()
+        # unguessable: a peer that knew it could take our connection over (handover)
+        ident = f"{die}-{os.getpid()}-{secrets.token_hex(16)}".encode()
         self.sock.setsockopt(zmq.IDENTITY, ident)
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_MESSAGE_BYTES)   # a larger frame: dropped
@@ -182,7 +187,7 @@ class Worker:
                                r.engine.model.state.nbytes) for r in self.replicas.values()]
         return p.Hello(self.die, self.device.kind, self.device.name, total, free, self.slots,
                        os.getpid(), list(self.replicas), self.budget or total, resident,
-                       list(self.owner))
+                       list(self.owner), self.proof)
 
     def beat(self) -> p.Heartbeat:
         """This moment's heartbeat (called by the heartbeat thread)."""
@@ -440,6 +445,11 @@ class Worker:
     def on_error(self, msg: p.Error) -> None:
         if msg.code == "unknown_worker":     # the frontend lost track of us: rejoin
             self.send(self.hello())
+        elif msg.code == "refused":          # asked again at each heartbeat: said once a minute
+            if time.monotonic() - self.refused_at >= 60:
+                self.refused_at = time.monotonic()
+                log.warning("the frontend refused our hello (trying again while it runs): "
+                            "%s", msg.message)
         else:
             log.warning("frontend reports: %s (%s)", msg.message, msg.code)
 
@@ -565,32 +575,40 @@ def pin_cores(cores: list[int] | None) -> None:
         psutil.Process().cpu_affinity(cores)
 
 
-def link_keys(args) -> tuple[bytes, KeyPair] | None:
-    """The CURVE keys of `--keys DIR`; a frontend off this host without them is refused
-    (unless --insecure)."""
+def link_keys(args, spawned: bool) -> tuple[bytes, KeyPair] | None:
+    """The CURVE keys of `--keys DIR`. Without them only a worker spawned by its frontend
+    (it holds the spawn proof, and its frontend bound the address before starting it)
+    connects; any other would obey whatever process bound the address first, on this
+    host too: refused unless --insecure."""
     if args.keys:
         return server_public(args.keys), worker_pair(args.keys)
-    if not is_local_address(args.frontend):
-        if not args.insecure:
-            raise RuntimeError(f"refusing to start: --frontend {args.frontend} is off this "
-                               "host and the link would be unauthenticated and in clear: "
-                               "pass --keys DIR (a worker folder from `pantheon keys "
-                               "generate`), or --insecure")
-        log.warning("--insecure: the link to %s is unauthenticated and in clear",
-                    args.frontend)
+    if spawned and is_local_address(args.frontend):
+        return None
+    if not args.insecure:
+        where = "off this host, in clear" if not is_local_address(args.frontend) else \
+            "on this host"
+        raise RuntimeError(f"refusing to start: the link to --frontend {args.frontend} "
+                           f"({where}) would be unauthenticated: this worker would obey "
+                           "whatever process bound that address first; pass --keys DIR (a "
+                           "worker folder from `pantheon keys generate`, or the frontend's "
+                           "own folder on its host), or --insecure")
+    log.warning("--insecure: the link to %s is unauthenticated%s: this worker obeys "
+                "whatever process bound that address", args.frontend,
+                "" if is_local_address(args.frontend) else " and in clear")
     return None
 
 
 def main(args) -> int:
     if refused := settings.refused_knobs():
         raise RuntimeError("; ".join(refused))
-    keys = link_keys(args)
+    proof = settings.spawn_proof() or ""
+    keys = link_keys(args, spawned=bool(proof))
     pin_cores(args.cores)
     device = open_device(args.die.split(":")[0])
     worker = Worker(device, args.frontend, args.die, slots=args.slots,
                     prefix_cache_bytes=int(args.prefix_cache_mb * (1 << 20)),
                     parent_pid=args.parent_pid or 0,
-                    budget=int((args.budget_mb or 0) * (1 << 20)), keys=keys)
+                    budget=int((args.budget_mb or 0) * (1 << 20)), keys=keys, proof=proof)
     signal.signal(signal.SIGTERM, lambda *_: worker.stop())    # after this step
     if args.parent_pid:
         # a Ctrl-C reaches the whole process group: the frontend drains, then stops us

@@ -34,7 +34,7 @@ class Generation:
         self.pool, self.admission, self.model, self.replica = pool, admission, model, replica
         self.prompt, self.max_tokens, self.emitter = prompt, max_tokens, emitter
         self.request_id = pool.new_request_id()
-        self.msg = p.Generate(self.request_id, replica.model_id, prompt, sampling, max_tokens,
+        self.msg = p.Generate(self.request_id, replica.model_id if replica else "", prompt, sampling, max_tokens,
                               sorted(model.tokenizer.eot_ids), session_id, grammar, logprobs,
                               trace)
         self.detok = model.tokenizer.detokenizer()
@@ -52,6 +52,11 @@ class Generation:
     @property
     def completion_tokens(self) -> int:
         return len(self.token_ids)
+
+    def bind(self, replica: Replica) -> None:
+        """A choice built without a slot (lifecycle runs a request's choices a few at a
+        time) got one on `replica`; close() gives it back."""
+        self.replica, self.msg.model_id = replica, replica.model_id
 
     async def start(self) -> None:
         try:

@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from ..common.protocol import SAMPLING_RANGES, Sampling
+from .body import parse_json
 from .emitter import joined
 from .errors import APIError
 from .limits import RequestLimits
@@ -199,13 +200,7 @@ def _optional(body: dict, name: str, kind: type, what: str, prefix: str = ""):
 
 
 def _json_object(body: bytes) -> dict:
-    try:
-        data = json.loads(body)
-    except (ValueError, RecursionError) as e:   # JSONDecodeError, UnicodeDecodeError
-        raise _bad(None, f"request body is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise _bad(None, "request body must be a JSON object")
-    return data
+    return parse_json(body)
 
 
 # The session key a request may carry in a header, in this order: X-Session-Id (the

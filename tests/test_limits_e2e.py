@@ -12,7 +12,7 @@ import uvicorn
 
 from cluster import Server, Stream
 from pantheon.common.default_model import cached_path
-from pantheon.frontend.limits import ConnectionLimits, json_depth
+from pantheon.frontend.limits import BoundedHttp, ConnectionLimits, json_depth
 
 pytestmark = pytest.mark.skipif(not cached_path().exists(), reason="default model not fetched")
 QUESTION = [{"role": "user", "content": "Tell me a long story about a lighthouse."}]
@@ -372,3 +372,42 @@ def test_n_16_on_a_4_slot_replica_leaves_room_for_another_client(server):
     ends = [c["index"] for e in big.chunks() for c in e.get("choices", [])
             if c.get("finish_reason")]
     assert big.status == 200 and sorted(ends) == list(range(16))
+
+
+class FakeTransport:
+    def __init__(self):
+        self.closed = False
+
+    def is_closing(self):
+        return self.closed
+
+    def close(self):
+        self.closed = True
+
+
+def connection(conns, ip, busy=False, idle_since=0.0, limits=ConnectionLimits()):
+    """A BoundedHttp with only what the connection caps look at."""
+    c = BoundedHttp.__new__(BoundedHttp)
+    c.connections, c.client, c.transport = conns, (ip, 1), FakeTransport()
+    c.busy, c.idle_since, c.limits = busy, idle_since, limits
+    conns.add(c)
+    return c
+
+
+def test_the_caps_close_the_longest_idle_first_and_count_per_client():
+    limits = ConnectionLimits(max_connections=4, max_connections_per_client=2)
+    conns = set()
+    a1 = connection(conns, "10.0.0.1", idle_since=5, limits=limits)
+    a2 = connection(conns, "10.0.0.1", busy=True, limits=limits)
+    b1 = connection(conns, "10.0.0.2", idle_since=1, limits=limits)
+    b2 = connection(conns, "10.0.0.2", busy=True, limits=limits)
+    # over the total: b1, idle the longest, goes
+    assert connection(conns, "10.0.0.3", limits=limits).make_room()
+    assert b1.transport.closed and not a1.transport.closed
+    # a third from 10.0.0.1: its own idle one goes, not another client's
+    assert connection(conns, "10.0.0.1", busy=True, limits=limits).make_room()
+    assert a1.transport.closed
+    # a fourth from 10.0.0.1 with all of its own busy (and the total free): refused
+    conns -= {a1, b1}
+    assert not connection(conns, "10.0.0.1", limits=limits).make_room()
+    assert not a2.transport.closed and not b2.transport.closed

@@ -67,15 +67,21 @@ class Admission:
         return len(self.queues[model.name])
 
     async def acquire(self, model: ServedModel, session: str | None = None,
-                      n: int = 1, admitted: bool = False) -> Replica:
+                      n: int = 1, admitted: bool = False,
+                      prefer: Replica | None = None) -> Replica:
         """One replica with `n` slots reserved for a request group (release() gives each
         back). `admitted`: a later choice of a request already let in (see share()):
-        it queues like any request, but never meets the queue's depth or deadline."""
+        it queues like any request, but never meets the queue's depth or deadline;
+        `prefer`: its first choices' replica (their prompt is warm there), when it fits."""
         if self.closed or (self.draining and not admitted):
             raise shutting_down()
         self.models[model.name] = model
         queue = self.queues[model.name]
         replica, pressure = self.router.pick(model, session, n), self.pressure(model)
+        if prefer is not None and any(r is prefer for r in model.ready()) \
+                and self.router.fits(prefer, n) \
+                and (prefer.worker is None or not prefer.worker.slow):
+            replica = prefer
         if replica is not None and not queue and pressure < CRITICAL:
             return self.take(replica, session, n)
         if admitted:

@@ -192,6 +192,7 @@ class Lanes:
     def __init__(self, gens: list[Generation], k: int, admission: Admission,
                  model: ServedModel):
         self.gens, self.k, self.admission, self.model = gens, k, admission, model
+        self.home = gens[0].replica            # where the first choices run
 
     async def begin(self, i: int) -> Generation:
         """Choice i, started: the first k already are; a later one takes its lane's
@@ -199,7 +200,8 @@ class Lanes:
         gen = self.gens[i]
         if i >= self.k:
             self.gens[i - self.k].close()
-            gen.bind(await self.admission.acquire(self.model, None, 1, admitted=True))
+            gen.bind(await self.admission.acquire(self.model, None, 1, admitted=True,
+                                                  prefer=self.home))
             await gen.start()
         return gen
 

@@ -239,3 +239,11 @@ def test_a_later_choice_queues_behind_a_request_that_came_first():
         admission.release(m, first)
         assert (await later) is first
     asyncio.run(go())
+
+
+def test_later_choices_stay_on_the_first_choices_replica_while_it_has_room():
+    m = model(slots=4, replicas=2)
+    pool = FakePool()
+    run(pool, chat_job(m, n=4, stream=False, seed=3))
+    assert [msg.model_id for msg in pool.started] == ["m#0"] * 4
+    assert [r.inflight for r in m.replicas] == [0, 0]

@@ -195,7 +195,9 @@ class Tokenizer:
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """Token ids; special-token text (e.g. `<|im_start|>`) becomes the special token."""
-        ids = self._hf.encode(text, add_special_tokens=False).ids
+        # encode_batch, not encode: only the batch call releases the GIL, and a 3 MB
+        # prompt in `encode` froze the frontend's event loop (/health, every stream) 15 s
+        ids = self._hf.encode_batch([text], add_special_tokens=False)[0].ids
         add = self.add_bos if add_bos is None else add_bos
         return [self.bos_id, *ids] if add and self.bos_id is not None else ids
 

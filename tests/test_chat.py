@@ -1,9 +1,15 @@
 """Context capping (chat.fit_context) with a fake model: which turns go, and how many
 renders and encodes it takes (linear in the turns, not cubic)."""
+import random
+import string
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
 
+from pantheon.common.default_model import cached_path
+from pantheon.common.tokenizer import open_tokenizer
 from pantheon.frontend.chat import fit_context
 from pantheon.frontend.errors import APIError
 
@@ -72,3 +78,22 @@ def test_capping_off_or_nothing_to_drop_is_a_400():
         fit_context(model, conversation(10), None, 20, False)
     with pytest.raises(APIError, match="no earlier turn"):
         fit_context(model, [{"role": "user", "content": "y" * 50}], None, 20, True)
+
+
+@pytest.mark.skipif(not cached_path().exists(), reason="default model not fetched")
+def test_the_tokenizer_lets_the_event_loop_run_while_it_works():
+    """Preparation runs in a thread; a tokenizer call that held the GIL throughout froze
+    the event loop anyway (a 3 MB prompt: /health and every stream waited 15 s). Here the
+    main thread counts its turns while a 100 kB text is encoded: 1-2 if it got none."""
+    tok = open_tokenizer(cached_path())
+    rng = random.Random(0)
+    text = "".join(rng.choice(string.ascii_letters + string.punctuation + " ")
+                   for _ in range(100_000))
+    done, turns = threading.Event(), 0
+    worker = threading.Thread(target=lambda: (tok.encode(text), done.set()))
+    worker.start()
+    while not done.is_set():
+        turns += 1
+        time.sleep(0.001)
+    worker.join()
+    assert turns >= 10

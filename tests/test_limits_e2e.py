@@ -270,10 +270,12 @@ def test_json_depth():
     assert json_depth([[[[[]]]]] * 3) == 5
 
 
-def bare_server(protocol) -> tuple[uvicorn.Server, int]:
-    async def app(scope, receive, send):
-        await send({"type": "http.response.start", "status": 204, "headers": []})
-        await send({"type": "http.response.body", "body": b""})
+async def no_content(scope, receive, send):
+    await send({"type": "http.response.start", "status": 204, "headers": []})
+    await send({"type": "http.response.body", "body": b""})
+
+
+def bare_server(protocol, app=no_content) -> tuple[uvicorn.Server, int]:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     config = uvicorn.Config(app, lifespan="off", log_level="warning", http=protocol)
@@ -411,3 +413,36 @@ def test_the_caps_close_the_longest_idle_first_and_count_per_client():
     conns -= {a1, b1}
     assert not connection(conns, "10.0.0.1", limits=limits).make_room()
     assert not a2.transport.closed and not b2.transport.closed
+
+
+def test_an_unexpected_error_is_a_500_and_the_kept_alive_connection_lives():
+    """Starlette answers an unhandled error with our 500 and then raises it again;
+    uvicorn used to drop the connection for it, without `Connection: close`, so the
+    client's next request on it failed too."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+    from pantheon.frontend.app import Guard, RequestLog
+    from pantheon.frontend.errors import APIError
+
+    async def boom(request):
+        raise RuntimeError("a bug")
+
+    async def fine(request):
+        return JSONResponse({"ok": True})
+
+    async def server_error(request, exc):
+        return JSONResponse(APIError(500, "internal server error", type="server_error").body(),
+                            status_code=500)
+    app = Starlette(routes=[Route("/boom", boom), Route("/fine", fine)],
+                    exception_handlers={Exception: server_error})
+    server, port = bare_server(ConnectionLimits().protocol(),
+                               RequestLog(Guard(app, None)))
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+            r = client.get("/boom")
+            assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+            assert r.headers.get("connection") != "close"
+            assert client.get("/fine").json() == {"ok": True}
+    finally:
+        server.should_exit = True

@@ -12,6 +12,7 @@ template stays one token.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from pathlib import Path
@@ -200,6 +201,13 @@ class Tokenizer:
         ids = self._hf.encode_batch([text], add_special_tokens=False)[0].ids
         add = self.add_bos if add_bos is None else add_bos
         return [self.bos_id, *ids] if add and self.bos_id is not None else ids
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for: a text of N characters is at least
+        N / this many tokens, known without tokenizing it (the frontend refuses a prompt
+        that cannot fit the context before the tokenizer's work, seconds per megabyte)."""
+        return max(map(len, self._hf.get_vocab(with_added_tokens=True)), default=1)
 
     def decode(self, ids, skip_special: bool = False) -> str:
         return self._hf.decode(list(ids), skip_special_tokens=skip_special)

@@ -51,16 +51,22 @@ def fit_context(model: ServedModel, messages: list[dict], tools, ctx: int,
     The fewest turns to drop is found by bisection: a prompt only shrinks as more of the
     oldest turns go, so O(log turns) renders, each linear in the conversation (a scan
     dropping one turn at a time was cubic: 2,048 turns took minutes)."""
-    def prompt(dropped: int) -> tuple[list[int], str]:
+    def prompt(dropped: int) -> tuple[list[int] | None, str, int]:
+        """(ids, text, tokens); ids None, tokens a lower bound, for a text too long to
+        fit whatever it tokenizes to (it is not tokenized: seconds per megabyte)."""
         gone = set(droppable[:dropped])
         text = model.render_text([m for i, m in enumerate(messages) if i not in gone], tools)
-        return model.tokenizer.encode(text), text
+        least = len(text) // model.tokenizer.max_token_chars
+        if least >= ctx:
+            return None, text, least
+        ids = model.tokenizer.encode(text)
+        return ids, text, len(ids)
 
     droppable: list[int] = []
-    ids, text = prompt(0)
-    if len(ids) < ctx:
+    ids, text, full = prompt(0)
+    if ids is not None and full < ctx:
         return ids, text, False
-    full = len(ids)
+    first_bound = ids is None               # `full` is a bound, not a count
     keep_last = max(i for i, m in enumerate(messages) if m["role"] == "user") \
         if any(m["role"] == "user" for m in messages) else len(messages) - 1
     droppable = [i for i, m in enumerate(messages) if m["role"] != "system" and i != keep_last]
@@ -69,8 +75,8 @@ def fit_context(model: ServedModel, messages: list[dict], tools, ctx: int,
         low, high = 1, len(droppable)          # the answer, if any, is in [low, high]
         while low <= high:
             mid = (low + high) // 2
-            ids, text = prompt(mid)
-            if len(ids) < ctx:
+            ids, text, tokens = prompt(mid)
+            if ids is not None and tokens < ctx:
                 fitted, high = (ids, text), mid - 1
             else:
                 low = mid + 1
@@ -78,9 +84,10 @@ def fit_context(model: ServedModel, messages: list[dict], tools, ctx: int,
             return fitted[0], fitted[1], True
         # none fits: every probe failed, the last of them with every turn dropped
     how = ("even after dropping every earlier turn it is "
-           f"{len(ids)} tokens" if cap and droppable else "context capping is off" if not cap
-           else "there is no earlier turn to drop")
-    raise context_exceeded(ctx, full, "messages", "reply", "messages", how)
+           f"{'at least ' if ids is None else ''}{tokens} tokens" if cap and droppable
+           else "context capping is off" if not cap else "there is no earlier turn to drop")
+    raise context_exceeded(ctx, full, "messages", "reply", "messages", how,
+                           at_least=first_bound)
 
 
 def seeded(sampling, seed: int | None, i: int):

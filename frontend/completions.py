@@ -27,6 +27,10 @@ def tokenize(model: ServedModel, prompts: list, ctx: int) -> list[list[int]]:
     """Every prompt's ids, checked (a preparer thread: one hop for the whole list)."""
     out, vocab = [], model.config.vocab_size
     for prompt in prompts:
+        least = len(prompt) // model.tokenizer.max_token_chars if isinstance(prompt, str) else 0
+        if least >= ctx:                  # cannot fit: not worth the tokenizer's seconds
+            raise context_exceeded(ctx, least, "prompt", "completion", "prompt",
+                                   "counted by its length alone", at_least=True)
         ids = model.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if any(t >= vocab for t in ids):
             raise APIError(400, f"prompt token ids must be below the vocabulary size {vocab}",

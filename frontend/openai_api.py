@@ -315,11 +315,14 @@ def completion_id(prefix: str = "chatcmpl") -> str:
 
 
 def context_exceeded(ctx: int, tokens: int, what: str, reply: str, param: str,
-                     why: str = "") -> APIError:
-    """The 400 for a prompt that leaves no room for one token of reply."""
+                     why: str = "", at_least: bool = False) -> APIError:
+    """The 400 for a prompt that leaves no room for one token of reply (`at_least`:
+    `tokens` is a bound from the text's length; it was not tokenized)."""
     tail = f"; {why}. Shorten the conversation." if why else "."
+    bound = "at least " if at_least else ""
     return APIError(400, f"This model's maximum context length is {ctx} tokens, but the "
-                    f"{what} came to {tokens} tokens (plus at least 1 for the {reply}){tail}",
+                    f"{what} came to {bound}{tokens} tokens (plus at least 1 for the "
+                    f"{reply}){tail}",
                     param=param, code="context_length_exceeded")
 
 

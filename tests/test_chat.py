@@ -17,9 +17,9 @@ from pantheon.frontend.errors import APIError
 class FakeModel:
     """Renders `role:content` lines; one token per character; counts the encodes."""
 
-    def __init__(self):
-        self.encodes = 0
-        self.tokenizer = SimpleNamespace(encode=self.encode)
+    def __init__(self, max_token_chars: int = 1):
+        self.encodes = 0          # max_token_chars: the bound that spares an encode
+        self.tokenizer = SimpleNamespace(encode=self.encode, max_token_chars=max_token_chars)
 
     def render_text(self, messages, tools=None) -> str:
         return "".join(f"{m['role']}:{m['content']}\n" for m in messages)
@@ -50,9 +50,10 @@ def one_at_a_time(model, messages, ctx):
     return None, True
 
 
+@pytest.mark.parametrize("bound", [1, 100])
 @pytest.mark.parametrize("ctx", [20, 37, 64, 100, 333, 400, 5000])
-def test_capping_drops_the_same_turns_as_dropping_one_at_a_time(ctx):
-    model, messages = FakeModel(), conversation(60, long_at=7)
+def test_capping_drops_the_same_turns_as_dropping_one_at_a_time(ctx, bound):
+    model, messages = FakeModel(bound), conversation(60, long_at=7)
     want, capped = one_at_a_time(model, messages, ctx)
     if want is None:
         with pytest.raises(APIError) as exc:
@@ -65,7 +66,7 @@ def test_capping_drops_the_same_turns_as_dropping_one_at_a_time(ctx):
 
 
 def test_2048_turns_take_a_logarithmic_number_of_encodes():
-    model = FakeModel()
+    model = FakeModel(max_token_chars=100)       # every probe encodes
     messages = conversation(2047, long_at=5)
     ids, text, capped = fit_context(model, messages, None, 1024, True)
     assert capped and len(ids) < 1024 and "x" * 300 not in text
@@ -78,6 +79,10 @@ def test_capping_off_or_nothing_to_drop_is_a_400():
         fit_context(model, conversation(10), None, 20, False)
     with pytest.raises(APIError, match="no earlier turn"):
         fit_context(model, [{"role": "user", "content": "y" * 50}], None, 20, True)
+    huge = [{"role": "user", "content": "y" * 1_000_000}]        # refused by its length
+    with pytest.raises(APIError, match="came to at least 1000006 tokens"):
+        fit_context(model, huge, None, 20, True)
+    assert model.encodes == 0
 
 
 @pytest.mark.skipif(not cached_path().exists(), reason="default model not fetched")

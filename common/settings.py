@@ -37,6 +37,7 @@ PREPARE_TIMEOUT_S = 30.0                 # a request's templating + tokenization
 SEND_BUFFER_BYTES = 64 << 10             # per connection: socket send buffer (and ours)
 MAX_MESSAGES = 2048                      # chat messages per request
 MAX_REQUEST_TOKENS = 262144              # n x max_tokens (x prompts) per request
+MAX_REQUEST_CHOICES = 2048               # n x prompts per request
 MAX_STOP_CHARS = 512                     # characters per stop string
 MAX_TOOL_SCHEMA_BYTES = 256 << 10        # `tools` as compact JSON
 MAX_TOOL_SCHEMA_DEPTH = 32               # `tools` nesting

@@ -37,6 +37,7 @@ class RequestLimits:
     max_messages: int = settings.MAX_MESSAGES
     max_request_tokens: int = settings.MAX_REQUEST_TOKENS   # n × max_tokens (× prompts)
     max_stop_chars: int = settings.MAX_STOP_CHARS           # per stop string
+    max_choices: int = settings.MAX_REQUEST_CHOICES         # n × prompts
     max_tool_schema_bytes: int = settings.MAX_TOOL_SCHEMA_BYTES
     max_tool_schema_depth: int = settings.MAX_TOOL_SCHEMA_DEPTH
 
@@ -52,7 +53,10 @@ class RequestLimits:
                                        f"{self.max_stop_chars} characters, got {len(s)}")
 
     def tokens(self, n: int, max_tokens: int | None, prompts: int = 1) -> None:
-        """n × max_tokens (× the prompts of a /v1/completions list) at most."""
+        """n × prompts choices, and n × max_tokens (× prompts) tokens, at most."""
+        if n * prompts > self.max_choices:
+            raise too_much("prompt", f"n × prompts is {n * prompts}, more than the "
+                                     f"{self.max_choices} choices one request may ask for")
         if max_tokens is None:
             return
         total = n * prompts * max_tokens

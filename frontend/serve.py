@@ -274,6 +274,7 @@ def main(args) -> int:
         http_admin=not args.no_http_admin, model_dirs=args.model_dir,
         request_limits=RequestLimits(
             max_messages=args.max_messages, max_request_tokens=args.max_request_tokens,
+            max_choices=args.max_request_choices,
             max_stop_chars=args.max_stop_chars,
             max_tool_schema_bytes=args.max_tool_schema_bytes,
             max_tool_schema_depth=args.max_tool_schema_depth),

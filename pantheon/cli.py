@@ -167,6 +167,8 @@ def add_security_arguments(serve: argparse.ArgumentParser) -> None:
                        help="chat messages per request (400 beyond)")
     serve.add_argument("--max-request-tokens", type=int, default=s.MAX_REQUEST_TOKENS,
                        help="n x max_tokens (x prompts) per request (400 beyond)")
+    serve.add_argument("--max-request-choices", type=int, default=s.MAX_REQUEST_CHOICES,
+                       help="n x prompts per request (400 beyond)")
     serve.add_argument("--max-stop-chars", type=int, default=s.MAX_STOP_CHARS,
                        help="characters per stop string (400 beyond)")
     serve.add_argument("--max-tool-schema-bytes", type=int, default=s.MAX_TOOL_SCHEMA_BYTES,

@@ -12,7 +12,8 @@ import uvicorn
 
 from cluster import Server, Stream
 from pantheon.common.default_model import cached_path
-from pantheon.frontend.limits import BoundedHttp, ConnectionLimits, json_depth
+from pantheon.frontend.errors import APIError
+from pantheon.frontend.limits import BoundedHttp, ConnectionLimits, RequestLimits, json_depth
 
 pytestmark = pytest.mark.skipif(not cached_path().exists(), reason="default model not fetched")
 QUESTION = [{"role": "user", "content": "Tell me a long story about a lighthouse."}]
@@ -188,6 +189,14 @@ def test_request_limits_are_400s_naming_the_field(server, field, param):
     err = r.json()["error"]
     assert err["param"] == param and err["code"] == "limit_exceeded"
     ok(server)
+
+
+def test_n_times_prompts_is_bounded():
+    limits = RequestLimits(max_choices=32)
+    limits.tokens(16, 1, 2)
+    with pytest.raises(APIError) as exc:
+        limits.tokens(16, 1, 3)
+    assert exc.value.param == "prompt" and exc.value.code == "limit_exceeded"
 
 
 def test_completions_count_every_prompt_in_the_token_budget(server):

@@ -34,9 +34,9 @@ class Generation:
         self.pool, self.admission, self.model, self.replica = pool, admission, model, replica
         self.prompt, self.max_tokens, self.emitter = prompt, max_tokens, emitter
         self.request_id = pool.new_request_id()
-        self.msg = p.Generate(self.request_id, replica.model_id if replica else "", prompt, sampling, max_tokens,
-                              sorted(model.tokenizer.eot_ids), session_id, grammar, logprobs,
-                              trace)
+        self.msg = p.Generate(self.request_id, replica.model_id if replica else "", prompt,
+                              sampling, max_tokens, sorted(model.tokenizer.eot_ids),
+                              session_id, grammar, logprobs, trace)
         self.detok = model.tokenizer.detokenizer()
         self.cached_tokens = 0
         self.token_ids: list[int] = []     # every id the worker generated, end token included

@@ -101,6 +101,7 @@ class Lifecycle:
             raise
         figures.queue.observe(time.monotonic() - asked)
         gens: list[Generation] = []
+        lanes = None
         try:
             for i, c in enumerate(job.choices):
                 gens.append(Generation(self.pool, self.admission, model,
@@ -132,6 +133,8 @@ class Lifecycle:
             job.error = exc
             raise
         finally:
+            if lanes is not None:
+                lanes.close()             # no later choice starts once we are past here
             for _ in range(k - min(k, len(gens))):  # slots of choices never built
                 self.admission.release(model, replica)
             for gen in gens:
@@ -193,6 +196,15 @@ class Lanes:
                  model: ServedModel):
         self.gens, self.k, self.admission, self.model = gens, k, admission, model
         self.home = gens[0].replica            # where the first choices run
+        self.tasks: list[asyncio.Future] = []  # the lanes' pumps, while streaming
+        self.closed = False
+
+    def close(self) -> None:
+        """The request is over: stop the lanes (a later choice never starts now; the
+        request's finally closes every Generation right after)."""
+        self.closed = True
+        for task in self.tasks:
+            task.cancel()
 
     async def begin(self, i: int) -> Generation:
         """Choice i, started: the first k already are; a later one takes its lane's
@@ -200,8 +212,12 @@ class Lanes:
         gen = self.gens[i]
         if i >= self.k:
             self.gens[i - self.k].close()
-            gen.bind(await self.admission.acquire(self.model, None, 1, admitted=True,
-                                                  prefer=self.home))
+            replica = await self.admission.acquire(self.model, None, 1, admitted=True,
+                                                   prefer=self.home)
+            if self.closed:                     # the request ended while this one queued
+                self.admission.release(self.model, replica)
+                raise asyncio.CancelledError()
+            gen.bind(replica)
             await gen.start()
         return gen
 
@@ -237,7 +253,7 @@ class Lanes:
                     queue.put_nowait((i, None))
             except Exception as exc:
                 queue.put_nowait((i, exc))
-        tasks = [asyncio.ensure_future(pump(j)) for j in range(self.k)]
+        tasks = self.tasks = [asyncio.ensure_future(pump(j)) for j in range(self.k)]
         try:
             for _ in range(len(gens)):
                 while True:

@@ -247,3 +247,19 @@ def test_later_choices_stay_on_the_first_choices_replica_while_it_has_room():
     run(pool, chat_job(m, n=4, stream=False, seed=3))
     assert [msg.model_id for msg in pool.started] == ["m#0"] * 4
     assert [r.inflight for r in m.replicas] == [0, 0]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_during_a_later_choice_leaves_no_slot_behind(stream):
+    pool, m, conn = FakePool(), model(slots=2), Connection()      # one choice at a time
+
+    async def generate(worker, msg, orig=pool.generate):
+        got = await orig(worker, msg)
+        if len(pool.started) == 2:               # the second choice: hangs; client leaves
+            got.queue = asyncio.Queue()
+            conn.gone.set()
+        return got
+    pool.generate = generate
+    run(pool, chat_job(m, n=4, stream=stream), conn)
+    assert len(pool.started) == 2 and m.replicas[0].inflight == 0
+    assert pool.aborted == ["req-1"] and pool.released == ["req-0"]

@@ -119,11 +119,12 @@ class ChatService:
         body = await read_body(request, self.max_body_bytes)
         deadline = self.preparer.deadline()
         req = await self.preparer.run(deadline, parse_chat_request, body,
-                                      session_header(request.headers), self.limits)
+                                      session_header(request.headers), self.limits,
+                                      size=len(body))
         model = self.registry.resolve(req.model)
         ctx = model.context()
-        grammar, prompt, text, capped = await self.preparer.run(deadline, self.shape, req,
-                                                                model, ctx)
+        grammar, prompt, text, capped = await self.preparer.run(
+            deadline, self.shape, req, model, ctx, size=len(body))
         room = ctx - len(prompt)
         max_tokens = min(req.max_tokens or room, room)
         think = text.rstrip().endswith("<think>")           # the template opened reasoning

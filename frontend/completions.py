@@ -52,12 +52,14 @@ class CompletionService:
         body = await read_body(request, self.max_body_bytes)
         deadline = self.preparer.deadline()
         req = await self.preparer.run(deadline, parse_completion_request, body,
-                                      session_header(request.headers), self.limits)
+                                      session_header(request.headers), self.limits,
+                                      size=len(body))
         model = self.registry.resolve(req.model)
         grammar = await self.preparer.run(deadline, request_grammar, req.response_format,
-                                          None, None)
+                                          None, None, size=len(body))
         ctx = model.context()
-        prompts = await self.preparer.run(deadline, tokenize, model, req.prompts, ctx)
+        prompts = await self.preparer.run(deadline, tokenize, model, req.prompts, ctx,
+                                          size=len(body))
         choices, echoes = [], []
         for k in range(len(prompts) * req.n):
             ids, source = prompts[k // req.n], req.prompts[k // req.n]

@@ -43,3 +43,19 @@ def test_an_error_in_the_work_is_raised_as_is():
         assert exc.value.param == "messages"
         prep.close()
     asyncio.run(go())
+
+
+def test_a_small_request_never_waits_behind_large_ones():
+    release = threading.Event()
+
+    async def go():
+        prep = Preparer(timeout_s=10, threads=1)
+        big = asyncio.ensure_future(prep.run(prep.deadline(), release.wait, 10,
+                                             size=1 << 20))
+        await asyncio.sleep(0.05)
+        assert await prep.run(prep.deadline(), lambda: "small", size=100) == "small"
+        assert not big.done()
+        release.set()
+        assert await big is True
+        prep.close()
+    asyncio.run(go())

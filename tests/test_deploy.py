@@ -67,8 +67,9 @@ def test_supervisord_runs_and_restarts_the_cluster(tmp_path):
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:             # the restarted worker, loaded again
             try:
-                health = httpx.get(url + "/admin/dies", timeout=2)     # /health has no pids
-                workers = health.json().get("dies", []) if health.status_code == 200 else []
+                health = httpx.get(url + "/health", timeout=2)
+                dies = httpx.get(url + "/admin/dies", timeout=2)        # /health has no pids
+                workers = dies.json().get("dies", []) if health.status_code == 200 else []
                 if workers and workers[0]["pid"] == worker_of(psutil.Process(sup.pid)).pid \
                         != first.pid:
                     break

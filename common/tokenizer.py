@@ -14,6 +14,7 @@ llama.cpp does with `parse_special` off, so only the template makes control toke
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -214,7 +215,9 @@ class Tokenizer:
         if isinstance(text, Prompt) and text.literals and self._control_re is not None:
             ids = self._encode_shielded(text)
         else:
-            ids = self._hf.encode(text, add_special_tokens=False).ids
+            # encode_batch, not encode: only the batch call releases the GIL, and a 3 MB
+            # prompt in `encode` froze the frontend's event loop (/health, every stream) 15 s
+            ids = self._hf.encode_batch([text], add_special_tokens=False)[0].ids
         add = self.add_bos if add_bos is None else add_bos
         return [self.bos_id, *ids] if add and self.bos_id is not None else ids
 
@@ -248,6 +251,13 @@ class Tokenizer:
             if k < len(cuts):
                 ids.append(cuts[k])
         return ids
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for: a text of N characters is at least
+        N / this many tokens, known without tokenizing it (the frontend refuses a prompt
+        that cannot fit the context before the tokenizer's work, seconds per megabyte)."""
+        return max(map(len, self._hf.get_vocab(with_added_tokens=True)), default=1)
 
     def decode(self, ids, skip_special: bool = False) -> str:
         return self._hf.decode(list(ids), skip_special_tokens=skip_special)

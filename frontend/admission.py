@@ -36,8 +36,9 @@ def host_pressure() -> int:
 class Admission:
     def __init__(self, depth: int = settings.QUEUE_DEPTH,
                  timeout_s: float = settings.QUEUE_TIMEOUT_S, pressure=host_pressure,
-                 router: Router | None = None):
+                 router: Router | None = None, max_request_slots: int = 0):
         self.depth, self.timeout_s, self.host_pressure = depth, timeout_s, pressure
+        self.max_request_slots = max_request_slots      # 0: half a replica's slots
         self.router = router or Router()
         self.queues: dict[str, deque[asyncio.Future]] = defaultdict(deque)
         self.models: dict[str, ServedModel] = {}
@@ -55,20 +56,36 @@ class Admission:
         self.router.routed(replica, session)
         return replica
 
+    def share(self, model: ServedModel, n: int) -> int:
+        """How many of a request's `n` choices may hold slots at once: at most half the
+        largest replica's slots (or `max_request_slots`), at least 1. The others wait for
+        one of these to end and then queue behind everyone else (`admitted=True`)."""
+        slots = max((max(r.slots, 1) for r in model.ready()), default=1)
+        return max(1, min(n, self.max_request_slots or slots // 2))
+
     def queued(self, model: ServedModel) -> int:
         return len(self.queues[model.name])
 
     async def acquire(self, model: ServedModel, session: str | None = None,
-                      n: int = 1) -> Replica:
+                      n: int = 1, admitted: bool = False,
+                      prefer: Replica | None = None) -> Replica:
         """One replica with `n` slots reserved for a request group (release() gives each
-        back)."""
-        if self.closed or self.draining:
+        back). `admitted`: a later choice of a request already let in (see share()):
+        it queues like any request, but never meets the queue's depth or deadline;
+        `prefer`: its first choices' replica (their prompt is warm there), when it fits."""
+        if self.closed or (self.draining and not admitted):
             raise shutting_down()
         self.models[model.name] = model
         queue = self.queues[model.name]
         replica, pressure = self.router.pick(model, session, n), self.pressure(model)
+        if prefer is not None and any(r is prefer for r in model.ready()) \
+                and self.router.fits(prefer, n) \
+                and (prefer.worker is None or not prefer.worker.slow):
+            replica = prefer
         if replica is not None and not queue and pressure < CRITICAL:
             return self.take(replica, session, n)
+        if admitted:
+            return await self.wait(model, queue, session, n, None)
         if all(r.slots == 1 for r in model.ready()) and pressure < CRITICAL:
             raise APIError(429, "a generation is already in progress on this model "
                            "(single-user mode); retry shortly", type="rate_limit_error",
@@ -81,15 +98,25 @@ class Admission:
             raise APIError(429, f"all slots are busy and {len(queue)} requests are already "
                            "waiting; retry shortly", type="rate_limit_error",
                            code="queue_full", headers={"Retry-After": "5"})
+        return await self.wait(model, queue, session, n, self.timeout_s)
+
+    async def wait(self, model: ServedModel, queue: deque, session: str | None, n: int,
+                   timeout_s: float | None) -> Replica:
         fut = asyncio.get_running_loop().create_future()
         fut.session, fut.n = session, n
         queue.append(fut)
         try:
-            return await asyncio.wait_for(fut, self.timeout_s)
+            return await asyncio.wait_for(fut, timeout_s)
         except asyncio.TimeoutError:
             raise APIError(429, f"no slot became free within {self.timeout_s:g} s; retry "
                            "shortly", type="rate_limit_error", code="queue_timeout",
                            headers={"Retry-After": "2"}) from None
+        except asyncio.CancelledError:
+            # cancelled as the slots were handed over: give them back, or they leak
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                for _ in range(n):
+                    self.release(model, fut.result())
+            raise
         finally:
             if fut in queue:
                 queue.remove(fut)

@@ -17,7 +17,8 @@ from ..common import logs
 from ..common.key_set import KeySet
 from .admission import Admission
 from .admin import Admin
-from .chat import ChatService, read_body
+from .body import parse_json, read_body
+from .chat import ChatService
 from .completions import CompletionService
 from .drain import Drain
 from .errors import APIError
@@ -26,7 +27,9 @@ from .load import measure
 from .metrics import CONTENT_TYPE
 from .limits import RequestLimits
 from .openai_api import models_list
+from .preparer import Preparer
 from .registry import Registry
+from .security import BrowserPolicy
 from .workers import WorkerPool
 
 log = logging.getLogger("pantheon.frontend.app")
@@ -36,12 +39,10 @@ access_log = logging.getLogger("pantheon.access")
 PUBLIC_PATHS = frozenset({"/", "/health", "/metrics", "/get_load", "/v1/loads"})
 # polled: their access lines are DEBUG
 QUIET_PATHS = frozenset({"/health", "/metrics", "/get_load", "/v1/loads"})
-CORS_HEADERS = [(b"access-control-allow-origin", b"*"),
-                (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
-                (b"access-control-allow-headers",
-                 b"Authorization, Content-Type, X-Session-Id, X-SMG-Routing-Key, "
-                 b"X-Request-Id"),
-                (b"access-control-expose-headers", b"X-Request-Id")]
+CORS_ALLOW = [(b"access-control-allow-methods", b"GET, POST, OPTIONS"),
+              (b"access-control-allow-headers",
+               b"Authorization, Content-Type, X-Session-Id, X-SMG-Routing-Key, X-Request-Id"),
+              (b"access-control-max-age", b"600")]
 REQUEST_ID = re.compile(rb"[\x21-\x7e]{1,128}")        # visible ASCII, as a client sends
 
 
@@ -65,21 +66,33 @@ class RequestLog:
         if given is not None and not REQUEST_ID.fullmatch(given):
             err = APIError(400, "X-Request-Id must be 1 to 128 visible ASCII characters",
                            param="X-Request-Id")
-            return await Guard.reply(send, 400, err.body(), CORS_HEADERS[:1])
+            return await Guard.reply(send, 400, err.body())
         rid = given.decode() if given is not None else f"req-{secrets.token_hex(8)}"
         info = scope.setdefault("pantheon", {})
         info.update(request_id=rid, arrived=started, log_prompts=self.log_prompts)
-        status = [0]
+        status, complete = [0], [False]
 
         async def send_with_id(message):
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
                 message["headers"] = list(message.get("headers", [])) + [
                     (b"x-request-id", rid.encode())]
+            elif not message.get("more_body"):
+                complete[0] = True
             await send(message)
         token = logs.request_id.set(rid)
         try:
             await self.app(scope, receive, send_with_id)
+        except Exception:
+            # Starlette re-raises an error its handler already answered (a 500 with an
+            # OpenAI body); raised on, uvicorn would drop the kept-alive connection
+            # without `Connection: close`, failing the client's next request too.
+            if status[0] == 0:
+                log.exception("unhandled error on %s", scope["path"])
+                err = APIError(500, "internal server error", type="server_error")
+                await Guard.reply(send_with_id, 500, err.body(), [(b"connection", b"close")])
+            elif not complete[0]:
+                raise                             # a response under way: cut it off
         finally:
             self.access(scope, info, status[0] or 500, time.monotonic() - started)
             logs.request_id.reset(token)
@@ -100,15 +113,18 @@ class RequestLog:
 
 
 class Guard:
-    """ASGI middleware: CORS preflight for any path, then the key check.
+    """ASGI middleware: the browser policy (Host, cross-site, CORS), then the key check,
+    then the body's content type.
 
     /admin/ routes take the admin key when one is set (else the API key);
-    every other non-public route takes the API key.
+    every other non-public route takes the API key. A request with a body must say
+    `Content-Type: application/json`: a form or `text/plain` is what a page can send
+    without asking (no CORS preflight), so anything else is a 415.
     """
 
     def __init__(self, app, api_key: str | None, admin_key: str | None = None,
-                 metrics_auth: bool = False):
-        self.app = app
+                 metrics_auth: bool = False, browser: BrowserPolicy = BrowserPolicy(None)):
+        self.app, self.browser = app, browser
         self.api_key = KeySet.of(api_key)         # KeySets: key files are reread on change
         self.admin_key = KeySet.of(admin_key)
         self.public = PUBLIC_PATHS - {"/metrics"} if metrics_auth else PUBLIC_PATHS
@@ -116,34 +132,70 @@ class Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        if scope["method"] == "OPTIONS":
-            return await self.reply(send, 200, {}, CORS_HEADERS)
-        key = (self.admin_key or self.api_key) if scope["path"].startswith("/admin/") \
-            else self.api_key
-        if key and scope["path"] not in self.public and not self.authorized(scope, key):
+        headers, path = dict(scope["headers"]), scope["path"]
+        host = headers.get(b"host")
+        if not self.browser.host_allowed(host.decode("latin-1") if host else None):
+            err = APIError(400, "the Host header names no address this server answers to "
+                                "(add it with --allowed-hosts)", param="Host",
+                           code="invalid_host")
+            return await self.reply(send, 400, err.body())
+        if self.browser.cross_site(headers, path):
+            err = APIError(403, "cross-site requests are refused" + (
+                "" if path.startswith("/admin/") else
+                " (an operator allows a page's origin with --cors-origins)"),
+                type="permission_error", code="cross_site_refused")
+            return await self.reply(send, 403, err.body())
+        origin = headers.get(b"origin")
+        cors = [(b"access-control-allow-origin", origin), (b"vary", b"Origin"),
+                (b"access-control-expose-headers", b"X-Request-Id")] \
+            if self.browser.cors_allowed(origin and origin.decode("latin-1"), path) else []
+        if scope["method"] == "OPTIONS" and cors:
+            return await self.reply(send, 204, None, cors + CORS_ALLOW)
+        key = (self.admin_key or self.api_key) if path.startswith("/admin/") else self.api_key
+        if key and path not in self.public and not self.authorized(headers, key):
             err = APIError(401, "invalid or missing key: send 'Authorization: Bearer KEY'",
                            code="invalid_api_key")
-            return await self.reply(send, 401, err.body(), [(b"www-authenticate", b"Bearer")])
+            return await self.reply(send, 401, err.body(),
+                                    [(b"www-authenticate", b"Bearer")] + cors)
+        if scope["method"] in ("POST", "PUT", "PATCH") and not is_json(headers):
+            err = APIError(415, "the request body must be JSON: send 'Content-Type: "
+                                "application/json'", param="Content-Type",
+                           code="unsupported_media_type")
+            return await self.reply(send, 415, err.body(), cors)
+        if not cors:
+            return await self.app(scope, receive, send)
 
         async def send_with_cors(message):
             if message["type"] == "http.response.start":
-                message["headers"] = list(message.get("headers", [])) + CORS_HEADERS[:1]
+                message["headers"] = list(message.get("headers", [])) + cors
             await send(message)
         await self.app(scope, receive, send_with_cors)
 
     @staticmethod
-    def authorized(scope, keys: KeySet) -> bool:
-        header = dict(scope["headers"]).get(b"authorization", b"")
+    def authorized(headers: dict, keys: KeySet) -> bool:
+        header = headers.get(b"authorization", b"")
         scheme, _, token = header.partition(b" ")
         return scheme.lower() == b"bearer" and keys.matches(token.strip())
 
     @staticmethod
-    async def reply(send, status: int, body: dict, headers) -> None:
-        data = json.dumps(body).encode()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(data)).encode())] + list(headers)})
+    async def reply(send, status: int, body: dict | None, headers=()) -> None:
+        data = json.dumps(body).encode() if body is not None else b""
+        head = [(b"content-length", str(len(data)).encode())] + list(headers)
+        if body is not None:
+            head.insert(0, (b"content-type", b"application/json"))
+        await send({"type": "http.response.start", "status": status, "headers": head})
         await send({"type": "http.response.body", "body": data})
+
+
+def is_json(headers: dict) -> bool:
+    """`Content-Type: application/json` (parameters such as charset aside)."""
+    kind = headers.get(b"content-type", b"").split(b";", 1)[0].strip().lower()
+    return kind == b"application/json"
+
+
+def public(worker: dict) -> dict:
+    """A worker's status for /health, which anyone may read: no process ids."""
+    return {k: v for k, v in worker.items() if k != "pid"}
 
 
 def model_status(model, admission: Admission) -> dict:
@@ -158,22 +210,19 @@ def build_app(registry: Registry, lifecycle: Lifecycle, admin: Admin,
               max_body_bytes: int = 8 << 20, context_cap: bool = True,
               drain: Drain | None = None, metrics_auth: bool = False,
               log_prompts: bool = False, limits: RequestLimits = RequestLimits(),
-              http_admin: bool = True) -> RequestLog:
+              http_admin: bool = True,
+              browser: BrowserPolicy = BrowserPolicy(None),
+              preparer: Preparer | None = None) -> RequestLog:
     pool, admission, metrics = lifecycle.pool, lifecycle.admission, lifecycle.metrics
-    chat = ChatService(registry, lifecycle, max_body_bytes, context_cap, limits)
-    completions = CompletionService(registry, lifecycle, max_body_bytes, limits)
+    preparer = preparer or Preparer()
+    chat = ChatService(registry, lifecycle, max_body_bytes, context_cap, limits, preparer)
+    completions = CompletionService(registry, lifecycle, max_body_bytes, limits, preparer)
 
     def admin_route(cmd: str):
         async def handle(request: Request):
             args = {}
             if request.method == "POST":
-                raw = await read_body(request, max_body_bytes)
-                try:
-                    args = json.loads(raw or b"{}")
-                except ValueError as exc:
-                    raise APIError(400, f"request body is not valid JSON: {exc}") from None
-                if not isinstance(args, dict):
-                    raise APIError(400, "request body must be a JSON object")
+                args = parse_json(await read_body(request, max_body_bytes), empty={})
             status, body = await admin.call(cmd, args)
             return JSONResponse(body, status_code=status)
         return handle
@@ -191,7 +240,7 @@ def build_app(registry: Registry, lifecycle: Lifecycle, admin: Admin,
                            code="model_not_ready")
             return JSONResponse(err.body(), status_code=503)
         return JSONResponse({"status": "ok", "models": [m.name for m in ready],
-                             "workers": [w.status() for w in pool.latest()],
+                             "workers": [public(w.status()) for w in pool.latest()],
                              "replicas": [model_status(m, admission)
                                           for m in registry.models.values()]})
 
@@ -242,4 +291,4 @@ def build_app(registry: Registry, lifecycle: Lifecycle, admin: Admin,
                 *(admin_routes if http_admin else [])],
         exception_handlers={APIError: api_error, HTTPException: http_error,
                             Exception: server_error})
-    return RequestLog(Guard(app, api_key, admin_key, metrics_auth), log_prompts)
+    return RequestLog(Guard(app, api_key, admin_key, metrics_auth, browser), log_prompts)

@@ -10,40 +10,21 @@ import dataclasses
 import hashlib
 import time
 
-from starlette.concurrency import run_in_threadpool
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 
 from ..common import limits as wire
 from ..common.chat_template import TemplateError
 from ..common.grammar import grammar_for_response_format, validate_grammar
+from .body import read_body
 from .emitter import Emitter
 from .errors import APIError
 from .lifecycle import Choice, Job, Lifecycle
 from .limits import RequestLimits
-from .openai_api import (ChatRenderer, completion_id, context_exceeded, parse_chat_request,
-                         session_header)
+from .openai_api import (ChatRenderer, ChatRequest, completion_id, context_exceeded,
+                         parse_chat_request, session_header)
+from .preparer import Preparer
 from .registry import Registry, ServedModel
 from .tools import prepare_conversation, tool_call_grammar
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused with 413 past `limit` bytes (before reading it all)."""
-    declared = request.headers.get("content-length", "")
-    too_big = APIError(413, f"request body exceeds the limit of {limit} bytes",
-                       code="request_too_large")
-    if declared.isdigit() and int(declared) > limit:
-        raise too_big
-    chunks, size = [], 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_big
-            chunks.append(chunk)
-    except ClientDisconnect:      # gone, or cut off by the body deadline (limits.py)
-        raise APIError(408, "the request body did not arrive", code="request_timeout") \
-            from None
-    return b"".join(chunks)
 
 
 def request_grammar(response_format, tools, tool_choice) -> str | None:
@@ -84,26 +65,48 @@ def cache_salt(headers, salt: str | None) -> str:
 def fit_context(model: ServedModel, messages: list[dict], tools, ctx: int,
                 cap: bool) -> tuple[list[int], str, bool]:
     """(prompt ids, prompt text, capped). Drops the oldest turns, keeping the system
-    prompt and the last user turn, until the prompt leaves room for a reply."""
-    text = model.render_text(messages, tools)
-    ids = model.tokenizer.encode(text)
-    if len(ids) < ctx:
+    prompt and the last user turn, until the prompt leaves room for a reply.
+
+    The fewest turns to drop is found by bisection: a prompt only shrinks as more of the
+    oldest turns go, so O(log turns) renders, each linear in the conversation (a scan
+    dropping one turn at a time was cubic: 2,048 turns took minutes)."""
+    def prompt(dropped: int) -> tuple[list[int] | None, str, int]:
+        """(ids, text, tokens); ids None, tokens a lower bound, for a text too long to
+        fit whatever it tokenizes to (it is not tokenized: seconds per megabyte)."""
+        gone = set(droppable[:dropped])
+        text = model.render_text([m for i, m in enumerate(messages) if i not in gone], tools)
+        least = len(text) // model.tokenizer.max_token_chars
+        if least >= ctx:
+            return None, text, least
+        ids = model.tokenizer.encode(text)
+        return ids, text, len(ids)
+
+    droppable: list[int] = []
+    ids, text, full = prompt(0)
+    if ids is not None and full < ctx:
         return ids, text, False
-    full = len(ids)
+    first_bound = ids is None               # `full` is a bound, not a count
     keep_last = max(i for i, m in enumerate(messages) if m["role"] == "user") \
         if any(m["role"] == "user" for m in messages) else len(messages) - 1
     droppable = [i for i, m in enumerate(messages) if m["role"] != "system" and i != keep_last]
-    if cap:
-        for n in range(1, len(droppable) + 1):
-            kept = [m for i, m in enumerate(messages) if i not in set(droppable[:n])]
-            text = model.render_text(kept, tools)
-            ids = model.tokenizer.encode(text)
-            if len(ids) < ctx:
-                return ids, text, True
+    if cap and droppable:
+        fitted = None
+        low, high = 1, len(droppable)          # the answer, if any, is in [low, high]
+        while low <= high:
+            mid = (low + high) // 2
+            ids, text, tokens = prompt(mid)
+            if ids is not None and tokens < ctx:
+                fitted, high = (ids, text), mid - 1
+            else:
+                low = mid + 1
+        if fitted is not None:
+            return fitted[0], fitted[1], True
+        # none fits: every probe failed, the last of them with every turn dropped
     how = ("even after dropping every earlier turn it is "
-           f"{len(ids)} tokens" if cap and droppable else "context capping is off" if not cap
-           else "there is no earlier turn to drop")
-    raise context_exceeded(ctx, full, "messages", "reply", "messages", how)
+           f"{'at least ' if ids is None else ''}{tokens} tokens" if cap and droppable
+           else "context capping is off" if not cap else "there is no earlier turn to drop")
+    raise context_exceeded(ctx, full, "messages", "reply", "messages", how,
+                           at_least=first_bound)
 
 
 def seeded(sampling, seed: int | None, i: int):
@@ -114,25 +117,33 @@ def seeded(sampling, seed: int | None, i: int):
 
 class ChatService:
     def __init__(self, registry: Registry, lifecycle: Lifecycle, max_body_bytes: int,
-                 context_cap: bool = True, limits: RequestLimits = RequestLimits()):
+                 context_cap: bool = True, limits: RequestLimits = RequestLimits(),
+                 preparer: Preparer | None = None):
         self.registry, self.lifecycle = registry, lifecycle
         self.max_body_bytes, self.context_cap = max_body_bytes, context_cap
-        self.limits = limits
+        self.limits, self.preparer = limits, preparer or Preparer()
 
-    async def prepare(self, request: Request) -> Job:
-        body = await read_body(request, self.max_body_bytes)
-        req = parse_chat_request(body, session_header(request.headers), self.limits)
-        model = self.registry.resolve(req.model)
+    def shape(self, req: ChatRequest, model: ServedModel, ctx: int):
+        """The CPU part (a preparer thread): grammar, tools, template, tokens."""
         grammar = request_grammar(req.response_format, req.tools, req.tool_choice)
         messages, tools = prepare_conversation(req.messages, req.tools, req.tool_choice,
                                                model.tokenizer.chat_template)
-        ctx = model.context()
         try:
-            prompt, text, capped = await run_in_threadpool(
-                fit_context, model, messages, tools, ctx, self.context_cap)
+            return grammar, *fit_context(model, messages, tools, ctx, self.context_cap)
         except TemplateError as exc:
             raise APIError(400, f"the chat template refused the conversation: {exc}",
                            param="messages") from exc
+
+    async def prepare(self, request: Request) -> Job:
+        body = await read_body(request, self.max_body_bytes)
+        deadline = self.preparer.deadline()
+        req = await self.preparer.run(deadline, parse_chat_request, body,
+                                      session_header(request.headers), self.limits,
+                                      size=len(body))
+        model = self.registry.resolve(req.model)
+        ctx = model.context()
+        grammar, prompt, text, capped = await self.preparer.run(
+            deadline, self.shape, req, model, ctx, size=len(body))
         room = ctx - len(prompt)
         max_tokens = min(req.max_tokens or room, room)
         think = text.rstrip().endswith("<think>")           # the template opened reasoning

@@ -9,43 +9,57 @@ from __future__ import annotations
 
 import time
 
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
-from .chat import cache_salt, read_body, request_grammar, seeded
+from .body import read_body
+from .chat import cache_salt, request_grammar, seeded
 from .emitter import Emitter
 from .errors import APIError
 from .lifecycle import Choice, Job, Lifecycle
 from .limits import RequestLimits
 from .openai_api import (CompletionRenderer, completion_id, context_exceeded,
                          parse_completion_request, session_header)
+from .preparer import Preparer
 from .registry import Registry, ServedModel
 
 
-def tokenize(model: ServedModel, prompt, ctx: int) -> list[int]:
-    ids = model.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-    vocab = model.config.vocab_size
-    if any(t >= vocab for t in ids):
-        raise APIError(400, f"prompt token ids must be below the vocabulary size {vocab}",
-                       param="prompt")
-    if len(ids) >= ctx:
-        raise context_exceeded(ctx, len(ids), "prompt", "completion", "prompt")
-    return ids
+def tokenize(model: ServedModel, prompts: list, ctx: int) -> list[list[int]]:
+    """Every prompt's ids, checked (a preparer thread: one hop for the whole list)."""
+    out, vocab = [], model.config.vocab_size
+    for prompt in prompts:
+        least = len(prompt) // model.tokenizer.max_token_chars if isinstance(prompt, str) else 0
+        if least >= ctx:                  # cannot fit: not worth the tokenizer's seconds
+            raise context_exceeded(ctx, least, "prompt", "completion", "prompt",
+                                   "counted by its length alone", at_least=True)
+        ids = model.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if any(t >= vocab for t in ids):
+            raise APIError(400, f"prompt token ids must be below the vocabulary size {vocab}",
+                           param="prompt")
+        if len(ids) >= ctx:
+            raise context_exceeded(ctx, len(ids), "prompt", "completion", "prompt")
+        out.append(ids)
+    return out
 
 
 class CompletionService:
     def __init__(self, registry: Registry, lifecycle: Lifecycle, max_body_bytes: int,
-                 limits: RequestLimits = RequestLimits()):
+                 limits: RequestLimits = RequestLimits(), preparer: Preparer | None = None):
         self.registry, self.lifecycle = registry, lifecycle
         self.max_body_bytes, self.limits = max_body_bytes, limits
+        self.preparer = preparer or Preparer()
 
     async def prepare(self, request: Request) -> Job:
         body = await read_body(request, self.max_body_bytes)
-        req = parse_completion_request(body, session_header(request.headers), self.limits)
+        deadline = self.preparer.deadline()
+        req = await self.preparer.run(deadline, parse_completion_request, body,
+                                      session_header(request.headers), self.limits,
+                                      size=len(body))
         model = self.registry.resolve(req.model)
-        grammar = request_grammar(req.response_format, None, None)
+        grammar = await self.preparer.run(deadline, request_grammar, req.response_format,
+                                          None, None, size=len(body))
         ctx = model.context()
-        prompts = [await run_in_threadpool(tokenize, model, p, ctx) for p in req.prompts]
+        prompts = await self.preparer.run(deadline, tokenize, model, req.prompts, ctx,
+                                          size=len(body))
         choices, echoes = [], []
         for k in range(len(prompts) * req.n):
             ids, source = prompts[k // req.n], req.prompts[k // req.n]

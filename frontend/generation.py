@@ -35,9 +35,9 @@ class Generation:
         self.pool, self.admission, self.model, self.replica = pool, admission, model, replica
         self.prompt, self.max_tokens, self.emitter = prompt, max_tokens, emitter
         self.request_id = pool.new_request_id()
-        self.msg = p.Generate(self.request_id, replica.model_id, prompt, sampling, max_tokens,
-                              sorted(model.tokenizer.eot_ids), session_id, grammar, logprobs,
-                              trace[:wire.MAX_ID_CHARS], salt)
+        self.msg = p.Generate(self.request_id, replica.model_id if replica else "", prompt,
+                              sampling, max_tokens, sorted(model.tokenizer.eot_ids),
+                              session_id, grammar, logprobs, trace[:wire.MAX_ID_CHARS], salt)
         self.detok = model.tokenizer.detokenizer()
         self.cached_tokens = 0
         self.token_ids: list[int] = []     # every id the worker generated, end token included
@@ -71,6 +71,11 @@ class Generation:
             return APIError(400, str(exc), param="logit_bias" if "logit_bias" in str(exc)
                             else None)
         return None
+
+    def bind(self, replica: Replica) -> None:
+        """A choice built without a slot (lifecycle runs a request's choices a few at a
+        time) got one on `replica`; close() gives it back."""
+        self.replica, self.msg.model_id = replica, replica.model_id
 
     async def start(self) -> None:
         if (refused := self.refusal()) is not None:

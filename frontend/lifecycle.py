@@ -94,36 +94,39 @@ class Lifecycle:
         info["model"] = model.name
         figures = self.metrics.for_model(model.name)
         asked = time.monotonic()
+        k = self.admission.share(model, n)       # choices holding slots at once
         try:
-            replica = await self.admission.acquire(model, job.session, n)
+            replica = await self.admission.acquire(model, job.session, k)
         except APIError as exc:
             figures.rejected(exc.status, exc.code)
             raise
         figures.queue.observe(time.monotonic() - asked)
         gens: list[Generation] = []
+        lanes = None
         try:
             for i, c in enumerate(job.choices):
-                gens.append(Generation(self.pool, self.admission, model, replica, c.prompt,
+                gens.append(Generation(self.pool, self.admission, model,
+                                       replica if i < k else None, c.prompt,
                                        c.sampling, c.max_tokens, c.emitter,
                                        job.session if i == 0 else None, c.grammar, c.logprobs,
                                        figures, arrived if i == 0 else None,
                                        info.get("request_id", ""), job.salt))
             self.generations.update(gens)
-            for gen in gens:
+            for gen in gens[:k]:
                 await gen.start()
+            lanes = Lanes(gens, k, self.admission, model)
             if job.stream:
                 await send({"type": "http.response.start", "status": 200,
                             "headers": SSE_HEADERS})
                 try:
-                    await until_disconnect(request, self.stream(send, job, gens),
-                                           [gen.stream.stalled for gen in gens])
+                    await until_disconnect(request, self.stream(send, job, lanes),
+                                           [gen.stream.stalled for gen in gens[:k]])
                 except ClientStalled:
                     await drop(request)
                     return
                 await send({"type": "http.response.body", "body": b""})
                 return
-            results = await until_disconnect(request, asyncio.gather(
-                *(collect(g) for g in gens)))
+            results = await until_disconnect(request, lanes.collect())
             response = Response(status_code=499) if results is None else \
                 JSONResponse(job.renderer.whole(gens, results))
             await response(request.scope, request.receive, send)
@@ -131,22 +134,24 @@ class Lifecycle:
             job.error = exc
             raise
         finally:
-            for _ in range(n - len(gens)):          # slots of choices never built
+            if lanes is not None:
+                lanes.close()             # no later choice starts once we are past here
+            for _ in range(k - min(k, len(gens))):  # slots of choices never built
                 self.admission.release(model, replica)
             for gen in gens:
                 gen.close()           # releases its slot; aborts the worker's if unfinished
                 self.generations.discard(gen)
             report(figures, info, job, gens, arrived)
 
-    async def stream(self, send, job: Job, gens: list[Generation]) -> None:
-        renderer = job.renderer
+    async def stream(self, send, job: Job, lanes: "Lanes") -> None:
+        renderer, gens = job.renderer, lanes.gens
 
         async def out(data: bytes) -> None:
             await send({"type": "http.response.body", "body": data, "more_body": True})
         try:
             for body in renderer.opening(gens):
                 await out(sse(body))
-            async for i, event in choice_events(gens):
+            async for i, event in lanes.events():
                 await out(sse(renderer.event(i, gens[i], event) if event is not None
                               else renderer.closing(i, gens[i])))
             if job.include_usage:
@@ -182,36 +187,86 @@ async def collect(gen: Generation) -> list:
     return [event async for event in gen.events()]
 
 
-async def choice_events(gens: list[Generation]):
-    """(choice index, event) from every generation as they come; (i, None) when i ends.
-    One choice is read directly; several through a task each, cancelled on the way out."""
-    if len(gens) == 1:
-        async for event in gens[0].events():
-            yield 0, event
-        yield 0, None
-        return
-    queue: asyncio.Queue = asyncio.Queue()
+class Lanes:
+    """A request's choices, `k` at a time: lane j runs choices j, j + k, j + 2k, ...;
+    each after the first of its lane gives its slot back first and then queues for one
+    behind every other request (Admission.share), so one request with many choices
+    (n, or a completions prompt list) never holds more than k slots of a replica."""
 
-    async def pump(i, gen):
-        try:
-            async for event in gen.events():
-                queue.put_nowait((i, event))
-            queue.put_nowait((i, None))
-        except Exception as exc:
-            queue.put_nowait((i, exc))
-    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
-    try:
-        for _ in range(len(gens)):
-            while True:
-                i, item = await queue.get()
-                if isinstance(item, Exception):
-                    raise item
-                yield i, item
-                if item is None:
-                    break
-    finally:
-        for task in tasks:
+    def __init__(self, gens: list[Generation], k: int, admission: Admission,
+                 model: ServedModel):
+        self.gens, self.k, self.admission, self.model = gens, k, admission, model
+        self.home = gens[0].replica            # where the first choices run
+        self.tasks: list[asyncio.Future] = []  # the lanes' pumps, while streaming
+        self.closed = False
+
+    def close(self) -> None:
+        """The request is over: stop the lanes (a later choice never starts now; the
+        request's finally closes every Generation right after)."""
+        self.closed = True
+        for task in self.tasks:
             task.cancel()
+
+    async def begin(self, i: int) -> Generation:
+        """Choice i, started: the first k already are; a later one takes its lane's
+        slot back from the choice before it, then queues for a slot of its own."""
+        gen = self.gens[i]
+        if i >= self.k:
+            self.gens[i - self.k].close()
+            replica = await self.admission.acquire(self.model, None, 1, admitted=True,
+                                                   prefer=self.home)
+            if self.closed:                     # the request ended while this one queued
+                self.admission.release(self.model, replica)
+                raise asyncio.CancelledError()
+            gen.bind(replica)
+            await gen.start()
+        return gen
+
+    async def collect(self) -> list[list]:
+        """Every choice's events, by choice index."""
+        results: list = [None] * len(self.gens)
+
+        async def lane(j: int) -> None:
+            for i in range(j, len(self.gens), self.k):
+                results[i] = await collect(await self.begin(i))
+        await asyncio.gather(*(lane(j) for j in range(self.k)))
+        return results
+
+    async def events(self):
+        """(choice index, event) from every choice as they come; (i, None) when i ends.
+        One choice is read directly; several through a task per lane, cancelled on the
+        way out."""
+        gens = self.gens
+        if len(gens) == 1:
+            async for event in gens[0].events():
+                yield 0, event
+            yield 0, None
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(j):
+            i = j
+            try:
+                for i in range(j, len(gens), self.k):
+                    gen = await self.begin(i)
+                    async for event in gen.events():
+                        queue.put_nowait((i, event))
+                    queue.put_nowait((i, None))
+            except Exception as exc:
+                queue.put_nowait((i, exc))
+        tasks = self.tasks = [asyncio.ensure_future(pump(j)) for j in range(self.k)]
+        try:
+            for _ in range(len(gens)):
+                while True:
+                    i, item = await queue.get()
+                    if isinstance(item, Exception):
+                        raise item
+                    yield i, item
+                    if item is None:
+                        break
+        finally:
+            for task in tasks:
+                task.cancel()
 
 
 class ClientStalled(Exception):

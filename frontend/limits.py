@@ -5,7 +5,9 @@ Two halves:
   n × max_tokens, stop strings, tool schemas. A 400 naming the field.
 - `ConnectionLimits` and `BoundedHttp`: uvicorn's httptools protocol with what it
   lacks: a deadline for a request's headers (slowloris) and for its body, a cap on the
-  header bytes, a cap on open connections (a 503 beyond it), and a deadline for a
+  header bytes, caps on open connections, all and per client IP (the longest-idle
+  connection is closed to make room; a 503 when all are busy, except for /health and
+  the load routes, which are always answered), and a deadline for a
   peer that stops reading (its connection is dropped). Each refusal is a JSON error
   body with `connection: close`, and a lingering close: our side is shut for writing
   (the peer reads the answer and then end of stream) while what the peer still sends is
@@ -35,6 +37,7 @@ class RequestLimits:
     max_messages: int = settings.MAX_MESSAGES
     max_request_tokens: int = settings.MAX_REQUEST_TOKENS   # n × max_tokens (× prompts)
     max_stop_chars: int = settings.MAX_STOP_CHARS           # per stop string
+    max_choices: int = settings.MAX_REQUEST_CHOICES         # n × prompts
     max_tool_schema_bytes: int = settings.MAX_TOOL_SCHEMA_BYTES
     max_tool_schema_depth: int = settings.MAX_TOOL_SCHEMA_DEPTH
 
@@ -50,7 +53,10 @@ class RequestLimits:
                                        f"{self.max_stop_chars} characters, got {len(s)}")
 
     def tokens(self, n: int, max_tokens: int | None, prompts: int = 1) -> None:
-        """n × max_tokens (× the prompts of a /v1/completions list) at most."""
+        """n × prompts choices, and n × max_tokens (× prompts) tokens, at most."""
+        if n * prompts > self.max_choices:
+            raise too_much("prompt", f"n × prompts is {n * prompts}, more than the "
+                                     f"{self.max_choices} choices one request may ask for")
         if max_tokens is None:
             return
         total = n * prompts * max_tokens
@@ -101,6 +107,7 @@ class ConnectionLimits:
     write_timeout_s: float = settings.WRITE_TIMEOUT_S     # a peer reading nothing
     max_header_bytes: int = settings.MAX_HEADER_BYTES     # request line + headers
     max_connections: int = settings.MAX_CONNECTIONS
+    max_connections_per_client: int = settings.MAX_CONNECTIONS_PER_CLIENT   # per IP
     send_buffer_bytes: int = settings.SEND_BUFFER_BYTES   # per connection, kernel + ours
 
     def protocol(self) -> type:
@@ -137,8 +144,37 @@ class BoundedHttp(HttpToolsProtocol):
             # (Linux doubles it) and the transport's, instead of ~4 MB autotuned
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.limits.send_buffer_bytes)
             transport.set_write_buffer_limits(high=self.limits.send_buffer_bytes)
-        self.over_cap = len(self.connections) > self.limits.max_connections
+        self.busy, self.idle_since = False, self.loop.time()
+        self.over_cap = not self.make_room()
         self.arm("header", self.limits.header_timeout_s, self.headers_too_slow)
+
+    # -- the connection caps -------------------------------------------------------------
+    def make_room(self) -> bool:
+        """Room for this new connection under both caps, closing the longest-idle
+        connection (of anyone, then of this client) where one is over; False if every
+        connection that would have to go is busy."""
+        others = [c for c in self.connections if c is not self and not c.transport.is_closing()]
+        if len(others) >= self.limits.max_connections and not self.close_idle(others):
+            return False
+        ip = self.client[0] if self.client else None
+        mine = [c for c in others if ip is not None and c.client and c.client[0] == ip
+                and not c.transport.is_closing()]
+        return len(mine) < self.limits.max_connections_per_client or self.close_idle(mine)
+
+    @staticmethod
+    def close_idle(conns: list) -> bool:
+        """Close the one idle the longest (no request in progress); False if none is."""
+        idle = [c for c in conns if isinstance(c, BoundedHttp) and not c.busy]
+        if not idle:
+            return False
+        oldest = min(idle, key=lambda c: c.idle_since)
+        log.info("closed the idle connection from %s to make room", oldest.peer())
+        oldest.transport.close()
+        return True
+
+    def on_response_complete(self) -> None:
+        self.busy, self.idle_since = False, self.loop.time()
+        super().on_response_complete()
 
     def connection_lost(self, exc) -> None:
         for timer in self.timers.values():
@@ -160,6 +196,7 @@ class BoundedHttp(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self.lingering:                        # refused: read and dropped
             return
+        self.busy = True                          # a request has begun (or is underway)
         if self.in_headers:
             self.header_bytes += len(data)
         super().data_received(data)
@@ -197,14 +234,22 @@ class BoundedHttp(HttpToolsProtocol):
         self.disarm("header")
         self.arm("body", self.limits.body_timeout_s, self.body_too_slow)
         refusal = self.oversized() if self.parsed_bytes > self.limits.max_header_bytes \
-            else BUSY if self.over_cap else None
+            else BUSY if self.over_cap and not self.always_answered() else None
         if refusal is None:
-            return super().on_headers_complete()
+            super().on_headers_complete()
+            if self.over_cap and self.cycle is not None:
+                self.cycle.keep_alive = False     # answered, then closed: room for others
+            return
         app, self.app = self.app, refusal_app(refusal)     # answered, never handled
         try:
             super().on_headers_complete()
         finally:
             self.app = app
+
+    def always_answered(self) -> bool:
+        """/health (and the load routes routers poll) are answered even past the caps:
+        cheap, and how an orchestrator tells busy from dead."""
+        return self.url.split(b"?", 1)[0] in ALWAYS_ANSWERED
 
     def on_message_complete(self) -> None:
         self.disarm("body")
@@ -281,6 +326,7 @@ class BoundedHttp(HttpToolsProtocol):
         self.transport.abort()
 
 
+ALWAYS_ANSWERED = frozenset({b"/health", b"/get_load", b"/v1/loads"})
 BUSY = APIError(503, "too many open connections; retry shortly", type="service_unavailable",
                code="too_many_connections", headers={"retry-after": "1"})
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from ..common import limits as wire
 from ..common.protocol import SAMPLING_RANGES, Sampling
+from .body import parse_json
 from .emitter import joined
 from .errors import APIError
 from .limits import RequestLimits
@@ -204,13 +205,7 @@ def _optional(body: dict, name: str, kind: type, what: str, prefix: str = ""):
 
 
 def _json_object(body: bytes) -> dict:
-    try:
-        data = json.loads(body)
-    except (ValueError, RecursionError) as e:   # JSONDecodeError, UnicodeDecodeError
-        raise _bad(None, f"request body is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise _bad(None, "request body must be a JSON object")
-    return data
+    return parse_json(body)
 
 
 # The session key a request may carry in a header, in this order: X-Session-Id (the
@@ -334,11 +329,14 @@ def completion_id(prefix: str = "chatcmpl") -> str:
 
 
 def context_exceeded(ctx: int, tokens: int, what: str, reply: str, param: str,
-                     why: str = "") -> APIError:
-    """The 400 for a prompt that leaves no room for one token of reply."""
+                     why: str = "", at_least: bool = False) -> APIError:
+    """The 400 for a prompt that leaves no room for one token of reply (`at_least`:
+    `tokens` is a bound from the text's length; it was not tokenized)."""
     tail = f"; {why}. Shorten the conversation." if why else "."
+    bound = "at least " if at_least else ""
     return APIError(400, f"This model's maximum context length is {ctx} tokens, but the "
-                    f"{what} came to {tokens} tokens (plus at least 1 for the {reply}){tail}",
+                    f"{what} came to {bound}{tokens} tokens (plus at least 1 for the "
+                    f"{reply}){tail}",
                     param=param, code="context_length_exceeded")
 
 

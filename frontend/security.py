@@ -191,3 +191,71 @@ class ModelDirs:
         except (OSError, RuntimeError, ValueError):   # a loop of links, a NUL byte
             return False
         return any(real == d or real.is_relative_to(d) for d in self.dirs)
+
+
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "[::1]"})
+
+
+@dataclass(frozen=True)
+class BrowserPolicy:
+    """What a web page may do with this server (HTTP): by default, nothing.
+
+    - Host: a DNS-rebinding page reaches a loopback server under its own name, so on a
+      loopback bind only `localhost`, `127.0.0.1`, `[::1]` (any port) and the bind
+      address are accepted, plus `--allowed-hosts`; off loopback the Host is checked
+      only when `--allowed-hosts` names some (`*`: no check).
+    - Cross-site: a request whose `Origin` is not this server's own and not in
+      `--cors-origins`, or that a browser marks `Sec-Fetch-Site: cross-site` /
+      `same-site` without such an Origin, is refused; on `/admin/` routes every
+      foreign Origin is, whatever `--cors-origins` says.
+    - CORS headers only for the origins in `--cors-origins` (`*`: any), never on
+      `/admin/`; none at all by default.
+    """
+
+    hosts: frozenset[str] | None          # None: any Host
+    cors: frozenset[str] = frozenset()
+
+    @classmethod
+    def build(cls, bind: str, allowed_hosts: list[str] | None = None,
+              cors_origins: list[str] | None = None) -> "BrowserPolicy":
+        extra = {h.strip().lower().rstrip(".") for h in allowed_hosts or [] if h.strip()}
+        cors = frozenset(o.strip().rstrip("/") for o in cors_origins or [] if o.strip())
+        if "*" in extra or (not extra and not is_loopback_host(bind)):
+            return cls(None, cors)
+        own = f"[{bind.strip('[]')}]" if ":" in bind else bind
+        names = extra | set(LOOPBACK_NAMES)
+        if own not in ("0.0.0.0", "[::]"):
+            names.add(own.lower())
+        return cls(frozenset(names), cors)
+
+    def host_allowed(self, host: str | None) -> bool:
+        if self.hosts is None:
+            return True
+        if not host:
+            return False
+        host = host.strip().lower()
+        if host.startswith("["):
+            name, _, port = host.partition("]")
+            name += "]"
+            port = port[1:] if port.startswith(":") else None if not port else "x"
+        else:
+            name, sep, port = host.partition(":")
+            port = port if sep else None
+        if port is not None and not port.isdigit():
+            return False
+        return name.rstrip(".") in self.hosts
+
+    def cors_allowed(self, origin: str | None, path: str) -> bool:
+        return origin is not None and not path.startswith("/admin/") and \
+            ("*" in self.cors or origin.rstrip("/") in self.cors)
+
+    def cross_site(self, headers: dict, path: str) -> bool:
+        """Refuse: a page of another site sent this (see the class's note)."""
+        origin, host = headers.get(b"origin"), headers.get(b"host", b"")
+        if origin is not None:
+            text = origin.decode("latin-1")
+            own = text in (f"http://{host.decode('latin-1')}",
+                           f"https://{host.decode('latin-1')}")
+            return not own and not self.cors_allowed(text, path)
+        site = headers.get(b"sec-fetch-site")
+        return site is not None and site not in (b"same-origin", b"none")

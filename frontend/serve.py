@@ -24,9 +24,10 @@ from .metrics import Metrics
 from .limits import ConnectionLimits, RequestLimits
 from .load import measure
 from .placement import Placer
+from .preparer import Preparer
 from .registration import Identity, Registration, endpoint_url
 from .registry import Registry, open_model
-from .security import Exposure, LinkAuth, ModelDirs, enforce
+from .security import BrowserPolicy, Exposure, LinkAuth, ModelDirs, enforce
 from .supervisor import Supervisor, die_names
 from .workers import WorkerPool
 
@@ -74,6 +75,10 @@ class ServeConfig:
     node_id: str = "node0"
     registry_transport: str = "local"
     advertise_url: str | None = None
+    allowed_hosts: list[str] = field(default_factory=list)    # beyond the bind's own
+    cors_origins: list[str] = field(default_factory=list)     # none: no CORS headers
+    max_request_slots: int = 0            # one request's choices at once; 0: half a replica
+    prepare_timeout_s: float = settings.PREPARE_TIMEOUT_S
 
     def __post_init__(self):
         if self.worker_lost_after_s < self.worker_timeout_s:
@@ -118,7 +123,8 @@ async def serve(cfg: ServeConfig) -> int:
     metrics = Metrics()
     placer = Placer(registry, pool, die_table, cfg.slots, cfg.ctx, cfg.prefill_chunk,
                     expected_dies=dies, quantize=cfg.quantize, metrics=metrics)
-    admission = Admission(cfg.queue_depth, cfg.queue_timeout_s)
+    admission = Admission(cfg.queue_depth, cfg.queue_timeout_s,
+                          max_request_slots=cfg.max_request_slots)
     pool.on_change.append(admission.wake_all)
     admin = Admin(registry, pool, placer, die_table, admission, cfg.max_models, model_dirs,
                   metrics)
@@ -136,7 +142,9 @@ async def serve(cfg: ServeConfig) -> int:
     metrics.watch(registry, pool, admission, lifecycle, drain)
     app = build_app(registry, lifecycle, admin, cfg.api_key, cfg.admin_key,
                     cfg.max_body_bytes, cfg.context_cap, drain, cfg.metrics_auth,
-                    cfg.log_prompts, cfg.request_limits, cfg.http_admin)
+                    cfg.log_prompts, cfg.request_limits, cfg.http_admin,
+                    BrowserPolicy.build(cfg.host, cfg.allowed_hosts, cfg.cors_origins),
+                    Preparer(cfg.prepare_timeout_s))
     server = DrainingServer(uvicorn.Config(app, host=cfg.host, port=cfg.port, lifespan="off",
                                            log_level="warning", timeout_graceful_shutdown=5,
                                            http=cfg.connection_limits.protocol()),
@@ -273,14 +281,18 @@ def main(args) -> int:
         http_admin=not args.no_http_admin, model_dirs=args.model_dir,
         request_limits=RequestLimits(
             max_messages=args.max_messages, max_request_tokens=args.max_request_tokens,
+            max_choices=args.max_request_choices,
             max_stop_chars=args.max_stop_chars,
             max_tool_schema_bytes=args.max_tool_schema_bytes,
             max_tool_schema_depth=args.max_tool_schema_depth),
         connection_limits=ConnectionLimits(
             header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
             write_timeout_s=args.write_timeout, max_header_bytes=args.max_header_bytes,
-            max_connections=args.max_connections, send_buffer_bytes=args.send_buffer_bytes),
-        stream_buffer_tokens=args.stream_buffer_tokens, **registry_settings())
+            max_connections=args.max_connections, send_buffer_bytes=args.send_buffer_bytes,
+            max_connections_per_client=args.max_connections_per_client),
+        stream_buffer_tokens=args.stream_buffer_tokens, allowed_hosts=args.allowed_hosts,
+        cors_origins=args.cors_origins, max_request_slots=args.max_request_slots,
+        prepare_timeout_s=args.prepare_timeout, **registry_settings())
     return asyncio.run(serve(cfg))
 
 

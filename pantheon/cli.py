@@ -115,6 +115,10 @@ def core_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"cores are a comma-separated list of numbers: {text!r}")
 
 
+def comma_list(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
 def add_security_arguments(serve: argparse.ArgumentParser) -> None:
     """`serve`'s guards off loopback and its bounds on clients (README "Security")."""
     s = settings
@@ -129,6 +133,25 @@ def add_security_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--model-dir", action="append", metavar="DIR",
                        help="a folder /admin/models/load may open models from; repeatable "
                             "(default: the cache folder and those of the --model files)")
+    serve.add_argument("--allowed-hosts", metavar="NAMES", type=comma_list, default=[],
+                       help="Host header names accepted besides localhost, 127.0.0.1, [::1] "
+                            "and the bind address (comma list; '*': any). Off loopback the "
+                            "Host is checked only when this is given")
+    serve.add_argument("--cors-origins", metavar="ORIGINS", type=comma_list, default=[],
+                       help="web origins a browser client may call the API from (comma "
+                            "list, e.g. https://app.example; '*': any); default none: no "
+                            "CORS headers, cross-site requests refused")
+    serve.add_argument("--max-connections-per-client", type=int,
+                       default=s.MAX_CONNECTIONS_PER_CLIENT,
+                       help="open HTTP connections from one IP address (its idle ones are "
+                            "closed first, then 503)")
+    serve.add_argument("--max-request-slots", type=int, default=0,
+                       help="slots one request's choices (n x prompts) hold at once; the "
+                            "rest run as those finish, queued behind other requests "
+                            "(default 0: half a replica's slots)")
+    serve.add_argument("--prepare-timeout", type=float, default=s.PREPARE_TIMEOUT_S,
+                       help="seconds for a request's templating and tokenization, queue "
+                            "included (503 beyond)")
     serve.add_argument("--header-timeout", type=float, default=s.HEADER_TIMEOUT_S,
                        help="seconds for a request's line and headers (408 beyond)")
     serve.add_argument("--body-timeout", type=float, default=s.BODY_TIMEOUT_S,
@@ -147,6 +170,8 @@ def add_security_arguments(serve: argparse.ArgumentParser) -> None:
                        help="chat messages per request (400 beyond)")
     serve.add_argument("--max-request-tokens", type=int, default=s.MAX_REQUEST_TOKENS,
                        help="n x max_tokens (x prompts) per request (400 beyond)")
+    serve.add_argument("--max-request-choices", type=int, default=s.MAX_REQUEST_CHOICES,
+                       help="n x prompts per request (400 beyond)")
     serve.add_argument("--max-stop-chars", type=int, default=s.MAX_STOP_CHARS,
                        help="characters per stop string (400 beyond)")
     serve.add_argument("--max-tool-schema-bytes", type=int, default=s.MAX_TOOL_SCHEMA_BYTES,

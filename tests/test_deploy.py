@@ -72,7 +72,8 @@ def test_supervisord_runs_and_restarts_the_cluster(tmp_path):
         while time.monotonic() < deadline:             # the restarted worker, loaded again
             try:
                 health = httpx.get(url + "/health", timeout=2)
-                workers = health.json().get("workers", []) if health.status_code == 200 else []
+                dies = httpx.get(url + "/admin/dies", timeout=2)        # /health has no pids
+                workers = dies.json().get("dies", []) if health.status_code == 200 else []
                 if workers and workers[0]["pid"] == worker_of(psutil.Process(sup.pid)).pid \
                         != first.pid:
                     break

@@ -68,7 +68,8 @@ def model(slots=4, replicas=1):
     reps = [Replica(f"m#{i}", f"cpu:{i}", ReplicaState.READY, slots=slots, ctx=64,
                     worker=SimpleNamespace(pressure=0, slow=False, die=f"cpu:{i}"))
             for i in range(replicas)]
-    return SimpleNamespace(name="m", replicas=reps, ready=lambda: reps, tokenizer=TOKENIZER)
+    return SimpleNamespace(name="m", replicas=reps, ready=lambda: reps, tokenizer=TOKENIZER,
+                           config=SimpleNamespace(vocab_size=1000))
 
 
 class Connection:
@@ -136,7 +137,7 @@ def test_a_stream_sends_role_deltas_finish_usage_done_and_releases_the_slot():
 
 
 def test_n_choices_start_on_one_replica_and_collect_into_one_body():
-    pool, m = FakePool(), model(slots=4, replicas=2)
+    pool, m = FakePool(), model(slots=8, replicas=2)
     conn = run(pool, chat_job(m, n=4, stream=False, seed=7, return_token_ids=True))
     body = json.loads(conn.body())
     assert {msg.model_id for msg in pool.started} == {"m#0"}     # the whole group, one replica
@@ -192,3 +193,74 @@ def test_completions_render_cmpl_ids_echo_and_token_ids():
     assert body["object"] == "text_completion" and body["id"] == "cmpl-x"
     assert choice["text"] == "<p>Hello world!" and choice["finish_reason"] == "stop"
     assert choice["prompt_token_ids"] == [5, 6] and choice["token_ids"] == [1, 2, 3, EOS]
+
+
+class CountingPool(FakePool):
+    """FakePool that records the replica's slots in use at each start."""
+
+    def __init__(self, replica, **kw):
+        super().__init__(**kw)
+        self.replica, self.in_use = replica, []
+
+    async def generate(self, worker, msg):
+        self.in_use.append(self.replica.inflight)
+        return await super().generate(worker, msg)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_16_on_a_4_slot_replica_holds_at_most_half_its_slots(stream):
+    m = model(slots=4)
+    pool = CountingPool(m.replicas[0])
+    conn = run(pool, chat_job(m, n=16, stream=stream, seed=1))
+    assert len(pool.started) == 16 and max(pool.in_use) <= 2     # half of 4, at any time
+    assert sorted(msg.sampling.seed for msg in pool.started) == list(range(1, 17))
+    if stream:
+        ends = [c["index"] for e in conn.events()[:-1] for c in e["choices"]
+                if c["finish_reason"]]
+        assert sorted(ends) == list(range(16))
+    else:
+        body = json.loads(conn.body())
+        assert [c["message"]["content"] for c in body["choices"]] == ["Hello world!"] * 16
+    assert m.replicas[0].inflight == 0 and len(pool.released) == 16
+
+
+def test_a_later_choice_queues_behind_a_request_that_came_first():
+    async def go():
+        m = model(slots=2)                     # share: 1 slot per request
+        admission = Admission()
+        first = await admission.acquire(m, None, 1)
+        other = asyncio.ensure_future(admission.acquire(m, None, 2))   # waits: 1 free
+        await asyncio.sleep(0)
+        later = asyncio.ensure_future(admission.acquire(m, None, 1, admitted=True))
+        await asyncio.sleep(0)
+        assert not later.done()                # a free slot, but `other` is first in line
+        admission.release(m, first)
+        assert (await other) is first and not later.done()
+        admission.release(m, first)
+        admission.release(m, first)
+        assert (await later) is first
+    asyncio.run(go())
+
+
+def test_later_choices_stay_on_the_first_choices_replica_while_it_has_room():
+    m = model(slots=4, replicas=2)
+    pool = FakePool()
+    run(pool, chat_job(m, n=4, stream=False, seed=3))
+    assert [msg.model_id for msg in pool.started] == ["m#0"] * 4
+    assert [r.inflight for r in m.replicas] == [0, 0]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_during_a_later_choice_leaves_no_slot_behind(stream):
+    pool, m, conn = FakePool(), model(slots=2), Connection()      # one choice at a time
+
+    async def generate(worker, msg, orig=pool.generate):
+        got = await orig(worker, msg)
+        if len(pool.started) == 2:               # the second choice: hangs; client leaves
+            got.queue = asyncio.Queue()
+            conn.gone.set()
+        return got
+    pool.generate = generate
+    run(pool, chat_job(m, n=4, stream=stream), conn)
+    assert len(pool.started) == 2 and m.replicas[0].inflight == 0
+    assert pool.aborted == ["req-1"] and pool.released == ["req-0"]

@@ -14,7 +14,7 @@ import pytest
 import tiny_models as tm
 from cluster import Server, free_port
 from pantheon.common import keys
-from pantheon.frontend.security import Exposure, LinkAuth, ModelDirs
+from pantheon.frontend.security import BrowserPolicy, Exposure, LinkAuth, ModelDirs
 
 
 def pantheon(*args, timeout=60, env=None):
@@ -278,3 +278,41 @@ def test_loads_outside_the_model_dirs_are_403_with_identical_bodies(confined, tm
     r = httpx.post(confined.url + "/admin/models/load", headers=headers, timeout=60,
                    json={"path": str(confined.folder / "nope.gguf"), "name": "nope"})
     assert r.status_code == 404
+
+
+def test_browser_policy_hosts_on_and_off_loopback():
+    local = BrowserPolicy.build("127.0.0.1")
+    for host in ("localhost", "LOCALHOST:8000", "127.0.0.1", "127.0.0.1:80", "[::1]",
+                 "[::1]:8000", "localhost."):
+        assert local.host_allowed(host), host
+    for host in (None, "", "evil.example", "evil.example:8000", "127.0.0.1.nip.io",
+                 "localhost:x", "[::1]x", "127.0.0.2"):
+        assert not local.host_allowed(host), host
+    named = BrowserPolicy.build("127.0.0.1", ["llm.internal"])
+    assert named.host_allowed("llm.internal:8000") and not named.host_allowed("other")
+    assert BrowserPolicy.build("0.0.0.0").host_allowed("anything")      # unchecked
+    some = BrowserPolicy.build("10.0.0.5", ["api.example"])
+    assert some.host_allowed("10.0.0.5:8000") and some.host_allowed("api.example")
+    assert not some.host_allowed("evil.example")
+    assert BrowserPolicy.build("::1").host_allowed("[::1]:1")
+    assert BrowserPolicy.build("127.0.0.1", ["*"]).host_allowed("evil.example")
+
+
+def test_browser_policy_origins():
+    none = BrowserPolicy.build("127.0.0.1")
+    page = {b"host": b"localhost:8000", b"origin": b"http://evil.example"}
+    assert none.cross_site(page, "/v1/models") and not none.cors_allowed(
+        "http://evil.example", "/v1/models")
+    assert not none.cross_site({b"host": b"localhost:8000",
+                                b"origin": b"http://localhost:8000"}, "/admin/dies")
+    assert none.cross_site({b"host": b"localhost:8000", b"sec-fetch-site": b"same-site"},
+                           "/v1/models")
+    assert not none.cross_site({b"host": b"localhost:8000", b"sec-fetch-site": b"none"}, "/")
+    assert not none.cross_site({b"host": b"localhost:8000"}, "/v1/models")   # curl, SDKs
+    app = BrowserPolicy.build("127.0.0.1", cors_origins=["https://app.example/"])
+    ok = {b"host": b"localhost:8000", b"origin": b"https://app.example"}
+    assert not app.cross_site(ok, "/v1/chat/completions")
+    assert app.cors_allowed("https://app.example", "/v1/chat/completions")
+    assert app.cross_site(ok, "/admin/models/unload")                  # never on /admin/
+    assert not app.cors_allowed("https://app.example", "/admin/models")
+    assert app.cross_site(page, "/v1/models")

@@ -128,12 +128,16 @@ def test_unknown_routes_are_openai_errors(server, method, path, status):
                                                                   "code"}
 
 
-def test_health_root_and_cors_preflight(server):
+def test_health_root_and_no_cors_by_default(server):
     assert httpx.get(server.url + "/").json() == {"service": "pantheon", "status": "ok"}
     health = httpx.get(server.url + "/health").json()
     assert health["status"] == "ok" and health["workers"][0]["die"] == "cpu"
-    r = httpx.options(server.url + "/v1/chat/completions")
-    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    assert all("pid" not in w for w in health["workers"])       # anyone may read /health
+    # no --cors-origins: no CORS headers at all, and a page's preflight is refused
+    r = httpx.options(server.url + "/v1/chat/completions", headers={
+        "Origin": "http://page.example", "Access-Control-Request-Method": "POST"})
+    assert r.status_code == 403 and "access-control-allow-origin" not in r.headers
+    assert "access-control-allow-origin" not in httpx.get(server.url + "/v1/models").headers
 
 
 def active(server, key="active") -> int:
@@ -191,7 +195,8 @@ def test_requests_beyond_the_slots_all_complete(server):
 
 
 def test_api_key_is_required_except_on_public_routes():
-    with Server("--slots", "2", "--ctx", "256", api_key="sekrit") as srv:
+    with Server("--slots", "2", "--ctx", "256", "--cors-origins", "https://app.example",
+                api_key="sekrit") as srv:
         url = srv.url + "/v1/models"
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}):
             r = httpx.get(url, headers=headers)
@@ -199,7 +204,19 @@ def test_api_key_is_required_except_on_public_routes():
         assert httpx.get(url, headers=srv.headers()).status_code == 200
         for path in ("/", "/health"):
             assert httpx.get(srv.url + path).status_code == 200
-        assert httpx.options(srv.url + "/v1/chat/completions").status_code == 200
+        # --cors-origins: that page's preflight needs no key, its calls get CORS headers
+        page = {"Origin": "https://app.example"}
+        r = httpx.options(srv.url + "/v1/chat/completions", headers={
+            **page, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type"})
+        assert r.status_code == 204
+        assert r.headers["access-control-allow-origin"] == "https://app.example"
+        assert "Authorization" in r.headers["access-control-allow-headers"]
+        r = httpx.get(url, headers={**page, **srv.headers()})
+        assert r.status_code == 200
+        assert r.headers["access-control-allow-origin"] == "https://app.example"
+        r = httpx.get(srv.url + "/admin/models", headers={**page, **srv.headers()})
+        assert r.status_code == 403 and "access-control-allow-origin" not in r.headers
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0) \
                 .chat.completions.create(model="m", messages=QUESTION)
@@ -236,3 +253,27 @@ def test_an_fp16_kv_cache_is_reserved_at_its_size_and_serves_the_same_reply():
         kv_token = 2 * 30 * 192 * 2          # layers x (k, v) x kv dim x fp16
         assert 96e6 < reserved - 2 * 256 * kv_token < 98e6, reserved   # the 98.4 MB file
         assert "MB KV" in srv.logs() and " 12 MB KV" in srv.logs(), srv.logs()
+
+
+def test_a_2048_message_conversation_is_capped_while_health_answers(server):
+    """Capping once rendered and tokenized the conversation once per dropped turn
+    (cubic: minutes for 2,048 turns, the thread pool full, /health waiting)."""
+    messages = [{"role": "system", "content": "Answer briefly."}]
+    messages += [{"role": "user" if i % 2 == 0 else "assistant", "content": "x"}
+                 for i in range(2046)]
+    messages.append({"role": "user", "content": "Say hi."})
+    result = {}
+
+    def ask():
+        result["r"] = httpx.post(server.url + "/v1/chat/completions", timeout=300, json={
+            "messages": messages, "max_tokens": 2})
+    asker = threading.Thread(target=ask)
+    asker.start()
+    health = []
+    while asker.is_alive() or not health:
+        health.append(httpx.get(server.url + "/health", timeout=60).status_code)
+    asker.join()
+    r = result["r"]
+    assert r.status_code == 200, r.text
+    assert r.json()["context_capped"] is True and r.json()["usage"]["prompt_tokens"] < 512
+    assert set(health) == {200}

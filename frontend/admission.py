@@ -59,14 +59,18 @@ class Admission:
         return len(self.queues[model.name])
 
     async def acquire(self, model: ServedModel, session: str | None = None,
-                      n: int = 1) -> Replica:
-        """One replica with `n` slots reserved for a request group (release() gives each
-        back)."""
+                      n: int = 1, need: int = 0) -> Replica:
+        """One replica with `n` slots reserved for a request group whose sequences take
+        `need` positions each (release() gives each slot back)."""
         if self.closed or self.draining:
             raise shutting_down()
+        largest = max((r.ctx for r in model.ready()), default=0)
+        if largest and need > largest:    # the replica that held it went away meanwhile
+            raise APIError(400, f"This model's maximum context length is {largest} tokens, "
+                           f"but the request needs {need}", code="context_length_exceeded")
         self.models[model.name] = model
         queue = self.queues[model.name]
-        replica, pressure = self.router.pick(model, session, n), self.pressure(model)
+        replica, pressure = self.router.pick(model, session, n, need), self.pressure(model)
         if replica is not None and not queue and pressure < CRITICAL:
             return self.take(replica, session, n)
         if all(r.slots == 1 for r in model.ready()) and pressure < CRITICAL:
@@ -82,7 +86,7 @@ class Admission:
                            "waiting; retry shortly", type="rate_limit_error",
                            code="queue_full", headers={"Retry-After": "5"})
         fut = asyncio.get_running_loop().create_future()
-        fut.session, fut.n = session, n
+        fut.session, fut.n, fut.need = session, n, need
         queue.append(fut)
         try:
             return await asyncio.wait_for(fut, self.timeout_s)
@@ -108,7 +112,7 @@ class Admission:
             if queue[0].done():                   # timed out or cancelled
                 queue.popleft()
                 continue
-            replica = self.router.pick(model, queue[0].session, queue[0].n)
+            replica = self.router.pick(model, queue[0].session, queue[0].n, queue[0].need)
             if replica is None or self.pressure(model) >= CRITICAL:
                 return
             fut = queue.popleft()

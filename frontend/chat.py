@@ -115,7 +115,7 @@ class ChatService:
             raise APIError(400, f"the chat template refused the conversation: {exc}",
                            param="messages") from exc
         room = ctx - len(prompt)
-        max_tokens = min(req.max_tokens or room, room)
+        max_tokens = min(req.max_tokens, room) if req.max_tokens else None   # None: fill
         think = text.rstrip().endswith("<think>")           # the template opened reasoning
         use_tools = bool(req.tools) and req.tool_choice != "none"
         choices = [Choice(prompt, seeded(req.sampling, req.sampling.seed, i), max_tokens,

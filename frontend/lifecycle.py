@@ -28,10 +28,11 @@ from .emitter import Emitter
 from .errors import APIError
 from .generation import Generation
 from .metrics import Metrics, ModelMetrics
-from .openai_api import sse, sse_error
+from .openai_api import counts, sse, sse_error
 from .registry import ServedModel
 from .workers import WorkerPool
 
+CLIENT_CLOSED = 499      # nginx's status for a request its client abandoned
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"),
                (b"cache-control", b"no-cache")]
 
@@ -42,7 +43,7 @@ class Choice:
 
     prompt: list[int]
     sampling: p.Sampling
-    max_tokens: int
+    max_tokens: int | None             # None: as many as the replica's context leaves
     emitter: Emitter
     grammar: str | None = None
     logprobs: int = -1
@@ -61,6 +62,13 @@ class Job:
     include_usage: bool = False
     headers: dict = field(default_factory=dict)
     error: APIError | None = None      # what ended a stream after its first byte
+
+    @property
+    def need(self) -> int:
+        """Positions the longest choice needs (its prompt + max_tokens, or + 1 reply
+        token when it sets none): the router sends the job only to a replica whose
+        context holds that."""
+        return max(len(c.prompt) + (c.max_tokens or 1) for c in self.choices)
 
 
 class Lifecycle:
@@ -94,7 +102,7 @@ class Lifecycle:
         figures = self.metrics.for_model(model.name)
         asked = time.monotonic()
         try:
-            replica = await self.admission.acquire(model, job.session, n)
+            replica = await self.admission.acquire(model, job.session, n, job.need)
         except APIError as exc:
             figures.rejected(exc.status, exc.code)
             raise
@@ -103,7 +111,8 @@ class Lifecycle:
         try:
             for i, c in enumerate(job.choices):
                 gens.append(Generation(self.pool, self.admission, model, replica, c.prompt,
-                                       c.sampling, c.max_tokens, c.emitter,
+                                       c.sampling, c.max_tokens or replica.ctx - len(c.prompt),
+                                       c.emitter,
                                        job.session if i == 0 else None, c.grammar, c.logprobs,
                                        figures, arrived if i == 0 else None,
                                        info.get("request_id", "")))
@@ -114,16 +123,18 @@ class Lifecycle:
                 await send({"type": "http.response.start", "status": 200,
                             "headers": SSE_HEADERS})
                 try:
-                    await until_disconnect(request, self.stream(send, job, gens),
-                                           [gen.stream.stalled for gen in gens])
+                    ended = await until_disconnect(request, self.stream(send, job, gens),
+                                                   [gen.stream.stalled for gen in gens])
                 except ClientStalled:
                     await drop(request)
                     return
+                if ended is None:      # the client went away: logged as nginx does
+                    info["status"] = CLIENT_CLOSED
                 await send({"type": "http.response.body", "body": b""})
                 return
             results = await until_disconnect(request, asyncio.gather(
                 *(collect(g) for g in gens)))
-            response = Response(status_code=499) if results is None else \
+            response = Response(status_code=CLIENT_CLOSED) if results is None else \
                 JSONResponse(job.renderer.whole(gens, results))
             await response(request.scope, request.receive, send)
         except APIError as exc:
@@ -137,7 +148,7 @@ class Lifecycle:
                 self.generations.discard(gen)
             report(figures, info, job, gens, arrived)
 
-    async def stream(self, send, job: Job, gens: list[Generation]) -> None:
+    async def stream(self, send, job: Job, gens: list[Generation]) -> bool:
         renderer = job.renderer
 
         async def out(data: bytes) -> None:
@@ -154,6 +165,7 @@ class Lifecycle:
             job.error = exc
             await out(sse_error(exc))
         await out(sse("[DONE]"))
+        return True
 
 
 def report(figures: ModelMetrics, info: dict, job: Job, gens: list[Generation],
@@ -161,9 +173,7 @@ def report(figures: ModelMetrics, info: dict, job: Job, gens: list[Generation],
     """A request is over: its figures, for /metrics and for the access log."""
     now = time.monotonic()
     figures.e2e.observe(now - arrived)
-    prompt = len(gens[0].prompt) if gens else 0
-    cached = sum(g.cached_tokens for g in gens)
-    completion = sum(g.completion_tokens for g in gens)
+    prompt, completion, cached = counts(gens) if gens else (0, 0, 0)
     info.update(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached)
     if gens and gens[0].first_at is not None:
         info["ttft_s"] = round(gens[0].first_at - arrived, 4)

@@ -37,8 +37,10 @@ from zmq.utils.monitor import recv_monitor_message
 from ..common import protocol as p
 from ..common import settings
 from ..common.keys import KeyPair, curve_client, is_local_address, server_public, worker_pair
+from ..common.model_file import ModelFileError
 from .device import Device, open_device
 from .engine import Engine, load_engine
+from .qmatrix import FormatError
 from .scheduler import Request
 
 log = logging.getLogger("pantheon.worker")
@@ -459,7 +461,10 @@ class Worker:
                 continue
             self.loading.discard(msg.model_id)
             if isinstance(result, Exception):
-                self.send(p.LoadFailed(msg.model_id, f"{type(result).__name__}: {result}"))
+                if isinstance(result, (ModelFileError, FormatError)):   # the file's fault
+                    self.send(p.LoadFailed(msg.model_id, str(result), p.BAD_MODEL_FILE))
+                else:
+                    self.send(p.LoadFailed(msg.model_id, f"{type(result).__name__}: {result}"))
                 continue
             replica = Replica(msg.model_id, msg.name, msg.path, result)
             # ready for its first constrained request before it comes (failures surface

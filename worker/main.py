@@ -448,6 +448,9 @@ class Worker:
                                  quantize=msg.quantize)
             engine.warm_up()              # ready means warm: the first request pays nothing
             self.loads.put((msg, engine))
+        except (ModelFileError, FormatError) as exc:      # the file's fault: one line
+            log.error("loading %s failed: %s", msg.path, exc)
+            self.loads.put((msg, exc))
         except Exception as exc:
             log.exception("loading %s failed", msg.path)
             self.loads.put((msg, exc))

@@ -27,17 +27,11 @@ def tiny(tmp_path_factory):
     return tm.write_gguf("qwen2", tmp_path_factory.mktemp("m") / "tiny.gguf", tensor_type="F16")
 
 
-@pytest.mark.parametrize("flag, value, says", [
-    ("--slots", "0", "at least 1 slot"),
-    ("--port", "99999", "1-65535"),
-])
-def test_settings_that_cannot_serve_are_refused_at_once(tiny, flag, value, says):
-    args = ["--model", str(tiny), flag, value] + ([] if flag == "--port" else
-                                                  ["--port", str(free_port())])
-    done = serve(*args, timeout=30)
+def test_settings_that_cannot_serve_are_refused_at_once(tiny):
+    done = serve("--model", str(tiny), "--slots", "0", "--port", str(free_port()), timeout=30)
     assert done.returncode == 1, done.stderr
     (line,) = errors(done)
-    assert f"{flag} {value}" in line and says in line
+    assert "--slots 0" in line and "at least 1 slot" in line
     assert "Traceback" not in done.stderr and "ready" not in done.stdout
 
 
@@ -46,6 +40,7 @@ def test_settings_that_cannot_serve_are_refused_at_once(tiny, flag, value, says)
     ("ctx", -5, "--ctx -5"),
     ("prefill_chunk", 0, "--prefill-chunk 0"),
     ("port", -1, "--port -1 is out of range"),
+    ("port", 99999, "--port 99999 is out of range: a TCP port is 1-65535"),  # was a traceback
 ])
 def test_the_serve_config_names_the_flag_it_refuses(field, value, says):
     from pantheon.frontend.serve import ServeConfig

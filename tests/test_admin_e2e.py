@@ -310,6 +310,13 @@ def test_zeromq_admin_and_cli(fleet):
 def test_a_relative_path_is_refused_asking_for_an_absolute_one(fleet):
     r = admin(fleet, "load", {"path": "models/tiny.gguf"})
     assert r.status_code == 400 and "must be absolute" in r.json()["error"]["message"]
+    # the CLI resolves a relative path in its own folder, as its user means it
+    proc = subprocess.run([sys.executable, "-m", "pantheon.cli", "admin", "--addr",
+                           fleet.admin_addr, "--key", KEY, "load", Path(fleet.tiny).name,
+                           "--name", "tiny-rel"], capture_output=True, text=True, timeout=120,
+                          cwd=Path(fleet.tiny).parent)
+    assert proc.returncode == 0, proc.stderr
+    assert admin(fleet, "unload", {"name": "tiny-rel"}).status_code == 200
 
 
 def test_corrupt_files_are_400_naming_the_tensor_and_never_load(fleet):

@@ -46,7 +46,7 @@ def replica_bytes(path: str, cfg: ModelConfig, kind: str, slots: int, ctx: int,
         cfg.state_bytes(slots, guess, kv_itemsize(path, kind, quantize))
 
 
-def what_fits(path: str, cfg: ModelConfig, die: "DieInfo", slots: int, ctx: int,
+def what_fits(path: str, cfg: ModelConfig, die: DieInfo, slots: int, ctx: int,
               quantize: str) -> str:
     """What would fit on `die` instead: the context at these slots, the slots at this
     context (the tail of a refusal)."""

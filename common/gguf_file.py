@@ -17,10 +17,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.gguf_reader import ReaderField
 
 from .regular_file import require_regular
+
+
+class TruncatedFile(ValueError):
+    """A tensor's bytes run past the end of the file (a download or copy cut short)."""
 
 
 def open_gguf(path: str | Path) -> "GGUFFile":
@@ -71,6 +75,26 @@ class GGUFFile(GGUFReader):
         items = np.frombuffer(buf, dtype, count, offs).reshape(-1, 1)  # [count, 1] views
         types = [GGUFValueType.ARRAY, GGUFValueType(itype)]
         return 12 + items.nbytes, parts + list(items), list(range(2, 2 + count)), types
+
+    def _build_tensors(self, start_offs: int, fields: list[ReaderField]) -> None:
+        """The package's tensors, after checking that each one's bytes lie in the file
+        (the package would fail on a cut file with "cannot reshape array ...")."""
+        spans = []                                # (name, offset, bytes) of each tensor
+        for field in fields:
+            _, name, _, dims, raw_type, offset = field.parts
+            try:
+                block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_type[0]))]
+            except (ValueError, KeyError):
+                continue                          # the package names an unknown type
+            spans.append((bytes(name).decode(errors="replace"), start_offs + int(offset[0]),
+                          int(np.prod(dims, dtype=np.int64)) * type_size // block))
+        size, end = len(self.data), max((o + n for _, o, n in spans), default=0)
+        if end > size:
+            name, start, n = next(t for t in spans if t[1] + t[2] > size)
+            raise TruncatedFile(f"the file is truncated: it has {size:,} bytes and its "
+                                f"tensors need {end:,}; tensor {name} needs {n:,} bytes at "
+                                f"offset {start:,}, of which the file holds {max(0, size - start):,}")
+        super()._build_tensors(start_offs, fields)
 
     def _build_fields(self, offs: int, count: int) -> int:
         """The package's loop, keeping a string array's parts lazy (`StringParts`)."""

@@ -16,7 +16,7 @@ import gguf
 
 from .arch import BASE_FIELDS, HF_ARCH, REQUIRED, SUPPORTED_ARCHS, Family, family
 from .arch.stack import Block, RopeScaling
-from .gguf_file import open_gguf, open_gguf_cached
+from .gguf_file import TruncatedFile, open_gguf, open_gguf_cached
 from .regular_file import NotRegularFile, check_model_folder, require_regular
 
 log = logging.getLogger(__name__)
@@ -112,6 +112,8 @@ def open_model_file(path: str | Path, cached: bool = False):
         return config_from_hf(path), None
     try:
         reader = (open_gguf_cached if cached else open_gguf)(path)
+    except TruncatedFile as exc:
+        raise ModelFileError(f"{path}: {exc}") from exc
     except Exception as exc:  # gguf raises ValueError, struct.error, ...
         raise ModelFileError(f"{path} is not a readable GGUF file: {exc}") from exc
     return config_from_gguf(reader, name=path.stem), reader

@@ -152,10 +152,14 @@ class LoadProgress:
     total: int
 
 
+BAD_MODEL_FILE = "bad_model_file"
+
+
 @dataclass(slots=True)
 class LoadFailed:
     model_id: str
     message: str
+    code: str = ""       # BAD_MODEL_FILE: the file itself cannot serve (a 400, not a 500)
 
 
 @dataclass(slots=True)

@@ -64,14 +64,30 @@ def tensor_list(path: str | Path) -> list[tuple[str, str, tuple[int, ...]]]:
         for file in sorted(path.glob("*.safetensors")):
             require_regular(file)
             with open(file, "rb") as fh:
-                header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
-            out += [(name, info["dtype"], tuple(info["shape"]))
-                    for name, info in header.items() if name != "__metadata__"]
+                head = int.from_bytes(fh.read(8), "little")
+                header = json.loads(fh.read(head))
+            tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+            check_safetensors_size(file, 8 + head, tensors)
+            out += [(name, info["dtype"], tuple(info["shape"])) for name, info in tensors.items()]
         return out
     from .gguf_file import open_gguf_cached
     reader = open_gguf_cached(path)
     return [(t.name, t.tensor_type.name, tuple(int(n) for n in reversed(t.shape)))
             for t in reader.tensors]
+
+
+def check_safetensors_size(file: Path, data_start: int, tensors: dict) -> None:
+    """Refuse a `.safetensors` file cut short, naming the first tensor it lacks bytes of."""
+    from .model_file import ModelFileError
+    size = file.stat().st_size
+    end = data_start + max((int(v["data_offsets"][1]) for v in tensors.values()), default=0)
+    if end > size:
+        name, info = next((k, v) for k, v in tensors.items()
+                          if data_start + int(v["data_offsets"][1]) > size)
+        start, stop = (data_start + int(x) for x in info["data_offsets"])
+        raise ModelFileError(f"{file}: the file is truncated: it has {size:,} bytes and its "
+                             f"tensors need {end:,}; tensor {name} needs {stop - start:,} bytes "
+                             f"at offset {start:,}, of which the file holds {max(0, size - start):,}")
 
 
 def weight_bytes(path: str | Path, quantize: str = "auto", dense_itemsize: int = 4) -> int:

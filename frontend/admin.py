@@ -153,6 +153,8 @@ class Admin:
     # -- load --------------------------------------------------------------------------
     async def load(self, body: dict, on_progress=None) -> dict:
         path = field(body, "path", str, required=True)
+        if not Path(path).is_absolute():       # the server's folder is not the caller's
+            raise AdminError(400, f"model path must be absolute, got {path!r}", "path")
         if self.model_dirs is not None and not self.model_dirs.allows(path):
             # the same answer whether the path exists or not: no probing of the host
             raise AdminError(403, "model path is outside the folders loads may open "
@@ -242,6 +244,8 @@ class Admin:
             await on_progress(replica.model_id, *replica.progress)    # the last step
         if replica.state != ReplicaState.READY:
             self.registry.remove(self.registry.models.get(name, model), replica)
+            if replica.error_code == p.BAD_MODEL_FILE:      # the file cannot serve
+                raise AdminError(400, f"{path} cannot be loaded: {replica.error}", "path")
             raise AdminError(500, f"loading {name!r} on die {die} failed: {replica.error}")
         return {"loaded": {"name": name, "die": die, **replica.as_json()}}
 
@@ -256,15 +260,26 @@ class Admin:
 
     # -- unload ------------------------------------------------------------------------
     async def unload(self, body: dict) -> dict:
-        name = field(body, "name", str, required=True)
+        """Every replica of `name`, those on `die`, or the one replica `id` (as
+        /admin/models lists them)."""
+        rid = field(body, "id", str)
+        name = field(body, "name", str, required=rid is None)
         die = field(body, "die", (str, int))
         timeout_s = field(body, "timeout_s", (int, float), settings.UNLOAD_TIMEOUT_S)
         if timeout_s < 0:
             raise AdminError(400, "timeout_s must be >= 0", "timeout_s")
-        model = self.registry.models.get(name)
-        if model is None:
-            raise AdminError(404, f"no model named {name!r}", "name")
-        targets = [r for r in model.replicas if die is None or r.die == str(die)]
+        if rid is not None:
+            found = [(m, r) for m, r in self.registry.replicas() if r.model_id == rid]
+            if not found or name not in (None, found[0][0].name):
+                raise AdminError(404, f"no replica {rid!r}" + (f" of {name!r}" if name else "")
+                                 + "; /admin/models lists them", "id")
+            model, name = found[0][0], found[0][0].name
+        else:
+            model = self.registry.models.get(name)
+            if model is None:
+                raise AdminError(404, f"no model named {name!r}", "name")
+        targets = [r for r in model.replicas if (die is None or r.die == str(die))
+                   and rid in (None, r.model_id)]
         if not targets:
             raise AdminError(404, f"{name!r} has no replica on die {die}", "die")
         if any(r.state == ReplicaState.UNLOADING for r in targets):

@@ -6,6 +6,7 @@ stderr. Exits 0 on success, 1 with the server's message otherwise.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -18,7 +19,9 @@ from ..common.keys import curve_client, server_public
 
 def request_args(args) -> dict:
     if args.admin_command == "load":
-        out = {"path": args.path, "name": args.name, "ctx": args.ctx, "slots": args.slots}
+        # the server takes absolute paths only: a relative one is the caller's, resolved here
+        out = {"path": os.path.abspath(args.path), "name": args.name, "ctx": args.ctx,
+               "slots": args.slots}
         if args.dies:
             out["dies"] = args.dies
         return {k: v for k, v in out.items() if v is not None}

@@ -68,24 +68,29 @@ class Admission:
 
     async def acquire(self, model: ServedModel, session: str | None = None,
                       n: int = 1, admitted: bool = False,
-                      prefer: Replica | None = None) -> Replica:
-        """One replica with `n` slots reserved for a request group (release() gives each
-        back). `admitted`: a later choice of a request already let in (see share()):
-        it queues like any request, but never meets the queue's depth or deadline;
-        `prefer`: its first choices' replica (their prompt is warm there), when it fits."""
+                      prefer: Replica | None = None, need: int = 0) -> Replica:
+        """One replica with `n` slots reserved for a request group whose sequences take
+        `need` positions each (release() gives each back). `admitted`: a later choice of a
+        request already let in (see share()): it queues like any request, but never meets
+        the queue's depth or deadline; `prefer`: its first choices' replica (their prompt
+        is warm there), when it fits."""
         if self.closed or (self.draining and not admitted):
             raise shutting_down()
+        largest = max((r.ctx for r in model.ready()), default=0)
+        if largest and need > largest:    # the replica that held it went away meanwhile
+            raise APIError(400, f"This model's maximum context length is {largest} tokens, "
+                           f"but the request needs {need}", code="context_length_exceeded")
         self.models[model.name] = model
         queue = self.queues[model.name]
-        replica, pressure = self.router.pick(model, session, n), self.pressure(model)
+        replica, pressure = self.router.pick(model, session, n, need), self.pressure(model)
         if prefer is not None and any(r is prefer for r in model.ready()) \
-                and self.router.fits(prefer, n) \
+                and prefer.ctx >= need and self.router.fits(prefer, n) \
                 and (prefer.worker is None or not prefer.worker.slow):
             replica = prefer
         if replica is not None and not queue and pressure < CRITICAL:
             return self.take(replica, session, n)
         if admitted:
-            return await self.wait(model, queue, session, n, None)
+            return await self.wait(model, queue, session, n, need, None)
         if all(r.slots == 1 for r in model.ready()) and pressure < CRITICAL:
             raise APIError(429, "a generation is already in progress on this model "
                            "(single-user mode); retry shortly", type="rate_limit_error",
@@ -98,12 +103,12 @@ class Admission:
             raise APIError(429, f"all slots are busy and {len(queue)} requests are already "
                            "waiting; retry shortly", type="rate_limit_error",
                            code="queue_full", headers={"Retry-After": "5"})
-        return await self.wait(model, queue, session, n, self.timeout_s)
+        return await self.wait(model, queue, session, n, need, self.timeout_s)
 
     async def wait(self, model: ServedModel, queue: deque, session: str | None, n: int,
-                   timeout_s: float | None) -> Replica:
+                   need: int, timeout_s: float | None) -> Replica:
         fut = asyncio.get_running_loop().create_future()
-        fut.session, fut.n = session, n
+        fut.session, fut.n, fut.need = session, n, need
         queue.append(fut)
         try:
             return await asyncio.wait_for(fut, timeout_s)
@@ -135,7 +140,7 @@ class Admission:
             if queue[0].done():                   # timed out or cancelled
                 queue.popleft()
                 continue
-            replica = self.router.pick(model, queue[0].session, queue[0].n)
+            replica = self.router.pick(model, queue[0].session, queue[0].n, queue[0].need)
             if replica is None or self.pressure(model) >= CRITICAL:
                 return
             fut = queue.popleft()

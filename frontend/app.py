@@ -94,7 +94,9 @@ class RequestLog:
             elif not complete[0]:
                 raise                             # a response under way: cut it off
         finally:
-            self.access(scope, info, status[0] or 500, time.monotonic() - started)
+            # a stream its client abandoned was sent as 200 and is logged as 499
+            self.access(scope, info, info.get("status") or status[0] or 500,
+                        time.monotonic() - started)
             logs.request_id.reset(token)
 
     @staticmethod
@@ -247,12 +249,24 @@ def build_app(registry: Registry, lifecycle: Lifecycle, admin: Admin,
     async def prometheus(request: Request):
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    def model_card(m) -> dict:
+        """A served model as OpenAI's model object; max_model_len (vLLM's) is the largest
+        context among its replicas (a request goes to a replica that holds it)."""
+        return {"id": m.name, "object": "model", "created": m.created, "owned_by": "pantheon",
+                "max_model_len": m.context()}
+
     async def models(request: Request):
         ready = registry.ready_models()
         return JSONResponse(models_list([m.name for m in ready], 0) | {
-            "data": [{"id": m.name, "object": "model", "created": m.created,
-                      "owned_by": "pantheon", "max_model_len": m.ready()[0].ctx}
-                     for m in ready]})
+            "data": [model_card(m) for m in ready]})
+
+    async def model(request: Request):
+        name = request.path_params["name"]
+        found = next((m for m in registry.ready_models() if m.name == name), None)
+        if found is None:
+            raise APIError(404, f"The model {name!r} does not exist", param="model",
+                           code="model_not_found")
+        return JSONResponse(model_card(found))
 
     async def get_load(request: Request):
         return JSONResponse(measure(registry, admission).get_load())
@@ -284,7 +298,7 @@ def build_app(registry: Registry, lifecycle: Lifecycle, admin: Admin,
                     Route("/admin/top", admin_route("top"))]
     app = Starlette(
         routes=[Route("/", root), Route("/health", health), Route("/metrics", prometheus),
-                Route("/v1/models", models),
+                Route("/v1/models", models), Route("/v1/models/{name:path}", model),
                 Route("/get_load", get_load), Route("/v1/loads", v1_loads),
                 Route("/v1/chat/completions", chat, methods=["POST"]),
                 Route("/v1/completions", completions, methods=["POST"]),

@@ -145,7 +145,7 @@ class ChatService:
         grammar, prompt, text, capped = await self.preparer.run(
             deadline, self.shape, req, model, ctx, size=len(body))
         room = ctx - len(prompt)
-        max_tokens = min(req.max_tokens or room, room)
+        max_tokens = min(req.max_tokens, room) if req.max_tokens else None   # None: fill
         think = text.rstrip().endswith("<think>")           # the template opened reasoning
         use_tools = bool(req.tools) and req.tool_choice != "none"
         choices = [Choice(prompt, seeded(req.sampling, req.sampling.seed, i), max_tokens,

@@ -46,6 +46,23 @@ def replica_bytes(path: str, cfg: ModelConfig, kind: str, slots: int, ctx: int,
         cfg.state_bytes(slots, guess, kv_itemsize(path, kind, quantize))
 
 
+def what_fits(path: str, cfg: ModelConfig, die: DieInfo, slots: int, ctx: int,
+              quantize: str) -> str:
+    """What would fit on `die` instead: the context at these slots, the slots at this
+    context (the tail of a refusal)."""
+    room = die.free_budget - file_weight_bytes(str(path), quantize, 4 if die.kind == "cpu" else 2)
+    if room <= 0:
+        return "; the weights alone do not fit"
+    itemsize = kv_itemsize(path, die.kind, quantize)
+    per_token, fixed = cfg.kv_bytes_per_token(itemsize), cfg.fixed_bytes_per_slot()
+    guess = ctx or min(cfg.context_length, ADMIT_CTX_GUESS)
+    max_ctx = (room // slots - fixed) // per_token if per_token else 0
+    max_slots = room // cfg.state_bytes(1, guess, itemsize)
+    hints = [f"--ctx {max_ctx} with {slots} slots"] if max_ctx >= 2 else []
+    hints += [f"--slots {max_slots} at {guess} positions"] if max_slots >= 1 else []
+    return f"; what fits: {' or '.join(hints)}" if hints else ""
+
+
 @dataclass
 class DieInfo:
     die: str
@@ -114,6 +131,7 @@ class DieTable:
                                  f"{need[best.die] / 2**20:.0f} MiB (weights + KV for "
                                  f"{ctx or min(cfg.context_length, ADMIT_CTX_GUESS)} positions x "
                                  f"{slots or self.slots} slots); the most free is "
-                                 f"{best.free_budget / 2**20:.0f} MiB on die {best.die}")
+                                 f"{best.free_budget / 2**20:.0f} MiB on die {best.die}"
+                                 + what_fits(path, cfg, best, slots or self.slots, ctx, quantize))
         die = max(fits, key=lambda d: d.free_budget)
         return die.die, need[die.die]

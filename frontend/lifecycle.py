@@ -28,10 +28,11 @@ from .emitter import Emitter
 from .errors import APIError
 from .generation import Generation
 from .metrics import Metrics, ModelMetrics
-from .openai_api import sse, sse_error
+from .openai_api import counts, sse, sse_error
 from .registry import ServedModel
 from .workers import WorkerPool
 
+CLIENT_CLOSED = 499      # nginx's status for a request its client abandoned
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"),
                (b"cache-control", b"no-cache")]
 
@@ -42,7 +43,7 @@ class Choice:
 
     prompt: list[int]
     sampling: p.Sampling
-    max_tokens: int
+    max_tokens: int | None             # None: as many as the replica's context leaves
     emitter: Emitter
     grammar: str | None = None
     logprobs: int = -1
@@ -62,6 +63,13 @@ class Job:
     headers: dict = field(default_factory=dict)
     error: APIError | None = None      # what ended a stream after its first byte
     salt: str = ""                     # prefix-cache scope (chat.cache_salt)
+
+    @property
+    def need(self) -> int:
+        """Positions the longest choice needs (its prompt + max_tokens, or + 1 reply
+        token when it sets none): the router sends the job only to a replica whose
+        context holds that."""
+        return max(len(c.prompt) + (c.max_tokens or 1) for c in self.choices)
 
 
 class Lifecycle:
@@ -96,7 +104,7 @@ class Lifecycle:
         asked = time.monotonic()
         k = self.admission.share(model, n)       # choices holding slots at once
         try:
-            replica = await self.admission.acquire(model, job.session, k)
+            replica = await self.admission.acquire(model, job.session, k, need=job.need)
         except APIError as exc:
             figures.rejected(exc.status, exc.code)
             raise
@@ -106,8 +114,8 @@ class Lifecycle:
         try:
             for i, c in enumerate(job.choices):
                 gens.append(Generation(self.pool, self.admission, model,
-                                       replica if i < k else None, c.prompt,
-                                       c.sampling, c.max_tokens, c.emitter,
+                                       replica if i < k else None, c.prompt, c.sampling,
+                                       c.max_tokens or replica.ctx - len(c.prompt), c.emitter,
                                        job.session if i == 0 else None, c.grammar, c.logprobs,
                                        figures, arrived if i == 0 else None,
                                        info.get("request_id", ""), job.salt))
@@ -119,15 +127,17 @@ class Lifecycle:
                 await send({"type": "http.response.start", "status": 200,
                             "headers": SSE_HEADERS})
                 try:
-                    await until_disconnect(request, self.stream(send, job, lanes),
-                                           [gen.stream.stalled for gen in gens[:k]])
+                    ended = await until_disconnect(request, self.stream(send, job, lanes),
+                                                   [gen.stream.stalled for gen in gens[:k]])
                 except ClientStalled:
                     await drop(request)
                     return
+                if ended is None:      # the client went away: logged as nginx does
+                    info["status"] = CLIENT_CLOSED
                 await send({"type": "http.response.body", "body": b""})
                 return
             results = await until_disconnect(request, lanes.collect())
-            response = Response(status_code=499) if results is None else \
+            response = Response(status_code=CLIENT_CLOSED) if results is None else \
                 JSONResponse(job.renderer.whole(gens, results))
             await response(request.scope, request.receive, send)
         except APIError as exc:
@@ -143,7 +153,7 @@ class Lifecycle:
                 self.generations.discard(gen)
             report(figures, info, job, gens, arrived)
 
-    async def stream(self, send, job: Job, lanes: "Lanes") -> None:
+    async def stream(self, send, job: Job, lanes: "Lanes") -> bool:
         renderer, gens = job.renderer, lanes.gens
 
         async def out(data: bytes) -> None:
@@ -160,6 +170,7 @@ class Lifecycle:
             job.error = exc
             await out(sse_error(exc))
         await out(sse("[DONE]"))
+        return True
 
 
 def report(figures: ModelMetrics, info: dict, job: Job, gens: list[Generation],
@@ -167,9 +178,7 @@ def report(figures: ModelMetrics, info: dict, job: Job, gens: list[Generation],
     """A request is over: its figures, for /metrics and for the access log."""
     now = time.monotonic()
     figures.e2e.observe(now - arrived)
-    prompt = len(gens[0].prompt) if gens else 0
-    cached = sum(g.cached_tokens for g in gens)
-    completion = sum(g.completion_tokens for g in gens)
+    prompt, completion, cached = counts(gens) if gens else (0, 0, 0)
     info.update(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached)
     if gens and gens[0].first_at is not None:
         info["ttft_s"] = round(gens[0].first_at - arrived, 4)
@@ -214,7 +223,8 @@ class Lanes:
         if i >= self.k:
             self.gens[i - self.k].close()
             replica = await self.admission.acquire(self.model, None, 1, admitted=True,
-                                                   prefer=self.home)
+                                                   prefer=self.home,
+                                                   need=len(gen.prompt) + gen.max_tokens)
             if self.closed:                     # the request ended while this one queued
                 self.admission.release(self.model, replica)
                 raise asyncio.CancelledError()

@@ -431,8 +431,14 @@ def legacy_logprobs(tok, items, offset: int) -> dict:
 
 
 def counts(gens) -> tuple[int, int, int]:
-    """(prompt, completion, cached) tokens of a request's choices together."""
-    return len(gens[0].prompt), sum(g.completion_tokens for g in gens), gens[0].cached_tokens
+    """(prompt, completion, cached) tokens of a request's choices together: each prompt
+    counted once (the `n` choices of a prompt share it, prefilled once), with the cached
+    tokens of its first choice, so cached never exceeds prompt."""
+    first: dict[int, object] = {}
+    for g in gens:
+        first.setdefault(id(g.prompt), g)
+    return (sum(len(g.prompt) for g in first.values()), sum(g.completion_tokens for g in gens),
+            sum(g.cached_tokens for g in first.values()))
 
 
 class Renderer:

@@ -52,6 +52,7 @@ class Replica:
     slots: int = 0                 # as loaded (the worker's answer)
     ctx: int = 0
     error: str = ""
+    error_code: str = ""           # protocol.BAD_MODEL_FILE: the file cannot serve
     worker: object = None          # WorkerInfo while loaded
     want_slots: int = 0            # as asked (0: the server's default)
     want_ctx: int = 0
@@ -88,8 +89,9 @@ class ServedModel:
         return [r for r in self.replicas if r.state == ReplicaState.READY]
 
     def context(self) -> int:
-        """Context positions a request may use: the smallest of the ready replicas'."""
-        return min((r.ctx for r in self.ready()), default=0)
+        """Context positions a request may use: the largest of the ready replicas' (the
+        router sends a request only to a replica whose context holds it)."""
+        return max((r.ctx for r in self.ready()), default=0)
 
     def render_text(self, messages: list[dict], tools=None) -> str:
         """The chat template's prompt text (CPU work: call off the event loop)."""
@@ -187,7 +189,7 @@ class Registry:
 
         With one resident model, every request goes to it whatever its `model`
         field says (the spec's single-model shortcut); with several, the name
-        must match exactly.
+        is required (400 without one) and must match exactly.
         """
         ready = self.ready_models()
         if not ready:
@@ -196,7 +198,11 @@ class Registry:
                            headers={"Retry-After": "2"})
         if len(self.models) == 1:
             return ready[0]
-        model = self.models.get(name or "")
+        if not name:
+            raise APIError(400, f"model is required: this server serves several models "
+                           f"({', '.join(sorted(self.models))})", param="model",
+                           code="model_required")
+        model = self.models.get(name)
         if model is None:
             raise APIError(404, f"model {name!r} does not exist; available: "
                            f"{', '.join(sorted(self.models))}", param="model",

@@ -4,7 +4,8 @@ A *group* is every choice of one request (`n`, or a completions prompt list): th
 go to one replica, so that worker prefills the shared prompt once and forks it
 (the scheduler's WAIT slots) instead of each replica prefilling its own copy.
 
-Rules, in order: replicas on a slow worker are left out while another can serve; a
+Rules, in order: only replicas whose context holds the group's `need` (its longest
+prompt plus the tokens it asks for, or at least one) are candidates; replicas on a slow worker are left out while another can serve; a
 replica fits the group when it has that many free slots (or it is idle: a group
 larger than a replica's slots waits for slots on the worker, not here); a session goes
 back to the replica holding its warm prefix while that one fits, else to the fitting
@@ -27,9 +28,11 @@ class Router:
     def fits(replica: Replica, n: int) -> bool:
         return replica.inflight == 0 or replica.inflight + n <= max(replica.slots, 1)
 
-    def pick(self, model: ServedModel, session: str | None = None, n: int = 1) -> Replica | None:
-        """The replica for a group of `n` choices now, or None when none has room."""
-        ready = model.ready()
+    def pick(self, model: ServedModel, session: str | None = None, n: int = 1,
+             need: int = 0) -> Replica | None:
+        """The replica for a group of `n` choices of `need` positions each now, or None
+        when none has room."""
+        ready = [r for r in model.ready() if r.ctx >= need]
         fast = [r for r in ready if r.worker is None or not r.worker.slow]
         free = [r for r in (fast or ready) if self.fits(r, n)]
         home = self.affinity.get(session) if session else None

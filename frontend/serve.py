@@ -26,7 +26,7 @@ from .load import measure
 from .placement import Placer
 from .preparer import Preparer
 from .registration import Identity, Registration, endpoint_url
-from .registry import Registry, open_model
+from .registry import Registry, ReplicaState, open_model
 from .security import BrowserPolicy, Exposure, LinkAuth, ModelDirs, enforce
 from .supervisor import Supervisor, die_names
 from .workers import WorkerPool
@@ -81,6 +81,19 @@ class ServeConfig:
     prepare_timeout_s: float = settings.PREPARE_TIMEOUT_S
 
     def __post_init__(self):
+        """Settings that cannot serve are refused here, before anything starts, each with
+        one line naming the flag and what would work."""
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port {self.port} is out of range: a TCP port is 1-65535 "
+                             "(0: any free one)")
+        if self.slots < 1:
+            raise ValueError(f"--slots {self.slots}: a replica needs at least 1 slot (1 is "
+                             f"single-user mode; default {settings.SLOTS})")
+        if self.ctx < 0 or self.ctx == 1:
+            raise ValueError(f"--ctx {self.ctx}: a context holds at least 2 positions (0: "
+                             "the model's, at most 4096)")
+        if self.prefill_chunk < 1:
+            raise ValueError(f"--prefill-chunk {self.prefill_chunk}: at least 1 token a step")
         if self.worker_lost_after_s < self.worker_timeout_s:
             raise ValueError("--worker-lost-after must be at least --worker-timeout")
         if self.worker_lost_after_s < 2.0:       # probes start after 1 s of silence
@@ -158,9 +171,14 @@ async def serve(cfg: ServeConfig) -> int:
     registration = registration_for(cfg, registry, admission)
     if registration is not None:               # the router stops sending before we refuse
         drain.on_start.insert(0, registration.deregister)
+    refused = []
+
+    def refuse() -> None:                      # a --model cannot serve: stop, exit 1
+        refused.append(True)
+        server.should_exit = True
     tasks = [asyncio.create_task(admin_socket.serve(), name="admin-socket"),
              asyncio.create_task(announce_when_ready(cfg, placer, registry, addr,
-                                                     registration))]
+                                                     registration, refuse))]
     if link is not None:
         tasks += [asyncio.create_task(link.watch(pool.sock, "worker"), name="curve-workers"),
                   asyncio.create_task(link.watch(admin_socket.sock, "admin"),
@@ -183,7 +201,7 @@ async def serve(cfg: ServeConfig) -> int:
         await pool.close()
         if link:
             link.close()
-    return 0 if server.started else 1
+    return 0 if server.started and not refused else 1
 
 
 def drain_for(cfg: ServeConfig, lifecycle: Lifecycle, admission: Admission,
@@ -239,14 +257,21 @@ def registration_for(cfg: ServeConfig, registry: Registry,
 
 
 async def announce_when_ready(cfg: ServeConfig, placer: Placer, registry: Registry,
-                              addr: str, registration: Registration | None = None) -> None:
+                              addr: str, registration: Registration | None = None,
+                              refuse=lambda: None) -> None:
+    """"ready" once every --model is loaded; a --model that failed to load is one line
+    (its error) on stderr, then `refuse()`: the server stops and exits 1."""
     log.info("workers connect to %s; admin socket at %s", addr, cfg.admin_addr)
     await placer.wait_settled()
-    names = ", ".join(m.name for m in registry.ready_models()) or "none"
-    failed = [f"{m.name} ({r.error})" for m, r in registry.replicas() if r.error]
-    print(f"Pantheon ready at http://{cfg.host}:{cfg.port} (models: {names})", flush=True)
+    failed = [(m, r) for m, r in registry.replicas() if r.state == ReplicaState.FAILED]
     if failed:
-        print(f"failed to load: {'; '.join(failed)}", file=sys.stderr, flush=True)
+        for m, r in failed:
+            print(f"error: cannot serve --model {m.path} ({m.name}): {r.error}",
+                  file=sys.stderr, flush=True)
+        refuse()
+        return
+    names = ", ".join(m.name for m in registry.ready_models())
+    print(f"Pantheon ready at http://{cfg.host}:{cfg.port} (models: {names})", flush=True)
     if registration is not None:
         registration.start()
 

@@ -305,3 +305,92 @@ def test_zeromq_admin_and_cli(fleet):
     assert proc.returncode == 0 and json.loads(proc.stdout)["unloaded"]
     proc = cli(fleet, "dies", key="wrong")
     assert proc.returncode == 1 and "error (401)" in proc.stderr
+
+
+def test_a_relative_path_is_refused_asking_for_an_absolute_one(fleet):
+    r = admin(fleet, "load", {"path": "models/tiny.gguf"})
+    assert r.status_code == 400 and "must be absolute" in r.json()["error"]["message"]
+    # the CLI resolves a relative path in its own folder, as its user means it
+    proc = subprocess.run([sys.executable, "-m", "pantheon.cli", "admin", "--addr",
+                           fleet.admin_addr, "--key", KEY, "load", Path(fleet.tiny).name,
+                           "--name", "tiny-rel"], capture_output=True, text=True, timeout=120,
+                          cwd=Path(fleet.tiny).parent)
+    assert proc.returncode == 0, proc.stderr
+    assert admin(fleet, "unload", {"name": "tiny-rel"}).status_code == 200
+
+
+def test_corrupt_files_are_400_naming_the_tensor_and_never_load(fleet):
+    folder = Path(fleet.tiny).parent
+    q8 = tm.write_gguf("qwen2", folder / "q8.gguf", tensor_type="Q8_0")
+    for bad, says in [
+            (tm.truncate_gguf(fleet.tiny, folder / "cut.gguf"), "the file is truncated"),
+            (tm.poison_gguf(fleet.tiny, folder / "nan.gguf", "blk.0.attn_k.weight"),
+             "tensor blk.0.attn_k.weight holds NaN or Inf"),
+            (tm.poison_gguf(q8, folder / "inf.gguf", "blk.1.ffn_down.weight", float("inf")),
+             "tensor blk.1.ffn_down.weight holds NaN or Inf")]:
+        r = admin(fleet, "load", {"path": str(bad), "name": "corrupt"})
+        assert r.status_code == 400, r.text
+        assert says in r.json()["error"]["message"] and r.json()["error"]["param"] == "path"
+    cut = admin(fleet, "load", {"path": str(folder / "cut.gguf"), "name": "corrupt"}).json()
+    assert "tensor blk.1." in cut["error"]["message"] and "bytes at offset" in cut["error"]["message"]
+    assert all(m["name"] != "corrupt" for m in admin(fleet, "models").json()["models"])
+
+
+def test_replicas_with_different_contexts_serve_what_the_largest_holds(fleet):
+    """Two replicas of one model, contexts 512 and 1024: a prompt only the larger holds
+    goes there (the smaller does not shrink the model), /v1/models reports the largest;
+    unloading that one replica by its id leaves the other serving."""
+    dies = [d["die"] for d in admin(fleet, "dies").json()["dies"]]
+    ids = []
+    for die, ctx in zip(dies, (512, 1024)):
+        r = admin(fleet, "load", {"path": fleet.tiny, "name": "tiny-ctx", "dies": [die],
+                                  "ctx": ctx, "slots": 1})
+        assert r.status_code == 200 and r.json()["loaded"]["ctx"] == ctx, r.text
+        ids.append(r.json()["loaded"]["id"])
+    small, big = ids
+    client = fleet.client()
+    try:
+        (card,) = [m for m in httpx.get(fleet.url + "/v1/models").json()["data"]
+                   if m["id"] == "tiny-ctx"]
+        assert card["max_model_len"] == 1024
+        for _ in range(2):                         # whichever replica is idle, it goes big
+            done = client.completions.create(model="tiny-ctx", prompt=[7] * 660, max_tokens=1)
+            assert done.usage.prompt_tokens == 660
+        with pytest.raises(openai.BadRequestError, match="maximum context length is 1024"):
+            client.completions.create(model="tiny-ctx", prompt=[7] * 1100, max_tokens=1)
+        r = admin(fleet, "unload", {"id": big})            # that replica alone
+        assert r.status_code == 200 and r.json()["unloaded"] == [{"id": big, "die": dies[1]}]
+        (tiny,) = [m for m in admin(fleet, "models").json()["models"] if m["name"] == "tiny-ctx"]
+        assert [x["id"] for x in tiny["replicas"]] == [small]
+        with pytest.raises(openai.BadRequestError, match="maximum context length is 512"):
+            client.completions.create(model="tiny-ctx", prompt=[7] * 660, max_tokens=1)
+        assert client.completions.create(model="tiny-ctx", prompt=[7] * 400, max_tokens=1)
+        assert admin(fleet, "unload", {"id": "nope#9"}).status_code == 404
+        assert admin(fleet, "unload", {"id": small, "name": NAME}).status_code == 404
+    finally:
+        admin(fleet, "unload", {"name": "tiny-ctx"})
+
+
+def test_a_request_without_model_is_400_when_several_are_served(fleet):
+    assert admin(fleet, "load", {"path": fleet.tiny, "name": "tiny"}).status_code == 200
+    try:
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        r = httpx.post(fleet.url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["message"].startswith("model is required") and error["param"] == "model"
+        assert NAME in error["message"] and "tiny" in error["message"]
+    finally:
+        assert admin(fleet, "unload", {"name": "tiny"}).status_code == 200
+    alone = httpx.post(fleet.url + "/v1/chat/completions", json=body, timeout=60)
+    assert alone.status_code == 200, alone.text           # one model: it serves any request
+
+
+def test_models_retrieve_answers_like_openai(fleet):
+    client = fleet.client()
+    model = client.models.retrieve(NAME)
+    assert (model.id, model.object, model.owned_by) == (NAME, "model", "pantheon")
+    assert model.created > 0
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("no-such-model")
+    assert err.value.body["code"] == "model_not_found"

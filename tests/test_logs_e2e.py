@@ -1,5 +1,6 @@
 """Request ids end to end, access lines, JSON logs, and no prompt text unless asked."""
 import json
+import re
 import time
 
 import httpx
@@ -61,11 +62,51 @@ def test_request_ids_reach_the_worker_and_json_lines_carry_them():
         assert SECRET not in log
 
 
-def test_log_prompts_puts_the_prompt_in_the_access_line():
-    with Server("--slots", "1", "--ctx", "256", "--log-prompts") as srv:
-        r = httpx.post(srv.url + "/v1/chat/completions", json=CHAT,
-                       headers={"X-Request-Id": "trace-7"}, timeout=60)
+@pytest.fixture(scope="module")
+def text_logs():
+    """A server writing text log lines, prompts included."""
+    with Server("--slots", "2", "--ctx", "256", "--log-prompts") as srv:
+        yield srv
+
+
+def access_line(srv: Server, request_id: str) -> dict:
+    """The key=value fields of a request's (text) access line."""
+    (line,) = [x for x in whole_log(srv, f"pantheon.access [{request_id}]").splitlines()
+               if f"pantheon.access [{request_id}]" in x]
+    return dict(re.findall(r"(\w+)=(\S+)", line)) | {"line": line}
+
+
+def test_log_prompts_puts_the_prompt_in_the_access_line(text_logs):
+    r = httpx.post(text_logs.url + "/v1/chat/completions", json=CHAT,
+                   headers={"X-Request-Id": "trace-7"}, timeout=60)
+    assert r.status_code == 200
+    line = access_line(text_logs, "trace-7")["line"]
+    assert SECRET in line and "status=200" in line and "completion_tokens=4" in line
+
+
+def test_a_stream_its_client_abandoned_is_logged_as_499_with_the_tokens_sent(text_logs):
+    body = {**CHAT, "max_tokens": 200, "stream": True, "logit_bias": {"2": -100}}
+    with httpx.stream("POST", text_logs.url + "/v1/chat/completions", json=body, timeout=60,
+                      headers={"X-Request-Id": "gone-1"}) as s:
+        assert s.status_code == 200
+        for i, _ in enumerate(s.iter_lines()):
+            if i == 8:                 # a few tokens in, the client leaves
+                break
+    fields = access_line(text_logs, "gone-1")
+    assert fields["status"] == "499"
+    assert 1 <= int(fields["completion_tokens"]) < 200
+
+
+def test_cached_tokens_are_counted_once_per_request(text_logs):
+    """n=2 choices share one prompt: the access line's cached tokens are the prompt's,
+    never the sum over choices (which exceeded the prompt on a warm cache)."""
+    body = {**CHAT, "n": 2, "max_tokens": 2}
+    for rid in ("cache-1", "cache-2"):
+        r = httpx.post(text_logs.url + "/v1/chat/completions", json=body, timeout=60,
+                       headers={"X-Request-Id": rid})
         assert r.status_code == 200
-        (line,) = [x for x in whole_log(srv, "[trace-7]").splitlines()
-                   if "pantheon.access [trace-7]" in x]
-        assert SECRET in line and "status=200" in line and "completion_tokens=4" in line
+        fields = access_line(text_logs, rid)
+        assert int(fields["cached_tokens"]) <= int(fields["prompt_tokens"])
+        usage = r.json()["usage"]
+        assert int(fields["cached_tokens"]) == usage["prompt_tokens_details"]["cached_tokens"]
+    assert int(fields["cached_tokens"]) > 0            # the second one found its prefix

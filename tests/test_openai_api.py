@@ -294,3 +294,17 @@ def test_models_list():
         {"id": "a", "object": "model", "created": 9, "owned_by": "pantheon"},
         {"id": "b", "object": "model", "created": 9, "owned_by": "pantheon"}]}
     assert models_list([], 9, owned_by="x") == {"object": "list", "data": []}
+
+
+def test_usage_counts_each_prompt_once_and_its_cached_tokens_with_it():
+    """n choices share their prompt (prefilled once): prompt and cached tokens per prompt,
+    completion tokens per choice; cached never exceeds prompt."""
+    from types import SimpleNamespace
+    from pantheon.frontend.openai_api import counts
+    a, b = [1] * 30, [2] * 10
+    gens = [SimpleNamespace(prompt=a, completion_tokens=3, cached_tokens=29),
+            SimpleNamespace(prompt=a, completion_tokens=4, cached_tokens=30),
+            SimpleNamespace(prompt=b, completion_tokens=1, cached_tokens=0),
+            SimpleNamespace(prompt=b, completion_tokens=2, cached_tokens=10)]
+    assert counts(gens) == (40, 10, 29)
+    assert counts(gens[:2]) == (30, 7, 29)

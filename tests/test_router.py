@@ -61,3 +61,14 @@ def test_the_session_table_is_bounded():
     for i in range(5):
         router.routed(m.replicas[0], f"s{i}")
     assert list(router.affinity) == ["s2", "s3", "s4"]
+
+
+def test_only_replicas_whose_context_holds_the_group_are_candidates():
+    router, m = Router(), model(4, 4)
+    m.replicas[0].ctx, m.replicas[1].ctx = 512, 4096
+    m.replicas[1].inflight = 3                   # busier, but the only one that holds 661
+    assert router.pick(m, None, 1, need=661) is m.replicas[1]
+    assert router.pick(m, None, 1, need=300) is m.replicas[0]     # both hold it: fewest
+    m.replicas[1].inflight = 4
+    assert router.pick(m, None, 1, need=661) is None              # wait for the big one
+    assert router.pick(m, None, 1, need=5000) is None

@@ -652,6 +652,28 @@ def rewrite_gguf(src: Path, dst: Path, drop=(), reshape=None, arch=None, drop_ke
     return dst
 
 
+def truncate_gguf(src: Path, dst: Path, cut: int = 5000) -> Path:
+    """A copy of the GGUF at `src` without its last `cut` bytes (a download cut short)."""
+    data = Path(src).read_bytes()
+    Path(dst).write_bytes(data[:len(data) - cut])
+    return Path(dst)
+
+
+def poison_gguf(src: Path, dst: Path, tensor: str, value: float = float("nan")) -> Path:
+    """A copy of the GGUF at `src` whose tensor `tensor` holds `value` (NaN, Inf) in its
+    first float: element 0 of an F32 or F16 tensor, the scale of block 0 of a quantized one."""
+    import gguf
+
+    t = next(t for t in gguf.GGUFReader(src).tensors if t.name == tensor)
+    data = bytearray(Path(src).read_bytes())
+    off = int(t.data_offset)
+    raw = np.float32(value).tobytes() if t.tensor_type == gguf.GGMLQuantizationType.F32 \
+        else np.float16(value).tobytes()
+    data[off:off + len(raw)] = raw
+    Path(dst).write_bytes(bytes(data))
+    return Path(dst)
+
+
 def load_golden(name: str) -> list[np.ndarray]:
     """Reference logits from transformers: one [T, vocab] float32 array per golden_tokens(name) entry."""
     tokens = golden_tokens(name)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..common.model_file import ModelConfig, open_model_file
+from ..common.model_file import ModelConfig, ModelFileError, open_model_file
 from ..common.weight_format import kv_itemsize
 from .device import Device, open_device
 from .model import Model, Span
@@ -52,6 +52,9 @@ class Engine:
         n = max(1, min(32, self.model.ctx - 1))        # a prefill's many-row path too
         self.logits(np.zeros(n, dtype=np.int64), [Span(0, 0, n)])
         logits = self.logits(np.zeros(1, dtype=np.int64), [Span(0, 0, 1)])
+        if not bool(self.device.xp.isfinite(logits).all()):    # nothing loads that cannot serve
+            raise ModelFileError("the model's first forward gives NaN or Inf logits: its "
+                                 "weights are corrupt (or overflow this die's precision)")
         rows = [SequenceSampler(SamplingParams(temperature=0, logit_bias={0: 1.0},
                                                repetition_penalty=1.1, presence_penalty=0.1),
                                 [0], OpenGrammar(self.cfg.vocab_size), logprobs=2),

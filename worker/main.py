@@ -40,9 +40,11 @@ from zmq.utils.monitor import recv_monitor_message
 from ..common import protocol as p
 from ..common import settings
 from ..common.keys import KeyPair, curve_client, is_local_address, server_public, worker_pair
+from ..common.model_file import ModelFileError
 from .device import Device, open_device
 from .constraint import summary
 from .engine import Engine, load_engine
+from .qmatrix import FormatError
 from .scheduler import Request
 
 log = logging.getLogger("pantheon.worker")
@@ -474,6 +476,9 @@ class Worker:
                                  quantize=msg.quantize)
             engine.warm_up()              # ready means warm: the first request pays nothing
             self.loads.put((msg, engine))
+        except (ModelFileError, FormatError) as exc:      # the file's fault: one line
+            log.error("loading %s failed: %s", msg.path, exc)
+            self.loads.put((msg, exc))
         except Exception as exc:
             log.exception("loading %s failed", msg.path)
             self.loads.put((msg, exc))
@@ -487,7 +492,10 @@ class Worker:
                 continue
             self.loading.discard(msg.model_id)
             if isinstance(result, Exception):
-                self.send(p.LoadFailed(msg.model_id, f"{type(result).__name__}: {result}"))
+                if isinstance(result, (ModelFileError, FormatError)):   # the file's fault
+                    self.send(p.LoadFailed(msg.model_id, str(result), p.BAD_MODEL_FILE))
+                else:
+                    self.send(p.LoadFailed(msg.model_id, f"{type(result).__name__}: {result}"))
                 continue
             replica = Replica(msg.model_id, msg.name, msg.path, result)
             # ready for its first constrained request before it comes (failures surface

@@ -27,11 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..common.arch.stack import Rope
 from ..common.gguf_file import open_gguf
 from ..common.model_file import ModelConfig, ModelFileError
 from ..common.regular_file import require_regular
+from ..common.weight_format import check_safetensors_size
 from . import qmatrix as qm
 from .device import Device
 from .qmatrix import QMatrix
@@ -113,6 +115,45 @@ def nbytes(item) -> int:
     return item.nbytes() if isinstance(item, QMatrix) else int(item.nbytes)
 
 
+# where the fp16 fields (scale, min) of one block of each quantized type lie: the only
+# floats such a block holds, so a NaN or Inf anywhere in its weights is one of these
+SCALE_OFFSETS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
+                 "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2),
+                 "Q6_K": (208,)}
+SCAN_BYTES = 1 << 24                     # a float tensor is scanned in pieces of this
+
+
+def check_finite(name: str, raw: np.ndarray, type_name: str) -> None:
+    """Refuse a tensor (its bytes as stored) holding NaN or Inf, naming it: such weights
+    load, then poison every logit. Float tensors are scanned whole; quantized ones by the
+    high byte of each fp16 field (exponent all ones: NaN or Inf), a strided read of a few
+    bytes per block (SmolLM2's file: about 10 ms)."""
+    raw = raw.reshape(-1).view(np.uint8)
+    if type_name in SCALE_OFFSETS:
+        size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][1]
+        blocks = raw[:raw.size // size * size].reshape(-1, size)
+        for off in SCALE_OFFSETS[type_name]:
+            bad = np.flatnonzero((blocks[:, off + 1] & 0x7C) == 0x7C)
+            if bad.size:
+                raise ModelFileError(f"tensor {name} holds NaN or Inf (the scale of its "
+                                     f"{type_name} block {bad[0]}): the file is corrupt")
+        return
+    item = {"F32": 4, "F16": 2, "BF16": 2}.get(type_name)
+    if item is None:
+        return
+    step = SCAN_BYTES // item * item
+    for start in range(0, raw.size, step):
+        part = raw[start:start + step]
+        if type_name == "F32":
+            bad = np.flatnonzero(~np.isfinite(part.view(np.float32)))
+        else:                                    # the exponent's bits all ones
+            mask = 0x7C00 if type_name == "F16" else 0x7F80
+            bad = np.flatnonzero((part.view(np.uint16) & mask) == mask)
+        if bad.size:
+            raise ModelFileError(f"tensor {name} holds NaN or Inf (element "
+                                 f"{start // item + bad[0]}): the file is corrupt")
+
+
 class GGUFSource:
     """Tensors of a GGUF file, dequantized one at a time on the device."""
 
@@ -143,6 +184,7 @@ class GGUFSource:
             raise ModelFileError(f"GGUF file lacks tensor {name}")
         shape = tuple(int(n) for n in reversed(t.shape))   # GGUF lists ne innermost-first
         raw = np.asarray(t.data).reshape(-1).view(np.uint8)
+        check_finite(name, raw, t.tensor_type.name)
         if device.xp is not np:
             raw = device.xp.asarray(raw)
         out = dequantize(raw, t.tensor_type, shape, xp=device.xp, out_dtype=dtype)
@@ -163,6 +205,7 @@ class GGUFSource:
             raise ModelFileError(f"tensor {name} has shape {shape}, not a matrix")
         qtype = qm.QT(t.tensor_type)
         raw = np.asarray(t.data).reshape(-1).view(np.uint8)
+        check_finite(name, raw, qtype.name)
         if qtype in qm.FLOATS:
             if mode in ("q8_0", "q4") and shape[1] % 32 == 0:
                 m = qm.quantize(dequantize(raw, qtype, shape), mode, qtype.name)
@@ -223,6 +266,8 @@ class SafetensorsSource:
             with open(file, "rb") as fh:
                 size = int.from_bytes(fh.read(8), "little")
                 header = json.loads(fh.read(size))
+            check_safetensors_size(file, 8 + size, {k: v for k, v in header.items()
+                                                    if k != "__metadata__"})
             data = np.memmap(file, dtype=np.uint8, mode="r", offset=8 + size)
             for name, info in header.items():
                 if name != "__metadata__":
@@ -243,6 +288,7 @@ class SafetensorsSource:
         if info["dtype"] not in self.DTYPES:
             raise ModelFileError(f"tensor {name}: unsupported dtype {info['dtype']}")
         start, end = info["data_offsets"]
+        check_finite(name, data[start:end], info["dtype"])
         arr = data[start:end].view(self.DTYPES[info["dtype"]]).reshape(info["shape"])
         if info["dtype"] == "BF16":   # bfloat16 is the top half of a float32
             arr = (arr.astype(np.uint32) << 16).view(np.float32)
@@ -263,6 +309,7 @@ class SafetensorsSource:
         if info["dtype"] == "F32":
             return None
         start, end = info["data_offsets"]
+        check_finite(name, data[start:end], info["dtype"])
         bits = np.array(data[start:end].view(np.uint16).reshape(shape))
         return QMatrix("bf16" if info["dtype"] == "BF16" else "f16", *shape, bits,
                        source=info["dtype"])

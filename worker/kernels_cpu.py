@@ -35,6 +35,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -471,15 +472,17 @@ class DecodeBounds:
         self.ptrs = tuple(_ptr(a) for a in self.arrays)
 
 
-_cache_ptrs: dict = {}      # id -> (array, address): caches live as long as their model
+# id -> (weak reference, address) of the arrays that live as long as their model (norm
+# weights, KV caches): weak, so that an unloaded model's caches are freed with it
+_cache_ptrs: dict = {}
 
 
 def _cache_ptr(a: np.ndarray) -> int:
-    hit = _cache_ptrs.get(id(a))
-    if hit is None or hit[0] is not a:
-        if len(_cache_ptrs) > 4096:
-            _cache_ptrs.clear()
-        hit = _cache_ptrs[id(a)] = (a, _ptr(a))
+    key = id(a)
+    hit = _cache_ptrs.get(key)
+    if hit is None or hit[0]() is not a:
+        hit = _cache_ptrs[key] = (weakref.ref(a, lambda _, k=key: _cache_ptrs.pop(k, None)),
+                                  _ptr(a))
     return hit[1]
 
 

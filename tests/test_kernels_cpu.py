@@ -516,6 +516,7 @@ def test_tile_products_split_over_the_kernels_threads_equal_one_threads(rows, mo
     monkeypatch.setattr(kc, "SPLIT_TILES", [False])
     alone = kc.matmul(x, m, path="tile")
     monkeypatch.setattr(kc, "SPLIT_TILES", [True])
+    monkeypatch.setattr(kc, "SPLIT_MIN_MACS", 0)
     for n in (2, 3, 7):
         monkeypatch.setattr(kc, "threads", lambda: n)
         np.testing.assert_allclose(kc.matmul(x, m, path="tile"), alone, rtol=1e-5, atol=1e-5)

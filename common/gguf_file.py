@@ -41,6 +41,12 @@ def open_gguf_cached(path: str | Path) -> "GGUFFile":
     return _cached(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
 
 
+def forget_cached() -> None:
+    """Drop the parsed files of open_gguf_cached (a worker, after an unload: a large
+    vocabulary's fields hold tens of MB)."""
+    _cached.cache_clear()
+
+
 @functools.lru_cache(maxsize=8)
 def _cached(path: str, size: int, mtime_ns: int) -> "GGUFFile":
     return open_gguf(path)

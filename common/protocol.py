@@ -122,6 +122,7 @@ class Heartbeat:
     # steps since the worker started, per STEP_BUCKETS bucket (not cumulative), + 1 more
     step_counts: list[int] = field(default_factory=list)
     step_sum: float = 0.0    # seconds of all those steps
+    rss: int = 0             # the worker process's resident bytes: its real use of host memory
 
 
 HEARTBEAT_S = 0.5

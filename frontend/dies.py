@@ -75,6 +75,7 @@ class DieInfo:
     mem_free: int
     models: list[str]
     worker: dict             # its worker's state: ready / slow / lost, heartbeat and step age
+    rss: int = 0             # its worker's resident bytes (real use), beside `reserved`
 
     @property
     def free_budget(self) -> int:
@@ -86,7 +87,8 @@ class DieInfo:
                 "free_bytes": self.free_budget, "mem_total_bytes": self.mem_total,
                 "mem_free_bytes": self.mem_free, "models": self.models,
                 "state": self.worker["state"], "heartbeat_age_s": self.worker["heartbeat_age_s"],
-                "step_s": self.worker["step_s"], "pid": self.worker["pid"]}
+                "step_s": self.worker["step_s"], "pid": self.worker["pid"],
+                "rss_bytes": self.rss}
 
 
 class DieTable:
@@ -100,7 +102,8 @@ class DieTable:
             dies[w.die] = DieInfo(w.die, w.hello.kind, w.hello.device_name, w.alive,
                                   w.hello.budget or w.hello.mem_total, 0,
                                   beat.mem_total if beat else w.hello.mem_total,
-                                  beat.mem_free if beat else w.hello.mem_free, [], w.status())
+                                  beat.mem_free if beat else w.hello.mem_free, [], w.status(),
+                                  beat.rss if beat else 0)
         for model, replica in self.registry.replicas():
             info = dies.get(replica.die)
             if info is not None:

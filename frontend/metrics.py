@@ -216,6 +216,9 @@ class LiveFigures:
                                  "Bytes of the die's budget its replicas hold.", labels=label)
         budget = GaugeMetricFamily("pantheon:die_memory_budget_bytes",
                                    "Bytes models may use on the die.", labels=label)
+        rss = GaugeMetricFamily("pantheon:worker_resident_bytes",
+                                "Resident bytes of the die's worker process (its real use "
+                                "of host memory).", labels=label)
         busy = GaugeMetricFamily("pantheon:die_busy_slots",
                                  "Slots of the die running a sequence.", labels=label)
         slots = GaugeMetricFamily("pantheon:die_slots", "Slots of the die's replicas.",
@@ -236,6 +239,8 @@ class LiveFigures:
             restarts.add_metric([w.die], max(0, self.pool.joins.get(w.die, 1) - 1))
             used.add_metric([w.die], reserved.get(w.die, 0))
             budget.add_metric([w.die], w.hello.budget or w.hello.mem_total)
+            if beat is not None and beat.rss:
+                rss.add_metric([w.die], beat.rss)
             live = beat.replicas if beat is not None and w.alive else []
             busy.add_metric([w.die], sum(x.busy for x in live))
             slots.add_metric([w.die], ready_slots.get(w.die, 0) if w.alive else 0)
@@ -243,7 +248,7 @@ class LiveFigures:
                 buckets = self.step_buckets(w.die, beat.step_counts)
                 if buckets is not None:
                     steps.add_metric([w.die], buckets, beat.step_sum)
-        yield from (up, restarts, used, budget, busy, slots, steps)
+        yield from (up, restarts, used, budget, rss, busy, slots, steps)
 
     def step_buckets(self, die: str, counts: list[int]):
         """Cumulative (edge, count) pairs, or None for a heartbeat whose histogram is

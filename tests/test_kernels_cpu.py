@@ -504,3 +504,36 @@ def test_blocked_products_of_11_rows_and_more_take_tokens_across_the_lanes(qtype
         np.testing.assert_allclose(tiles, ref, rtol=0, atol=off_tol * np.abs(ref).max())
         if lib.pn_has_lanes():                              # an AVX-512 (VNNI) build
             assert not np.array_equal(lanes, tiles)         # the lanes did run
+
+
+@pytest.mark.parametrize("rows", [16, 200, 1000])
+def test_tile_products_split_over_the_kernels_threads_equal_one_threads(rows, monkeypatch):
+    """The many-row BLAS path splits W's rows over the kernels' threads (BLAS itself runs
+    one thread per caller): each part lands in its own columns of out, whatever the split."""
+    rng = np.random.default_rng(rows)
+    m = qm.quantize(rng.standard_normal((rows, 256)).astype(np.float32), "q4")
+    x = rng.standard_normal((40, 256)).astype(np.float32)
+    monkeypatch.setattr(kc, "SPLIT_TILES", [False])
+    alone = kc.matmul(x, m, path="tile")
+    monkeypatch.setattr(kc, "SPLIT_TILES", [True])
+    monkeypatch.setattr(kc, "SPLIT_MIN_MACS", 0)
+    for n in (2, 3, 7):
+        monkeypatch.setattr(kc, "threads", lambda: n)
+        np.testing.assert_allclose(kc.matmul(x, m, path="tile"), alone, rtol=1e-5, atol=1e-5)
+    ref = x @ qm.dequantize(m).T
+    np.testing.assert_allclose(alone, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+def test_the_kernels_address_cache_keeps_no_array_alive():
+    """Norm weights and KV caches are looked up by address once; an unloaded model's
+    arrays must still be freed with it (the cache held them: +470 MB per unload)."""
+    import weakref
+    w = np.ones(64, np.float32)
+    out = kc.rms_norm(np.ones((2, 64), np.float32), w, 1e-6)
+    np.testing.assert_allclose(out, 1.0, rtol=1e-5)
+    gone = weakref.ref(w)
+    del w
+    assert gone() is None
+    w = np.full(64, 2.0, np.float32)          # a new array, perhaps at the same id
+    np.testing.assert_allclose(kc.rms_norm(np.ones((2, 64), np.float32), w, 1e-6), 2.0,
+                               rtol=1e-5)

@@ -94,6 +94,9 @@ def test_every_family_moves_after_real_requests(tmp_path):
             t.join(120)
 
         after = scrape(srv)
+        # the worker's real use holds at least the weights and KV reserved for them
+        assert value(after, "pantheon:worker_resident_bytes", die="cpu") > \
+            value(after, "pantheon:die_memory_used_bytes", die="cpu")
         grew = lambda name, **ls: value(after, name, **ls) > value(before, name, **ls) \
             if any(n == name for n, _ in before) else value(after, name, **ls) > 0
         for family in ("time_to_first_token_seconds_count", "inter_token_latency_seconds_count",

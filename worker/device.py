@@ -5,6 +5,8 @@ CuPy is imported lazily: a CPU host never needs it installed.
 """
 from __future__ import annotations
 
+import ctypes
+import gc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -53,6 +55,19 @@ class Device:
         event.record()
         wait_polled(lambda: event.done, self.poll_us)
 
+    def release(self) -> None:
+        """Give the memory of what was just dropped (an unloaded model) back to the host:
+        collect the reference cycles that hold it (an engine and its scheduler point at
+        each other), hand CuPy's pooled blocks back to the driver, and trim glibc's heaps:
+        freed chunks below glibc's mmap threshold stay in the worker's RSS until trimmed
+        (SmolLM2 at --ctx 256, load / unload cycles: 160 MB after each unload with the
+        trim, 260 MB without)."""
+        gc.collect()
+        if self.xp is not np:
+            self.xp.get_default_memory_pool().free_all_blocks()
+            self.xp.get_default_pinned_memory_pool().free_all_blocks()
+        trim_heap()
+
     def memory(self) -> tuple[int, int]:
         """(total, free) bytes of the die's memory (host RAM for the CPU die)."""
         if self.xp is np:
@@ -61,6 +76,18 @@ class Device:
             return vm.total, vm.available
         free, total = self.xp.cuda.runtime.memGetInfo()
         return total, free
+
+
+def trim_heap() -> None:
+    """malloc_trim(0): glibc returns the free pages of every heap to the OS (a no-op
+    where the C library is not glibc)."""
+    try:
+        libc = ctypes.CDLL(None)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
 
 
 def wait_polled(done, max_sleep_us: int, first_us: float = 10.0) -> int:

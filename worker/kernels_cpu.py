@@ -6,8 +6,10 @@ Paths behind one interface (`matmul`):
   split over the kernels' own thread pool (threads claim chunks of rows, so a
   thread preempted on a shared host never holds the others up). One read of the quantized weights serves the
   whole batch, which is what a memory-bound decode step needs.
-- prefill (larger B): a tile of W's rows is dequantized (in C, threaded) into a
-  cache-sized fp32 buffer and multiplied with BLAS, tile by tile. The K-quant kinds
+- prefill (larger B): W's rows are split over the kernels' threads; each dequantizes a
+  cache-sized fp32 tile of its rows (in C) and multiplies it with a one-thread BLAS, tile
+  by tile (`pantheon` runs BLAS single-threaded: OpenBLAS's own threads beside the
+  kernels' pool made a 64-token prefill 3.3 s instead of 0.27 on a busy 2-core host). The K-quant kinds
   (q2k .. q6k) skip this: their integer products serve any number of rows (kernels.c
   keeps sub-pieces of W in cache while every group of x's rows passes; from 13 rows
   with AVX-512, 16 tokens across a vector's lanes, as q4 / q8 from 11). On a Qwen2.5-1.5B prefill the row
@@ -35,6 +37,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -51,9 +54,9 @@ MAX_RUNS = 4096             # scale entries per row the integer path holds (kern
 # fp32 tile of W per BLAS call (SmolLM2 prefill, alternated runs: 8 MiB 336 tok/s median,
 # 2 MiB 303)
 TILE_BYTES = 1 << 23
-# the tile is dequantized on one thread: BLAS then has the cores to itself (measured on
-# SmolLM2, 2 cores: prefill 389 tok/s with one dequantizing thread, 184 with two, whose
-# OpenMP workers and OpenBLAS's spin against each other at every tile)
+# each tile is dequantized by the thread that multiplies it (SmolLM2, 2 cores: prefill 389
+# tok/s with one dequantizing thread beside a 2-thread BLAS, 184 with two, whose OpenMP
+# workers and OpenBLAS's spin against each other at every tile)
 TILE_THREADS = 1
 # idle pool threads spin this long for the next projection before they sleep (a layer's
 # projections follow each other within tens of microseconds)
@@ -358,17 +361,60 @@ def matmul(x: np.ndarray, m: QMatrix, path: str = "auto") -> np.ndarray:
             lib.pn_gemv(code, qs, sc, mn, m.rows, m.cols, bs, _ptr(rows), rows.shape[0],
                         _ptr(out[b0:b0 + GEMV_MAX_ROWS]))
         return out
+    _tiles(lib, x, m, out)
+    return out
+
+
+_pool: list = [None, 0]     # the tile threads' executor, its size
+# a forked child has none of its parent's threads: it starts its own executor
+os.register_at_fork(after_in_child=lambda: _pool.__setitem__(slice(None), [None, 0]))
+SPLIT_TILES = [True]        # False: one thread multiplies every tile (benchmarks, tests)
+# smaller products stay on the caller: the hand-off costs more than it saves (2 cores, 40
+# rows of x: [1536, 576] 1.51 -> 0.91 ms split, [200, 256] 0.09 -> 0.25 ms)
+SPLIT_MIN_MACS = 1 << 23
+
+
+def _tile_pool(n: int):
+    """The threads that multiply tiles beside the caller (grown to n, never shrunk)."""
+    from concurrent.futures import ThreadPoolExecutor
+    if _pool[1] < n:
+        _pool[:] = ThreadPoolExecutor(n, thread_name_prefix="tiles"), n
+    return _pool[0]
+
+
+def _tiles(lib, x: np.ndarray, m: QMatrix, out: np.ndarray) -> None:
+    """out = x @ W.T through fp32 tiles of W and BLAS, W's rows split over the kernels'
+    threads: each dequantizes its tiles and multiplies them with a one-thread BLAS (the
+    worker runs BLAS single-threaded: its own threads fought the kernels' pool for the
+    cores; pantheon/cli.py sets OPENBLAS_NUM_THREADS)."""
+    big = x.shape[0] * m.rows * m.cols >= SPLIT_MIN_MACS
+    n = min(threads(), -(-m.rows // 16)) if SPLIT_TILES[0] and big else 1
+    share = (-(-m.rows // n) + 15) // 16 * 16                        # rows per thread
+    parts = [(r0, min(m.rows, r0 + share)) for r0 in range(0, m.rows, share)]
+    if len(parts) == 1:
+        _tile_rows(lib, x, m, out, 0, m.rows)
+        return
+    pool = _tile_pool(len(parts) - 1)
+    done = [pool.submit(_tile_rows, lib, x, m, out, *part) for part in parts[1:]]
+    _tile_rows(lib, x, m, out, *parts[0])
+    for f in done:
+        f.result()
+
+
+def _tile_rows(lib, x: np.ndarray, m: QMatrix, out: np.ndarray, first: int, end: int) -> None:
+    code, qs, sc, mn, bs = _weights(m)
     step = max(16, TILE_BYTES // (4 * m.cols))
-    tile = np.empty((min(step, m.rows), m.cols), dtype=F32)
-    for r0 in range(0, m.rows, step):
-        r1 = min(m.rows, r0 + step)
+    tile = np.empty((min(step, end - first), m.cols), dtype=F32)
+    for r0 in range(first, end, step):
+        r1 = min(end, r0 + step)
         t = tile[:r1 - r0]
         lib.pn_dequant_rows(code, qs, sc, mn, m.cols, bs, r0, r1, _ptr(t), TILE_THREADS)
         if r1 - r0 == m.rows:       # one tile: BLAS writes out itself (no copy of [B, N])
             np.matmul(x, t.T, out=out)
         else:
             out[:, r0:r1] = x @ t.T
-    return out
+
+
 
 
 def _rows(x: np.ndarray):
@@ -471,15 +517,17 @@ class DecodeBounds:
         self.ptrs = tuple(_ptr(a) for a in self.arrays)
 
 
-_cache_ptrs: dict = {}      # id -> (array, address): caches live as long as their model
+# id -> (weak reference, address) of the arrays that live as long as their model (norm
+# weights, KV caches): weak, so that an unloaded model's caches are freed with it
+_cache_ptrs: dict = {}
 
 
 def _cache_ptr(a: np.ndarray) -> int:
-    hit = _cache_ptrs.get(id(a))
-    if hit is None or hit[0] is not a:
-        if len(_cache_ptrs) > 4096:
-            _cache_ptrs.clear()
-        hit = _cache_ptrs[id(a)] = (a, _ptr(a))
+    key = id(a)
+    hit = _cache_ptrs.get(key)
+    if hit is None or hit[0]() is not a:
+        hit = _cache_ptrs[key] = (weakref.ref(a, lambda _, k=key: _cache_ptrs.pop(k, None)),
+                                  _ptr(a))
     return hit[1]
 
 

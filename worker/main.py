@@ -39,6 +39,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from ..common import protocol as p
 from ..common import settings
+from ..common.gguf_file import forget_cached
 from ..common.keys import KeyPair, curve_client, is_local_address, server_public, worker_pair
 from ..common.model_file import ModelFileError
 from .device import Device, open_device
@@ -160,6 +161,7 @@ class Worker:
         self.loading: set[str] = set()
         self.prep = ThreadPoolExecutor(1, thread_name_prefix="prepare")
         self.preparing: dict[str, tuple[Request, Future]] = {}   # request id → its matcher
+        self.releasing: list[Future] = []    # tokenizers of unloaded replicas still building
         self.running = True
         self.rehello = False
         self.waker_r, self.waker_w = os.pipe()       # any thread → the loop's poll
@@ -177,6 +179,7 @@ class Worker:
         self.stall = settings.test_stall(die)
         self.step_floor = settings.test_step_floor()
         self.heartbeats = Heartbeats(self, frontend, ident)
+        self.process = psutil.Process()                      # its RSS goes in each heartbeat
 
     # -- edges ----------------------------------------------------------------------
     def send(self, msg) -> None:
@@ -201,7 +204,7 @@ class Worker:
         step_s = time.monotonic() - since if since is not None else 0.0
         return p.Heartbeat(self.die, active, waiting, total, free, host.available, level,
                            os.getpid(), step_s, replicas, list(self.step_counts),
-                           self.step_sum)
+                           self.step_sum, self.process.memory_info().rss)
 
     def refresh_figures(self) -> None:
         if time.monotonic() < self.next_figures:
@@ -263,9 +266,8 @@ class Worker:
                 self.receive(self.sock.recv())
             self.finish_loads()
             self.finish_preparations()
-            for replica in list(self.replicas.values()):
-                self.admit(replica)
-                self.step(replica)
+            self.finish_releases()
+            self.step_all()
             self.refresh_figures()
         self.heartbeats.stopped.set()
         self.prep.shutdown(wait=False, cancel_futures=True)
@@ -274,6 +276,13 @@ class Worker:
         except zmq.Again:
             pass
         self.sock.close()
+
+    def step_all(self) -> None:
+        """Admit and step each resident model. A method of its own so that no frame of
+        the loop keeps a replica bound after it is unloaded (its memory goes at once)."""
+        for replica in list(self.replicas.values()):
+            self.admit(replica)
+            self.step(replica)
 
     def link_event(self, event: int) -> None:
         """The link's monitor: introduce ourselves on each connection; a refused handshake
@@ -436,7 +445,24 @@ class Worker:
                 self.preparing.pop(req_id, None)
                 self.traces.pop(req_id, None)
                 self.send(p.Tokens(req_id, [], "abort"))
+            building, replica = replica.constraints, None   # the last reference goes
+            self.release(building)
         self.send(p.Unloaded(msg.model_id))
+
+    def release(self, building: Future | None) -> None:
+        """Give an unloaded replica's memory back to the host, now (the caller dropped its
+        last reference). Its constraints' tokenizer may still be in the making on the
+        preparation thread: cancelled if not started, else released again once built."""
+        if building is not None and not building.cancel() and not building.done():
+            self.releasing.append(building)
+            building.add_done_callback(lambda _: self.wake())
+        forget_cached()                  # parsed metadata, for that tokenizer
+        self.device.release()
+
+    def finish_releases(self) -> None:
+        if self.releasing and all(f.done() for f in self.releasing):
+            self.releasing.clear()
+            self.release(None)
 
     def on_shutdown(self, msg: p.Shutdown) -> None:
         self.stop()

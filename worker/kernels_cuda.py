@@ -28,7 +28,8 @@ reference, and the faster choice for long prefills.
 Everything is fp32 arithmetic (compute_37: a K80 has no fast fp16 math, no dp4a).
 fp16 bits become floats with cvt.f32.f16 on the device, bytes with the
 2^23 trick (byte_perm into 0x4B0000xx, minus 2^23). The same source compiles on
-the host under a small shim (tests/simt_host.py), which checks its logic there.
+the host under a small shim (worker/simt_host.py): the tests check its logic there, and
+the emulated die (worker/emulated.py) runs it.
 """
 from __future__ import annotations
 

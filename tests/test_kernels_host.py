@@ -106,8 +106,8 @@ def test_checks_refuse_what_the_kernels_cannot_read():
 @pytest.fixture
 def numpy_device(host, monkeypatch):
     """The CuPy entry points with NumPy standing in for CuPy and the host for the GPU."""
-    monkeypatch.setattr(kc, "_cupy", lambda: np)
-    monkeypatch.setattr(kc, "run", host.run)
+    monkeypatch.setattr(kc, "_cupy", lambda a: np)
+    monkeypatch.setattr(kc, "run", lambda launch, cp: host.run(launch))
 
 
 @pytest.mark.parametrize("name", ["Q4_K", "q8_0", "f16"])

@@ -8,9 +8,9 @@ and __shfl_xor_sync an exchange fenced by a barrier over the warp: warp-synchron
 code behaves as on a GPU without assuming lockstep anywhere else, and a launch costs
 a context switch per barrier, not an OS thread per CUDA thread. Threads that wait at
 different barriers forever are a deadlock: the launch fails (LaunchError).
-__shared__ becomes `static thread_local`, one block's shared memory because blocks
-of one launch never overlap, and launches on different OS threads (a worker's load
-thread and its loop) never share it. Floating point is not contracted
+__shared__ becomes `static`, one block's shared memory because blocks never overlap:
+launches run one at a time in a process (a lock; a worker's load thread and its loop
+may both launch). Floating point is not contracted
 (-ffp-contract=off): a kernel that rounds like NumPy gives NumPy's bits. Only what
 worker/kernels_cuda.py uses is emulated; the device-only branches (#ifdef
 __CUDA_ARCH__) are not taken.
@@ -30,6 +30,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,13 +58,13 @@ struct float4 { float x, y, z, w; };
 struct uint2 { unsigned x, y; };
 struct uint4 { unsigned x, y, z, w; };
 static inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
-static thread_local dim3 threadIdx, blockIdx, blockDim, gridDim;
+static dim3 threadIdx, blockIdx, blockDim, gridDim;
 
 #define __global__
 #define __device__
 #define __host__
 #define __forceinline__ inline
-#define __shared__ static thread_local
+#define __shared__ static
 #define __launch_bounds__(...)
 
 template <class T> static inline T __ldg(const T* p) { return *p; }
@@ -116,18 +117,19 @@ struct Fiber {
 #endif
     int state;
     unsigned gen;        /* the generation of the barrier it waits at */
+    unsigned shuffles;   /* exchanges made: which buffer the next one uses */
 };
 static const size_t STACK = 64 * 1024;
-static thread_local std::vector<Fiber> fibers;
-static thread_local std::vector<char*> stacks;
-static thread_local const std::function<void()>* body;
-static thread_local unsigned current, live, block_arrived, block_gen;
-static thread_local unsigned warp_live[32], warp_arrived[32], warp_gen[32];
-static thread_local float exchange[1024];
+static std::vector<Fiber> fibers;
+static std::vector<char*> stacks;
+static const std::function<void()>* body;
+static unsigned current, live, block_arrived, block_gen;
+static unsigned warp_live[32], warp_arrived[32], warp_gen[32];
+static float exchange[2][1024];
 #if defined(__x86_64__)
-static thread_local void* scheduler_sp;
+static void* scheduler_sp;
 #else
-static thread_local ucontext_t scheduler_ctx;
+static ucontext_t scheduler_ctx;
 #endif
 
 static inline void to_scheduler() {
@@ -162,13 +164,14 @@ static inline void warp_barrier() {
     release_warp(w);
     to_scheduler();
 }
+/* One barrier per exchange: two buffers in turn, since no thread can be two exchanges
+   ahead of another (it would have passed a barrier the other has not reached). */
 static inline float __shfl_xor_sync(unsigned, float v, int o) {
     const unsigned t = threadIdx.x;
-    exchange[t] = v;
+    float* buf = exchange[fibers[current].shuffles++ & 1];
+    buf[t] = v;
     warp_barrier();
-    const float r = exchange[(t & ~31u) | ((t & 31u) ^ (unsigned)o)];
-    warp_barrier();
-    return r;
+    return buf[(t & ~31u) | ((t & 31u) ^ (unsigned)o)];
 }
 
 static void fiber_main() {
@@ -186,6 +189,7 @@ static void fiber_main() {
 static void start_fiber(unsigned t) {
     Fiber& f = fibers[t];
     f.state = RUNNING;
+    f.shuffles = 0;
 #if defined(__x86_64__)
     /* the first switch pops six zero registers, then "returns" into fiber_main with the
        stack aligned as after a call */
@@ -317,6 +321,8 @@ def _kind(dtype: np.dtype) -> str:
 class HostKernels:
     """The kernels of one source as a shared library; `launch` runs one as a device would."""
 
+    running = threading.Lock()      # one launch at a time: the shim's state is global
+
     def __init__(self, source: str, folder: Path | None = None):
         if shutil.which("g++") is None:
             raise LaunchError("the host shim compiles kernels with g++, which is not on PATH")
@@ -361,7 +367,9 @@ class HostKernels:
             raise LaunchError(f"kernel {name} takes {len(params)} arguments, got {len(args)}")
         c_args = [ctypes.c_uint(grid), ctypes.c_uint(block)]
         c_args += [self.argument(name, p, a) for p, a in zip(params, args)]
-        if getattr(self.lib, f"host_{name}")(*c_args):
+        with self.running:
+            failed = getattr(self.lib, f"host_{name}")(*c_args)
+        if failed:
             raise LaunchError(f"kernel {name}: its threads wait at barriers that never open")
 
     @staticmethod

@@ -144,6 +144,7 @@ class LoadProgress:
 class LoadFailed:
     model_id: str
     message: str
+    code: str = ""           # "out_of_memory": the die's memory ran out (the load is a 507)
 
 
 @dataclass(slots=True)

@@ -241,7 +241,9 @@ class Admin:
             await on_progress(replica.model_id, *replica.progress)    # the last step
         if replica.state != ReplicaState.READY:
             self.registry.remove(self.registry.models.get(name, model), replica)
-            raise AdminError(500, f"loading {name!r} on die {die} failed: {replica.error}")
+            # the die ran out of memory: no room, as when admission refuses (507)
+            raise AdminError(507 if replica.out_of_memory else 500,
+                             f"loading {name!r} on die {die} failed: {replica.error}")
         return {"loaded": {"name": name, "die": die, **replica.as_json()}}
 
     async def watch(self, replica, on_progress, sent: list) -> None:

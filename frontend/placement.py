@@ -132,6 +132,7 @@ class Placer:
                     replica.want_quantize or self.quantize))
         except LoadError as exc:
             replica.state, replica.error = ReplicaState.FAILED, str(exc)
+            replica.out_of_memory = exc.code == "out_of_memory"
             log.error("loading %s on die %s failed: %s", model.name, worker.die, exc)
             self.count(model.name, "failed")
             return

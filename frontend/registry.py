@@ -52,6 +52,7 @@ class Replica:
     slots: int = 0                 # as loaded (the worker's answer)
     ctx: int = 0
     error: str = ""
+    out_of_memory: bool = False    # the load failed because its die's memory ran out
     worker: object = None          # WorkerInfo while loaded
     want_slots: int = 0            # as asked (0: the server's default)
     want_ctx: int = 0

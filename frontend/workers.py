@@ -38,7 +38,12 @@ class WorkerLost(Exception):
 
 
 class LoadError(Exception):
-    """A worker could not load a model; the message says why."""
+    """A worker could not load a model; the message says why, `code` what kind of failure
+    ("out_of_memory": its die's memory ran out)."""
+
+    def __init__(self, message: str, code: str = ""):
+        super().__init__(message)
+        self.code = code
 
 
 class WorkerState:
@@ -298,7 +303,7 @@ class WorkerPool:
         elif isinstance(msg, p.LoadFailed):
             fut = self.loads.get(msg.model_id)
             if fut is not None and not fut.done():
-                fut.set_exception(LoadError(msg.message))
+                fut.set_exception(LoadError(msg.message, msg.code))
         elif isinstance(msg, p.Unloaded):
             self.resolve(self.unloads, msg.model_id, msg)
         elif isinstance(msg, p.Stopping):

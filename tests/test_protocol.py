@@ -18,6 +18,7 @@ SAMPLES = [
     p.Ping(),
     p.Loaded("m-1", "smol", 8, 4096, 49152, 538_000_000, 377_000_000, 2.5),
     p.LoadFailed("m-2", "no such file"),
+    p.LoadFailed("m-2", "Out of memory allocating 1,024 bytes", "out_of_memory"),
     p.LoadProgress("m-2", 3, 30),
     p.Hello("cpu:1", "cpu", "cpu", 8 << 30, 4 << 30, 8, budget=2 << 30),
     p.Unloaded("m-1"),

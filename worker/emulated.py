@@ -264,7 +264,10 @@ class ndarray:
         return ndarray(self._a.view(dtype))
 
     def __getattr__(self, name):
-        """Every other method runs NumPy's on the held array."""
+        """Every other method runs NumPy's on the held array (never a protocol: NumPy would
+        read the held array through __array_interface__)."""
+        if name.startswith("__"):
+            raise AttributeError(name)
         attr = getattr(self._a, name)
         if not callable(attr):
             return _wrap(attr)

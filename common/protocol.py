@@ -154,13 +154,14 @@ class LoadProgress:
 
 
 BAD_MODEL_FILE = "bad_model_file"
+OUT_OF_MEMORY = "out_of_memory"
 
 
 @dataclass(slots=True)
 class LoadFailed:
     model_id: str
     message: str
-    code: str = ""       # BAD_MODEL_FILE: the file itself cannot serve (a 400, not a 500)
+    code: str = ""       # BAD_MODEL_FILE: the file cannot serve (400); OUT_OF_MEMORY: the die's memory ran out (507)
 
 
 @dataclass(slots=True)

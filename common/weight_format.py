@@ -97,13 +97,16 @@ def weight_bytes(path: str | Path, quantize: str = "auto", dense_itemsize: int =
 
 
 def kv_itemsize(path: str | Path, die_kind: str, quantize: str = "auto") -> int:
-    """Bytes per cached key or value element: fp16 on a GPU; on a CPU fp32 unless
-    `--kv-cache f16` (settings.kv_cache) asks for fp16 and the weights are held in a block
-    or 16-bit format (the C attention widens each row as it reads it); the exact mode
-    (`quantize` none) and a file of F32 matrices held as they are keep fp32."""
+    """Bytes per cached key or value element: the exact mode (`quantize` none) keeps fp32
+    on every die; otherwise fp16 on a GPU (whatever its weights: a K80's are fp32); on a
+    CPU fp32 unless `--kv-cache f16` (settings.kv_cache) asks for fp16 and the weights are
+    held in a block or 16-bit format (the C attention widens each row as it reads it); a
+    file of F32 matrices held as they are keeps fp32."""
+    if quantize == "none":
+        return 4
     if die_kind != "cpu":
         return 2
-    if quantize == "none" or settings.kv_cache() == "f32":
+    if settings.kv_cache() == "f32":
         return 4
     if quantize in QUANTIZED_AT_LOAD:
         return 2

@@ -246,6 +246,8 @@ class Admin:
             self.registry.remove(self.registry.models.get(name, model), replica)
             if replica.error_code == p.BAD_MODEL_FILE:      # the file cannot serve
                 raise AdminError(400, f"{path} cannot be loaded: {replica.error}", "path")
+            if replica.error_code == p.OUT_OF_MEMORY:       # no room, as admission's 507
+                raise AdminError(507, f"loading {name!r} on die {die} failed: {replica.error}")
             raise AdminError(500, f"loading {name!r} on die {die} failed: {replica.error}")
         return {"loaded": {"name": name, "die": die, **replica.as_json()}}
 

@@ -52,7 +52,7 @@ class Replica:
     slots: int = 0                 # as loaded (the worker's answer)
     ctx: int = 0
     error: str = ""
-    error_code: str = ""           # protocol.BAD_MODEL_FILE: the file cannot serve
+    error_code: str = ""           # protocol.BAD_MODEL_FILE / OUT_OF_MEMORY: why a load failed
     worker: object = None          # WorkerInfo while loaded
     want_slots: int = 0            # as asked (0: the server's default)
     want_ctx: int = 0

@@ -28,6 +28,7 @@ from .preparer import Preparer
 from .registration import Identity, Registration, endpoint_url
 from .registry import Registry, ReplicaState, open_model
 from .security import BrowserPolicy, Exposure, LinkAuth, ModelDirs, enforce
+from ..common.die_spec import parse_die
 from .supervisor import Supervisor, die_names
 from .workers import WorkerPool
 
@@ -288,6 +289,9 @@ def main(args) -> int:
         raise ValueError("more --name than --model flags")
     models = [(path, names[i] if i < len(names) else None) for i, path in enumerate(paths)]
     spawn = [] if args.no_spawn else [d.strip() for d in args.spawn_workers.split(",") if d.strip()]
+    for die in spawn:                       # a bad name stops here, with the accepted forms
+        if parse_die(die).kind == "emu" and spawn.count(die) > 1:
+            raise ValueError(f"die {die!r} twice: give each emulated die its own index")
     cfg = ServeConfig(
         models=models, host=args.host, port=args.port, worker_addr=args.worker_addr,
         spawn=spawn, slots=args.slots, ctx=args.ctx,

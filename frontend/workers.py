@@ -55,7 +55,7 @@ class WorkerLost(Exception):
 
 class LoadError(Exception):
     """A worker could not load a model; the message says why, `code` what kind of failure
-    (protocol.BAD_MODEL_FILE: the file's own)."""
+    (protocol.BAD_MODEL_FILE: the file's own; OUT_OF_MEMORY: its die's memory ran out)."""
 
     def __init__(self, message: str, code: str = ""):
         super().__init__(message)

@@ -220,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--name", action="append", metavar="NAME",
                        help="served name of the --model at the same position")
     serve.add_argument("--spawn-workers", default="cpu", metavar="DIES",
-                       help="dies to spawn workers for: cpu, CUDA numbers, e.g. cpu,0,1")
+                       help="dies to spawn workers for: cpu, CUDA numbers, emu:INDEX[:SIZE] "
+                       "(an emulated CUDA die), e.g. cpu,0,1")
     serve.add_argument("--no-spawn", action="store_true",
                        help="spawn nothing; wait for externally supervised workers")
     serve.add_argument("--worker-addr", default=settings.WORKER_ADDR,
@@ -319,7 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     admin.set_defaults(func=cmd_admin)
 
     worker = sub.add_parser("worker", help="one worker process for one die")
-    worker.add_argument("--die", default="cpu", help="cpu (or cpu:N) or a CUDA device number")
+    worker.add_argument("--die", default="cpu", help="cpu (or cpu:N), a CUDA device number, "
+                        "or emu:INDEX[:SIZE] (an emulated CUDA die, for tests)")
     worker.add_argument("--frontend", default=settings.WORKER_ADDR,
                         help="the frontend's ZeroMQ address")
     worker.add_argument("--slots", type=int, default=settings.SLOTS,

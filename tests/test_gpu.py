@@ -1,4 +1,6 @@
-"""The CuPy path on a real GPU die (skipped where CuPy finds no device)."""
+"""The CuPy path on a GPU die: each test runs on the emulated die (worker/emulated.py,
+in `make test`) and on a real one (`gpu`-marked: skipped where CuPy finds no device,
+run by `make gpu-check`): one test list for both."""
 import json
 from pathlib import Path
 
@@ -8,18 +10,27 @@ import pytest
 import tiny_models as tm
 from test_sampler import FixedGrammar
 from pantheon.common.default_model import cached_path
-from pantheon.worker.device import cuda_device
+from pantheon.worker.device import cuda_device, emulated_device
 from pantheon.worker.engine import load_engine
 from pantheon.worker.model import Span
 
-pytestmark = pytest.mark.gpu
 REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "smollm2-reference.json"
+EMU, CUDA = pytest.param("emu", id="emu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)
+smollm2 = pytest.mark.skipif(not cached_path().exists(), reason="default model not fetched")
+
+
+@pytest.fixture(params=[EMU, CUDA])
+def die(request):
+    """open(fp16=...) → a die of the kind: emulated, or CUDA device 0."""
+    if request.param == "emu":
+        return lambda fp16=True: emulated_device(0, fp16=fp16)
+    return lambda fp16=True: cuda_device(0, fp16=fp16)
 
 
 @pytest.mark.parametrize("name", ["llama", "llama3", "qwen2", "qwen3"])
-def test_fp32_gpu_forward_matches_reference(tmp_path, name):
+def test_fp32_gpu_forward_matches_reference(tmp_path, die, name):
     engine = load_engine(tm.write_gguf(name, tmp_path / f"{name}.gguf"),
-                         cuda_device(0, fp16=False), n_slots=2, ctx=64)
+                         die(fp16=False), n_slots=2, ctx=64, quantize="none")
     for tokens, want in zip(tm.GOLDEN_TOKENS, tm.load_golden(name)):
         got = engine.forward(np.array(tokens), [Span(0, 0, len(tokens))])
         np.testing.assert_allclose(got[0], want[-1], atol=1e-3, rtol=0)
@@ -27,11 +38,11 @@ def test_fp32_gpu_forward_matches_reference(tmp_path, name):
         np.testing.assert_allclose(np.stack(rows), want, atol=1e-3, rtol=0)
 
 
-def test_qwen35_on_the_gpu_matches_reference(tmp_path):
+def test_qwen35_on_the_gpu_matches_reference(tmp_path, die):
     """The recurrent state on the die: a 150-token prompt in chunks (the chunked delta
     rule), then decodes of two sequences batched with a prefill of a third."""
     engine = load_engine(tm.write_gguf("qwen35", tmp_path / "q35.gguf"),
-                         cuda_device(0, fp16=False), n_slots=3, ctx=200)
+                         die(fp16=False), n_slots=3, ctx=200, quantize="none")
     (a, b, long), want = tm.golden_tokens("qwen35"), tm.load_golden("qwen35")
     start = 0
     for n in (37, 64, 49):
@@ -45,9 +56,9 @@ def test_qwen35_on_the_gpu_matches_reference(tmp_path):
     np.testing.assert_allclose(out[0], want[1][6], atol=1e-3, rtol=0)
 
 
-def test_fp16_gpu_mixed_batch_stays_close(tmp_path):
+def test_fp16_gpu_mixed_batch_stays_close(tmp_path, die):
     engine = load_engine(tm.write_gguf("qwen3", tmp_path / "q.gguf"),
-                         cuda_device(0, fp16=True), n_slots=2, ctx=64)
+                         die(fp16=True), n_slots=2, ctx=64)
     (a, b), (want_a, want_b) = tm.GOLDEN_TOKENS, tm.load_golden("qwen3")
     engine.forward(np.array(a[:5]), [Span(0, 0, 5)])
     engine.forward(np.array(b[:3]), [Span(1, 0, 3)])
@@ -55,9 +66,11 @@ def test_fp16_gpu_mixed_batch_stays_close(tmp_path):
     np.testing.assert_allclose(out, np.stack([want_a[8], want_b[3]]), atol=5e-2, rtol=0)
 
 
-@pytest.mark.skipif(not cached_path().exists(), reason="default model not fetched")
+@smollm2
+@pytest.mark.gpu
 def test_smollm2_greedy_on_gpu_fp32():
-    engine = load_engine(cached_path(), cuda_device(0, fp16=False), n_slots=1, ctx=256)
+    engine = load_engine(cached_path(), cuda_device(0, fp16=False), n_slots=1, ctx=256,
+                         quantize="none")
     for case in json.loads(REFERENCE.read_text())["chat_greedy"]:
         ids, want = case["prompt_ids_fp32ref"], case["greedy_ids_fp32ref"]
         logits = engine.forward(np.array(ids), [Span(0, 0, len(ids))])
@@ -69,10 +82,10 @@ def test_smollm2_greedy_on_gpu_fp32():
         assert out == want
 
 
-def test_sampling_on_the_gpu_equals_the_numpy_path():
+def test_sampling_on_the_gpu_equals_the_numpy_path(die):
     """Every option, a grammar mask over a padded vocabulary and logprobs: the CuPy sampler
     picks what the NumPy one picks from the same logits and seeds."""
-    import cupy
+    cupy = die().xp
     from pantheon.worker.sampler import Sampler, SamplingParams, SequenceSampler
     V, n_tokens = 151_936, 151_665
     kinds = [dict(temperature=0), dict(temperature=0.8), dict(top_k=40), dict(top_p=0.9),
@@ -85,7 +98,7 @@ def test_sampling_on_the_gpu_equals_the_numpy_path():
         return [SequenceSampler(SamplingParams(**kw, seed=i), list(range(0, 900, 9)),
                                 logprobs=[-1, 3][i % 2]) for i, kw in enumerate(kinds)]
     on_host, on_die = rows(), rows()
-    for step in range(20):
+    for step in range(20 if cupy.__name__ == "cupy" else 6):
         allowed = np.zeros(-(-n_tokens // 32) * 32, bool)
         allowed[:n_tokens] = rng.random(n_tokens) < 0.01
         words = np.packbits(allowed, bitorder="little").view("<i4")
@@ -103,12 +116,14 @@ def test_sampling_on_the_gpu_equals_the_numpy_path():
                                            [b[0]] + [v for _, v in b[1]], atol=1e-4)
 
 
-@pytest.mark.skipif(not cached_path().exists(), reason="default model not fetched")
+@smollm2
+@pytest.mark.gpu
 def test_smollm2_greedy_through_the_scheduler_on_gpu_fp32():
     """The scheduler's path on a GPU die: logits stay there, ids come back."""
     from pantheon.worker.sampler import SamplingParams
     from pantheon.worker.scheduler import Request
-    engine = load_engine(cached_path(), cuda_device(0, fp16=False), n_slots=4, ctx=256)
+    engine = load_engine(cached_path(), cuda_device(0, fp16=False), n_slots=4, ctx=256,
+                         quantize="none")
     engine.warm_up()
     cases = json.loads(REFERENCE.read_text())["chat_greedy"]
     sched = engine.scheduler
@@ -122,13 +137,84 @@ def test_smollm2_greedy_through_the_scheduler_on_gpu_fp32():
     assert [got[i] for i in range(len(cases))] == [c["greedy_ids_fp32ref"] for c in cases]
 
 
-def test_settle_waits_for_queued_work_by_polling():
-    """PN_ASYNC_POLL_US: the step's kernels are done when settle() returns."""
-    import cupy
-    die = cuda_device(0)
-    x = cupy.arange(1 << 24, dtype=cupy.float32)
-    y = (x * 2).sum()                                  # queued, not waited for
-    after = cupy.cuda.Event(block=False, disable_timing=True)
+def test_settle_waits_for_queued_work_by_polling(die):
+    """PN_ASYNC_POLL_US: the step's kernels are done when settle() returns (on the emulated
+    die a launch keeps the die busy for a few polls: the sleeps between them run)."""
+    from pantheon.worker import kernels_cuda as kc
+    from pantheon.worker import qmatrix as qm
+    dev = die()
+    cp = dev.xp
+    host = qm.quantize(np.random.default_rng(1).standard_normal((256, 512)).astype(np.float32),
+                       "q8_0")
+    x = cp.asarray(np.ones((1, 512), np.float32))
+    y = kc.matmul(x, host.to(cp))                       # queued, not waited for
+    after = cp.cuda.Event(block=False, disable_timing=True)
     after.record()
-    die.settle()
-    assert after.done and float(y) == float(x.sum()) * 2
+    polls = dev.settle()
+    assert after.done and polls >= 1
+    if dev.emulated:
+        assert polls > 1
+    np.testing.assert_allclose(cp.asnumpy(y)[0], qm.dequantize(host).sum(axis=1), atol=1e-3)
+
+
+@smollm2
+def test_smollm2_on_the_die_follows_the_cpu_within_fp16(die):
+    """The default model with fp16 KV on the die (prefill through the tiles: 37 tokens;
+    decodes through the GEMV) greedy as on the CPU, its logits within fp16's reach."""
+    case = json.loads(REFERENCE.read_text())["chat_greedy"][0]
+    ids = case["prompt_ids_fp32ref"]
+    cpu = load_engine(cached_path(), "cpu", n_slots=1, ctx=48)
+    gpu = load_engine(cached_path(), die(fp16=True), n_slots=1, ctx=48)
+    assert gpu.model.state.nbytes == cpu.model.state.nbytes // 2          # fp16 KV
+    out, pos = [], 0
+    chunk = ids
+    for _ in range(4):
+        a = cpu.forward(np.array(chunk), [Span(0, pos, len(chunk))])
+        b = gpu.forward(np.array(chunk), [Span(0, pos, len(chunk))])
+        np.testing.assert_allclose(b, a, atol=0.15, rtol=0)
+        assert int(b[0].argmax()) == int(a[0].argmax())
+        pos += len(chunk)
+        out.append(int(a[0].argmax()))
+        chunk = [out[-1]]
+    assert out == case["greedy_ids_fp32ref"][:4]
+
+
+def run_scheduler(engine, requests) -> tuple[dict, dict]:
+    """Every request through the engine's scheduler: tokens and cached counts by id."""
+    from pantheon.worker.scheduler import Request
+    sched, got, cached = engine.scheduler, {}, {}
+    waiting = [Request(rid, prompt, params, 6, frozenset(), session, None, 2)
+               for rid, prompt, params, session in requests]
+    while waiting or sched.active():
+        while waiting and sched.free_slots():          # as the worker admits them
+            sched.add(waiting.pop(0))
+        for out in sched.step():
+            got.setdefault(out.request_id, []).extend(out.tokens)
+            cached[out.request_id] = max(cached.get(out.request_id, 0), out.cached_tokens)
+    return got, cached
+
+
+def test_scheduler_on_the_die_streams_as_the_cpu(tmp_path, die):
+    """Concurrent streams, prompts in chunks of 8 beside decodes, a session's second turn
+    from its warm slot and a prefix from the host cache (slots taken over meanwhile),
+    greedy and seeded draws, Q8_0 through the kernels and fp16 KV on the die: the tokens
+    the CPU's scheduler gives."""
+    from pantheon.worker.sampler import SamplingParams
+    path = tm.write_gguf("llama", tmp_path / "q8.gguf", tensor_type="Q8_0")
+    rng = np.random.default_rng(4)
+    first = [rng.integers(3, 320, n).tolist() for n in (21, 5, 13)]
+    kinds = [SamplingParams(temperature=0), SamplingParams(seed=3, top_k=20),
+             SamplingParams(seed=5, top_p=0.9, temperature=0.8)]
+    runs = []
+    for dev in ("cpu", die(fp16=False)):
+        engine = load_engine(path, dev, n_slots=2, ctx=96, prefill_chunk=8,
+                             prefix_cache_bytes=1 << 22)
+        turn1, c1 = run_scheduler(engine, [(f"a{i}", p, k, f"s{i}")
+                                           for i, (p, k) in enumerate(zip(first, kinds))])
+        again = [(f"b{i}", first[i] + turn1[f"a{i}"] + [7, 8], kinds[0], f"s{i}")
+                 for i in range(3)]
+        turn2, c2 = run_scheduler(engine, again)
+        runs.append((turn1, turn2, c2))
+    (t1, t2, c2), (e1, e2, ec2) = runs
+    assert e1 == t1 and e2 == t2
+    assert ec2 == c2 and sum(c2.values()) > 0         # warm slots and host-cache hits

@@ -1,4 +1,4 @@
-"""worker/kernels_cuda.py's kernels run on the host (tests/simt_host.py), against
+"""worker/kernels_cuda.py's kernels run on the host (worker/simt_host.py), against
 qmatrix.dequantize: the logic of every kernel, with the launch plans CuPy uses."""
 import shutil
 
@@ -8,7 +8,7 @@ import pytest
 import kernel_cases
 from pantheon.worker import kernels_cuda as kc
 from pantheon.worker import qmatrix as qm
-from simt_host import HostKernels
+from pantheon.worker.simt_host import HostKernels
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 CASES = kernel_cases.cases()
@@ -16,7 +16,7 @@ CASES = kernel_cases.cases()
 
 @pytest.fixture(scope="module")
 def host(tmp_path_factory):
-    return HostKernels(kc.SOURCE, kc.KERNELS, tmp_path_factory.mktemp("simt"))
+    return HostKernels(kc.SOURCE, tmp_path_factory.mktemp("simt"))
 
 
 def gemv(host, x, m, ksplit=None):
@@ -106,8 +106,8 @@ def test_checks_refuse_what_the_kernels_cannot_read():
 @pytest.fixture
 def numpy_device(host, monkeypatch):
     """The CuPy entry points with NumPy standing in for CuPy and the host for the GPU."""
-    monkeypatch.setattr(kc, "_cupy", lambda: np)
-    monkeypatch.setattr(kc, "run", host.run)
+    monkeypatch.setattr(kc, "_cupy", lambda a: np)
+    monkeypatch.setattr(kc, "run", lambda launch, cp: host.run(launch))
 
 
 @pytest.mark.parametrize("name", ["Q4_K", "q8_0", "f16"])

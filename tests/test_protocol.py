@@ -22,6 +22,7 @@ SAMPLES = [
     p.Loaded("m-1", "smol", 8, 4096, 49152, 538_000_000, 377_000_000, 2.5),
     p.LoadFailed("m-2", "no such file"),
     p.LoadFailed("m-3", "tensor w holds NaN or Inf", p.BAD_MODEL_FILE),
+    p.LoadFailed("m-2", "Out of memory allocating 1,024 bytes", p.OUT_OF_MEMORY),
     p.LoadProgress("m-2", 3, 30),
     p.Hello("cpu:1", "cpu", "cpu", 8 << 30, 4 << 30, 8, budget=2 << 30),
     p.Unloaded("m-1"),

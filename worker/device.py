@@ -1,4 +1,5 @@
-"""The array module of a die: NumPy on the CPU die, CuPy on a GPU die.
+"""The array module of a die: NumPy on the CPU die, CuPy on a GPU die, the emulated
+CuPy (worker/emulated.py) on an emulated GPU die.
 
 Everything device-specific lives here so that the forward is written once.
 CuPy is imported lazily: a CPU host never needs it installed.
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..common import settings
+from ..common.die_spec import parse_die
 
 log = logging.getLogger(__name__)
 
@@ -24,18 +26,22 @@ class DeviceError(RuntimeError):
 
 @dataclass(frozen=True)
 class Device:
-    """One die: `kind` is "cpu" or "cuda"; `index` is the CUDA ordinal."""
+    """One die: `kind` is "cpu" or "cuda"; `index` is the CUDA ordinal. An emulated
+    die is a "cuda" die whose `xp` is worker/emulated.py."""
 
     kind: str
     index: int
-    xp: object           # numpy or cupy
+    xp: object           # numpy, cupy or the emulated cupy
     name: str
     weight_dtype: object  # fp32 on the CPU, fp16 (default) or fp32 on a GPU
     poll_us: int = field(default_factory=settings.async_poll_us)   # PN_ASYNC_POLL_US
+    emulated: bool = False
 
     @property
     def die_id(self) -> str:
-        return "cpu" if self.kind == "cpu" else str(self.index)
+        if self.kind == "cpu":
+            return "cpu"
+        return f"emu:{self.index}" if self.emulated else str(self.index)
 
     def to_host(self, array) -> np.ndarray:
         """A NumPy copy of `array` (no copy on the CPU die)."""
@@ -45,15 +51,15 @@ class Device:
         if self.xp is not np:
             self.xp.cuda.get_current_stream().synchronize()
 
-    def settle(self) -> None:
+    def settle(self) -> int:
         """Wait for the work queued on this die without spinning a host core on it (a
         blocking copy may spin: eight GPU workers on two cores would starve each other).
-        Polls an event, sleeping at most `poll_us` between polls."""
+        Polls an event, sleeping at most `poll_us` between polls; returns the polls."""
         if self.xp is np:
-            return
+            return 0
         event = self.xp.cuda.Event(block=False, disable_timing=True)
         event.record()
-        wait_polled(lambda: event.done, self.poll_us)
+        return wait_polled(lambda: event.done, self.poll_us)
 
     def release(self) -> None:
         """Give the memory of what was just dropped (an unloaded model) back to the host:
@@ -127,13 +133,38 @@ def cuda_device(index: int, fp16: bool | None = None) -> Device:
     return Device("cuda", index, cupy, name, cupy.float16 if fp16 else cupy.float32)
 
 
+def emulated_device(index: int = 0, memory: int | None = None,
+                    fp16: bool = True) -> Device:
+    """A GPU die on the emulated CuPy (worker/emulated.py): for tests and development.
+    Its weights and KV are fp16 unless `fp16` is False; `memory` bytes (default 12 GiB)."""
+    from . import emulated
+    from ..common.die_spec import EMU_MEMORY
+    emulated.configure(index, EMU_MEMORY if memory is None else memory)
+    emulated.cuda.Device(index).use()
+    return Device("cuda", index, emulated, emulated.describe(index),
+                  np.float16 if fp16 else np.float32, emulated=True)
+
+
 def open_device(die: str, fp16: bool | None = None) -> Device:
-    """`die` is "cpu" or a CUDA ordinal as text ("0", "1", ...)."""
-    if die == "cpu":
+    """`die` as common/die_spec.py reads it: "cpu", "cpu:1", a CUDA ordinal as text
+    ("0", "1", ...), "emu:0" or "emu:0:2G"."""
+    spec = parse_die(die)
+    if spec.kind == "cpu":
         return cpu_device()
-    if not die.isdigit():
-        raise DeviceError(f"a die is 'cpu' or a CUDA device number, not {die!r}")
-    return cuda_device(int(die), fp16=fp16)
+    if spec.kind == "emu":
+        return emulated_device(spec.index, spec.memory, fp16=fp16 is not False)
+    return cuda_device(spec.index, fp16=fp16)
+
+
+def array_module(a):
+    """The module of array `a`: numpy, cupy or the emulated cupy."""
+    if isinstance(a, np.ndarray):
+        return np
+    from . import emulated
+    if type(a) is emulated.ndarray:
+        return emulated
+    import cupy
+    return cupy.get_array_module(a)
 
 
 def cuda_available() -> bool:

@@ -91,9 +91,10 @@ def load_engine(path: str | Path, die: str | Device = "cpu", n_slots: int = 8,
     weights = load_weights(path, cfg, device, progress=progress, quantize=quantize,
                            reader=reader)
     del reader                       # the parsed metadata is not kept for the replica's life
-    kv_dtype = device.weight_dtype
-    if device.xp is np and kv_itemsize(path, "cpu", quantize) == 2:
-        kv_dtype = np.float16
+    # KV elements as the die table counts them (common/weight_format.kv_itemsize): a GPU
+    # keeps fp16 whatever its weights (a K80 holds fp32 weights; its KV at fp32 was twice
+    # what admission reserved), the CPU fp32 unless --kv-cache f16 applies
+    kv_dtype = np.float16 if kv_itemsize(path, device.kind, quantize) == 2 else np.float32
     model = Model(cfg, weights, device.xp, n_slots, ctx, kv_dtype=kv_dtype)
     engine = Engine(cfg, device, model, None, 0.0, Sampler(device.xp, device.settle))
     cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None

@@ -6,8 +6,9 @@ What the caller passes:
      dtypes and shapes worker/qmatrix.py defines: q4 qs uint8 [N, K/2], q8 qs
      int8 [N, K] (bs 32 or 16), f16/bf16 qs uint16 [N, K]; scale/minv uint16
      fp16 bits [N, K/bs] (minv may be None). K must be a multiple of 8.
-Entry points (each returns a new cupy float32 array; CuPy is imported on first
-use, so importing this module never needs it):
+Entry points (each returns a new cupy float32 array, on the CuPy the weights live on:
+cupy, or the emulated die's stand-in; CuPy is imported on first use, so importing this
+module never needs it):
   matmul(x, m)               y [B, N]: the GEMV kernel for B <= GEMV_MAX_B, else the
                              tile path; path="gemv" or "tile" forces one.
   dequantize_rows(m, r0, r1) W rows [r0, r1) as float32 [r1 - r0, K].
@@ -28,7 +29,8 @@ reference, and the faster choice for long prefills.
 Everything is fp32 arithmetic (compute_37: a K80 has no fast fp16 math, no dp4a).
 fp16 bits become floats with cvt.f32.f16 on the device, bytes with the
 2^23 trick (byte_perm into 0x4B0000xx, minus 2^23). The same source compiles on
-the host under a small shim (tests/simt_host.py), which checks its logic there.
+the host under a small shim (worker/simt_host.py): the tests check its logic there, and
+the emulated die (worker/emulated.py) runs it.
 """
 from __future__ import annotations
 
@@ -393,9 +395,10 @@ def gather_launch(m, ids, out) -> Launch:
 
 # -- CuPy entry points --------------------------------------------------------------------
 
-def _cupy():
-    import cupy
-    return cupy
+def _cupy(a):
+    """The CuPy of array `a`: cupy itself, or the emulated one (worker/emulated.py)."""
+    from .device import array_module
+    return array_module(a)
 
 
 @contextmanager
@@ -417,26 +420,27 @@ def keep_thread_locale():
 
 
 @lru_cache(maxsize=None)
-def _module():
-    """The compiled module: once per process (CuPy also caches the binary on disk)."""
-    module = _cupy().RawModule(code=SOURCE, options=("--std=c++17",))
+def _module(cp):
+    """The compiled module: once per process and CuPy (which also caches the binary on
+    disk)."""
+    module = cp.RawModule(code=SOURCE, options=("--std=c++17",))
     with keep_thread_locale():
         module.get_function(next(iter(KERNELS)))      # CuPy compiles on first use
     return module
 
 
 @lru_cache(maxsize=None)
-def _function(name: str):
-    return _module().get_function(name)
+def _function(cp, name: str):
+    return _module(cp).get_function(name)
 
 
-def run(launch: Launch) -> None:
-    _function(launch.name)((launch.grid,), (launch.block,), launch.args)
+def run(launch: Launch, cp) -> None:
+    _function(cp, launch.name)((launch.grid,), (launch.block,), launch.args)
 
 
 def matmul(x, m, path: str = "auto"):
     """x [B, K] float32 @ W.T → y [B, N] float32 (a new cupy array)."""
-    cp = _cupy()
+    cp = _cupy(m.qs)
     assert isinstance(x, cp.ndarray) and x.ndim == 2, "x must be a 2-D cupy array"
     check(m, x)
     if path == "auto":
@@ -446,7 +450,7 @@ def matmul(x, m, path: str = "auto"):
         return y
     if path == "gemv":
         for launch in gemv_launches(x, m, y):
-            run(launch)
+            run(launch, cp)
     elif path == "tile":
         step = max(1, TILE_ELEMS // m.cols)
         for r0 in range(0, m.rows, step):
@@ -463,23 +467,23 @@ def matmul(x, m, path: str = "auto"):
 
 def dequantize_rows(m, r0: int = 0, r1: int | None = None):
     """W rows [r0, r1) as a new cupy float32 [r1 - r0, K]."""
-    cp = _cupy()
+    cp = _cupy(m.qs)
     r1 = m.rows if r1 is None else r1
     if not 0 <= r0 <= r1 <= m.rows:
         raise IndexError(f"rows [{r0}, {r1}) of a {m.rows}-row matrix")
     check(m)
     out = cp.empty((r1 - r0, m.cols), dtype=cp.float32)
     if r1 > r0:
-        run(rows_launch(m, r0, r1, out))
+        run(rows_launch(m, r0, r1, out), cp)
     return out
 
 
 def gather_rows(m, ids):
     """Rows `ids` (any integer array, host or device) as a new cupy float32 [T, K]."""
-    cp = _cupy()
+    cp = _cupy(m.qs)
     check(m)
     ids = cp.ascontiguousarray(cp.asarray(ids).reshape(-1), dtype=cp.int32)
     out = cp.empty((ids.shape[0], m.cols), dtype=cp.float32)
     if ids.shape[0]:
-        run(gather_launch(m, ids, out))
+        run(gather_launch(m, ids, out), cp)
     return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import kernels_cpu
+from .device import array_module
 from .qmatrix import QMatrix
 
 F32 = np.float32
@@ -34,8 +35,7 @@ def matmul(x, w):
         return _kernels(w.qs).matmul(xp_x.astype(F32, copy=False), w)
     if isinstance(w, list):
         outs = [matmul(x, part) for part in w]
-        xp = np if isinstance(outs[0], np.ndarray) else __import__("cupy")
-        return xp.concatenate(outs, axis=1)
+        return array_module(outs[0]).concatenate(outs, axis=1)
     return (x.astype(w.dtype, copy=False) @ w).astype(F32, copy=False)
 
 

@@ -507,6 +507,8 @@ class Worker:
             self.loads.put((msg, exc))
         except Exception as exc:
             log.exception("loading %s failed", msg.path)
+            if self.device.kind == "cuda":       # what the failed load held goes back
+                self.device.xp.get_default_memory_pool().free_all_blocks()
             self.loads.put((msg, exc))
         self.wake()
 
@@ -520,8 +522,9 @@ class Worker:
             if isinstance(result, Exception):
                 if isinstance(result, (ModelFileError, FormatError)):   # the file's fault
                     self.send(p.LoadFailed(msg.model_id, str(result), p.BAD_MODEL_FILE))
-                else:
-                    self.send(p.LoadFailed(msg.model_id, f"{type(result).__name__}: {result}"))
+                else:   # MemoryError: CuPy's OutOfMemoryError (the emulated die's too) or the host's
+                    code = p.OUT_OF_MEMORY if isinstance(result, MemoryError) else ""
+                    self.send(p.LoadFailed(msg.model_id, f"{type(result).__name__}: {result}", code))
                 continue
             replica = Replica(msg.model_id, msg.name, msg.path, result)
             # ready for its first constrained request before it comes (failures surface
@@ -636,9 +639,9 @@ def main(args) -> int:
     if refused := settings.refused_knobs():
         raise RuntimeError("; ".join(refused))
     proof = settings.spawn_proof() or ""
+    device = open_device(args.die)           # a bad die name stops here, with the forms
     keys = link_keys(args, spawned=bool(proof))
     pin_cores(args.cores)
-    device = open_device(args.die.split(":")[0])
     worker = Worker(device, args.frontend, args.die, slots=args.slots,
                     prefix_cache_bytes=int(args.prefix_cache_mb * (1 << 20)),
                     parent_pid=args.parent_pid or 0,
@@ -649,5 +652,8 @@ def main(args) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     log.info("worker for die %s (%s) connecting to %s%s", args.die, device.name, args.frontend,
              " (CURVE)" if keys else "")
+    if device.emulated:
+        log.warning("die %s is emulated (NumPy standing in for CuPy, kernels through the host "
+                    "shim): for tests and development, not for serving", args.die)
     worker.run()
     return 0

@@ -49,7 +49,7 @@ def attend(q, k, v, start: int, lo: int = 0, window: int | None = None):
     With a window, position start + i sees keys (start + i - window, start + i].
     """
     xp = xp_of(q)
-    if xp is np and k.dtype != F32:     # an fp16 cache on the CPU: products in float32
+    if k.dtype != F32:     # an fp16 cache: products in float32 (a K80 has no fp16 math)
         k, v = k.astype(F32), v.astype(F32)
     n, n_heads, hd = q.shape
     n_kv, length = k.shape[0], k.shape[1]
@@ -81,7 +81,7 @@ def attend_decodes(q, k, v, bias, sel):
     slots each query belongs to. → [B, Hq * hd].
     """
     xp = xp_of(q)
-    if xp is np and k.dtype != F32:
+    if k.dtype != F32:
         k, v = k.astype(F32), v.astype(F32)
     n_seq, n_heads, hd = q.shape
     n_slots, n_kv = k.shape[0], k.shape[1]

@@ -6,13 +6,14 @@ from __future__ import annotations
 import numpy as np
 
 from .. import kernels_cpu
+from ..device import array_module
 from ..linear import matmul
 
 F32 = np.float32
 
 
 def xp_of(a):
-    return np if isinstance(a, np.ndarray) else __import__("cupy").get_array_module(a)
+    return np if isinstance(a, np.ndarray) else array_module(a)
 
 
 def rms_norm(x, w, eps: float):

@@ -26,10 +26,11 @@ def request_args(args) -> dict:
             out["dies"] = args.dies
         return {k: v for k, v in out.items() if v is not None}
     if args.admin_command == "unload":
-        out = {"name": args.name, "timeout_s": args.timeout_s}
-        if args.die:
-            out["die"] = args.die
-        return out
+        if args.name is None and args.replica_id is None:
+            raise SystemExit("error: admin unload takes a NAME, or --id REPLICA")
+        out = {"name": args.name, "id": args.replica_id, "die": args.die,
+               "timeout_s": args.timeout_s}
+        return {k: v for k, v in out.items() if v is not None}
     return {}
 
 

@@ -306,9 +306,12 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--die", action="append", dest="dies", help="pin to this die")
     load.add_argument("--ctx", type=int, default=0)
     load.add_argument("--slots", type=int, default=0)
-    unload = admin_sub.add_parser("unload", help="unload every replica of a name, or one die's")
-    unload.add_argument("name")
+    unload = admin_sub.add_parser("unload", help="unload every replica of a name, one die's, "
+                                  "or one replica (--id)")
+    unload.add_argument("name", nargs="?", help="the model's name (optional with --id)")
     unload.add_argument("--die")
+    unload.add_argument("--id", dest="replica_id",
+                        help="one replica, as `admin models` lists it (e.g. NAME#2)")
     unload.add_argument("--timeout-s", type=float, default=settings.UNLOAD_TIMEOUT_S,
                         help="drain deadline before in-flight requests are aborted")
     top = admin_sub.add_parser("top", help="a live view of dies, slots, queues, tok/s and "

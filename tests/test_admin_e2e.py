@@ -358,14 +358,17 @@ def test_replicas_with_different_contexts_serve_what_the_largest_holds(fleet):
             assert done.usage.prompt_tokens == 660
         with pytest.raises(openai.BadRequestError, match="maximum context length is 1024"):
             client.completions.create(model="tiny-ctx", prompt=[7] * 1100, max_tokens=1)
-        r = admin(fleet, "unload", {"id": big})            # that replica alone
-        assert r.status_code == 200 and r.json()["unloaded"] == [{"id": big, "die": dies[1]}]
+        proc = cli(fleet, "unload", "--id", big)             # that replica alone (the CLI)
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["unloaded"] == [{"id": big, "die": dies[1]}]
         (tiny,) = [m for m in admin(fleet, "models").json()["models"] if m["name"] == "tiny-ctx"]
         assert [x["id"] for x in tiny["replicas"]] == [small]
         with pytest.raises(openai.BadRequestError, match="maximum context length is 512"):
             client.completions.create(model="tiny-ctx", prompt=[7] * 660, max_tokens=1)
         assert client.completions.create(model="tiny-ctx", prompt=[7] * 400, max_tokens=1)
         assert admin(fleet, "unload", {"id": "nope#9"}).status_code == 404
+        proc = cli(fleet, "unload")
+        assert proc.returncode != 0 and "NAME, or --id" in proc.stderr
         assert admin(fleet, "unload", {"id": small, "name": NAME}).status_code == 404
     finally:
         admin(fleet, "unload", {"name": "tiny-ctx"})

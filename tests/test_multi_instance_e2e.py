@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not cached_path().exists(), reason="default model not fetched")]
 
 FAST = {"PANTHEON_HEARTBEAT_S": "0.5"}
-STEP_FLOOR, STREAM_TOKENS = 0.05, 300     # the draining stream: 15 s at least
+STEP_FLOOR, STREAM_TOKENS = 0.05, 160     # the draining stream: 8 s at least
 WORDS = ("amber basalt cinder delta ember fjord glacier harbor island juniper kettle "
          "lantern meadow nectar orchard pebble quartz raven saffron timber").split()
 
@@ -187,7 +187,7 @@ def test_sigterm_deregisters_first_finishes_its_stream_and_gets_no_new_requests(
         else:
             pytest.fail("no session hashed to the draining instance")
         # c's steps last at least STEP_FLOOR: the stream outlasts the drain's checks
-        # (a few seconds) on any host, 15 s or more
+        # (a few seconds) on any host, 8 s or more
         stream = Stream(router.url, {"messages": opening(900), "max_tokens": STREAM_TOKENS,
                                      "logit_bias": {"2": -100, "0": -100}},
                         {"X-Session-Id": session})

@@ -115,17 +115,17 @@ def test_encode_refuses_foreign_objects():
         p.encode({"k": "abort"})
 
 
-def test_a_step_of_eight_requests_decodes_in_one_message_cheaply():
-    import time
+def test_a_step_of_eight_requests_decodes_in_one_pass(monkeypatch):
+    """A step's Outputs is read by one msgpack pass, whatever it carries (a pass per field
+    lookup once cost ~8x the decode time: the speed itself is the benchmark's)."""
     msg = p.Outputs([p.Tokens(f"req-ab-{i}", [1000 + i], prompt_tokens=40,
                               completion_tokens=i) for i in range(8)])
     data = p.encode(msg)
+    calls = []
+    real = p.msgpack.unpackb
+    monkeypatch.setattr(p.msgpack, "unpackb", lambda *a, **k: calls.append(1) or real(*a, **k))
     assert p.decode(data) == msg
-    t0 = time.perf_counter()
-    for _ in range(2000):
-        p.decode(data)
-    per_message = (time.perf_counter() - t0) / 2000
-    assert per_message < 200e-6          # ~25 us here; a decode per field lookup was ~190 us
+    assert len(calls) == 1
 
 
 def raw_generate(**fields) -> bytes:

@@ -39,9 +39,17 @@ TIE = 1e-3    # nats: a pick this close to the reference's top-1 is a tie, not a
 
 def compare(ref_engine, engine, seqs):
     """(top-1 agreement, mean KL(ref || quantized), positions) over `seqs`."""
+    return against(reference_rows(ref_engine, seqs), engine, seqs)
+
+
+def reference_rows(ref_engine, seqs) -> list:
+    return [log_softmax(teacher_forced(ref_engine, prompt, reply)) for prompt, reply in seqs]
+
+
+def against(rows, engine, seqs):
+    """compare() with the reference's log-probabilities already computed."""
     agree, kls = [], []
-    for prompt, reply in seqs:
-        a = log_softmax(teacher_forced(ref_engine, prompt, reply))
+    for a, (prompt, reply) in zip(rows, seqs):
         b = log_softmax(teacher_forced(engine, prompt, reply))
         pick = b.argmax(1)
         agree += list(a[np.arange(len(a)), pick] >= a.max(1) - TIE)
@@ -97,24 +105,35 @@ def test_an_unknown_quantize_mode_is_refused(tmp_path):
         load_engine(path, n_slots=1, ctx=64, quantize="q3")
 
 
-@pytest.mark.skipif(not cached_path().exists() or not REFERENCE.exists(),
-                    reason="default model or reference data missing")
-@pytest.mark.parametrize("kv_cache", ["f32", "f16"])
-def test_smollm2_quantized_matches_its_fp32_forward(kv_cache, monkeypatch):
-    """Also with `--kv-cache f16` (the fp32 reference keeps fp32 KV)."""
-    monkeypatch.setenv("PANTHEON_KV_CACHE", kv_cache)
+def smollm2_seqs():
     chat = json.loads((REFERENCE / "smollm2-reference.json").read_text())["chat_greedy"]
     llama = json.loads((REFERENCE / "llamacpp-greedy.json").read_text())[
         "SmolLM2-135M-Instruct.Q4_1.gguf"]["cases"]
     seqs = [(c["prompt_ids_fp32ref"], c["greedy_ids_fp32ref"]) for c in chat]
-    seqs += [(c["model_input_ids"], c["greedy_ids"][:16]) for c in llama]
-    quantized = load_engine(cached_path(), n_slots=1, ctx=1024)
+    return seqs + [(c["model_input_ids"], c["greedy_ids"][:16]) for c in llama]
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference():
+    """SmolLM2's fp32 forward (fp32 KV whatever PANTHEON_KV_CACHE says), once a module."""
+    seqs = smollm2_seqs()
     reference = load_engine(cached_path(), n_slots=1, ctx=1024, quantize="none")
+    assert reference.model.state.layers[0].k.itemsize == 4
+    return seqs, reference_rows(reference, seqs)
+
+
+@pytest.mark.skipif(not cached_path().exists() or not REFERENCE.exists(),
+                    reason="default model or reference data missing")
+@pytest.mark.parametrize("kv_cache", ["f32", "f16"])
+def test_smollm2_quantized_matches_its_fp32_forward(kv_cache, monkeypatch, smollm2_reference):
+    """Also with `--kv-cache f16` (the fp32 reference keeps fp32 KV)."""
+    monkeypatch.setenv("PANTHEON_KV_CACHE", kv_cache)
+    seqs, rows = smollm2_reference
+    quantized = load_engine(cached_path(), n_slots=1, ctx=1024)
     assert kinds(quantized) == {"q4/32+min", "q8/32"}
     assert quantized.model.state.layers[0].k.itemsize == (2 if kv_cache == "f16" else 4)
-    assert reference.model.state.layers[0].k.itemsize == 4
     assert quantized.model.w.nbytes() <= cached_path().stat().st_size * 1.02
-    agree, kl, n = compare(reference, quantized, seqs)
+    agree, kl, n = against(rows, quantized, seqs)
     print(f"kv {kv_cache}: top-1 {agree:.4f}, KL {kl:.2e} over {n} positions")
     assert n > 140 and agree >= 0.99 and kl <= 0.01, (agree, kl)
 

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(not cached_path().exists(), reason="default mode
 SMOL = str(cached_path())
 KEY = "admin-secret"
 NAME = "SmolLM2-135M-Instruct"
-CYCLES = 5
+CYCLES = 3
 
 
 @pytest.fixture(scope="module")

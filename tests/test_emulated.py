@@ -138,6 +138,13 @@ def test_serve_chats_on_the_cpu_and_the_emulated_die(server):
     (model,) = admin(server, "models").json()["models"]
     (replica,) = model["replicas"]
     assert replica["die"] == "emu:0" and replica["served"] == 4, model
+    r = admin(server, "models/unload", name="tiny", die="emu:0")       # the die's release
+    assert r.status_code == 200, r.text
+    die = {d["die"]: d for d in admin(server, "dies").json()["dies"]}["emu:0"]
+    assert die["alive"] and die["models"] == [] and die["used_bytes"] == 0, die
+    assert "failed" not in server.logs()
+    r = admin(server, "models/load", path=str(server.path), name="tiny", dies=["emu:0"])
+    assert r.status_code == 200, r.text
 
 
 @pytest.mark.skipif(not cached_path().exists(), reason="default model not fetched")

@@ -1,6 +1,7 @@
 """The CuPy path on a GPU die: each test runs on the emulated die (worker/emulated.py,
 in `make test`) and on a real one (`gpu`-marked: skipped where CuPy finds no device,
 run by `make gpu-check`): one test list for both."""
+import dataclasses
 import json
 from pathlib import Path
 
@@ -64,6 +65,53 @@ def test_fp16_gpu_mixed_batch_stays_close(tmp_path, die):
     engine.forward(np.array(b[:3]), [Span(1, 0, 3)])
     out = engine.forward(np.array(a[5:9] + b[3:4]), [Span(0, 5, 4), Span(1, 3, 1)])
     np.testing.assert_allclose(out, np.stack([want_a[8], want_b[3]]), atol=5e-2, rtol=0)
+
+
+def test_gemma3_windows_and_a_partial_batch_on_the_die(tmp_path, die):
+    """Gemma 3's sliding window (4 positions) in the prefill mask and in the decode bias,
+    and decodes of slots 0 and 2 with slot 1 idle between them (queries scattered over
+    the slots' range): the reference logits."""
+    engine = load_engine(tm.write_gguf("gemma3", tmp_path / "g.gguf"),
+                         die(fp16=False), n_slots=3, ctx=64, quantize="none")
+    (a, b), (want_a, want_b) = tm.GOLDEN_TOKENS, tm.load_golden("gemma3")
+    got = engine.forward(np.array(a[:6]), [Span(0, 0, 6)])        # 6 > the window
+    np.testing.assert_allclose(got[0], want_a[5], atol=1e-3, rtol=0)
+    got_a, got_b = [], []
+    for i, t in enumerate(b):
+        if 6 + i < len(a):
+            out = engine.forward(np.array([a[6 + i], t]), [Span(0, 6 + i, 1), Span(2, i, 1)])
+            got_a.append(out[0])
+            got_b.append(out[1])
+        else:
+            got_b.append(engine.forward(np.array([t]), [Span(2, i, 1)])[0])
+    np.testing.assert_allclose(np.stack(got_a), want_a[6:6 + len(got_a)], atol=1e-3, rtol=0)
+    np.testing.assert_allclose(np.stack(got_b), want_b, atol=1e-3, rtol=0)
+
+
+def test_the_kernels_tile_in_parts_and_refuse_what_they_cannot_read(die, monkeypatch):
+    """A batch past the GEMV's reach in row tiles smaller than the matrix equals the GEMV;
+    an empty batch, an unknown path, rows out of range, an unknown kind, K not a multiple
+    of 8 and a block size the kernels lack are refused by name."""
+    from pantheon.worker import kernels_cuda as kc
+    from pantheon.worker import qmatrix as qm
+    xp = die().xp
+    rng = np.random.default_rng(2)
+    m = qm.quantize(rng.standard_normal((48, 64)).astype(np.float32), "q8_0").to(xp)
+    x = xp.asarray(rng.standard_normal((kc.GEMV_MAX_B + 8, 64)).astype(np.float32))
+    want = xp.asnumpy(kc.matmul(x, m, "gemv"))
+    monkeypatch.setattr(kc, "TILE_ELEMS", 16 * 64)          # three tiles of 16 rows
+    np.testing.assert_allclose(xp.asnumpy(kc.matmul(x, m)), want, rtol=1e-5, atol=1e-4)
+    assert kc.matmul(x[:0], m).shape == (0, 48)
+    with pytest.raises(ValueError, match="path must be auto, gemv or tile"):
+        kc.matmul(x, m, "fast")
+    with pytest.raises(IndexError, match="rows \\[40, 60\\) of a 48-row"):
+        kc.dequantize_rows(m, 40, 60)
+    with pytest.raises(ValueError, match="no CUDA kernel for QMatrix kind 'q6'"):
+        kc.check(dataclasses.replace(m, kind="q6"))
+    with pytest.raises(ValueError, match="K % 8 == 0"):
+        kc.check(dataclasses.replace(m, cols=60))
+    with pytest.raises(ValueError, match="q8 with block size 64"):
+        kc.check(dataclasses.replace(m, bs=64))
 
 
 @smollm2
@@ -155,6 +203,21 @@ def test_settle_waits_for_queued_work_by_polling(die):
     if dev.emulated:
         assert polls > 1
     np.testing.assert_allclose(cp.asnumpy(y)[0], qm.dequantize(host).sum(axis=1), atol=1e-3)
+
+
+def test_an_unload_gives_the_dies_memory_back(die):
+    """Device.release after the arrays are dropped: the die's free memory is what it was
+    (CuPy's pool would otherwise keep the blocks), and synchronize returns."""
+    dev = die()
+    cp = dev.xp
+    dev.release()
+    before = dev.memory()[1]
+    held = [cp.ones((1 << 20,), dtype=cp.float32) for _ in range(4)]      # 16 MiB
+    dev.synchronize()
+    assert dev.memory()[1] <= before - (16 << 20)
+    del held
+    dev.release()
+    assert dev.memory()[1] == before
 
 
 @smollm2

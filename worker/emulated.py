@@ -563,8 +563,25 @@ _runtime = _Runtime()
 _pool = _MemoryPool()
 
 
+class _PinnedMemoryPool:
+    """Page-locked host memory: the emulated die's host side is plain NumPy."""
+
+    def n_free_blocks(self) -> int:
+        return 0
+
+    def free_all_blocks(self) -> None:
+        pass
+
+
+_pinned_pool = _PinnedMemoryPool()
+
+
 def get_default_memory_pool() -> _MemoryPool:
     return _pool
+
+
+def get_default_pinned_memory_pool() -> _PinnedMemoryPool:
+    return _pinned_pool
 
 
 # -- raw kernels -------------------------------------------------------------------------

@@ -446,7 +446,10 @@ class Worker:
                 self.traces.pop(req_id, None)
                 self.send(p.Tokens(req_id, [], "abort"))
             building, replica = replica.constraints, None   # the last reference goes
-            self.release(building)
+            try:
+                self.release(building)
+            except Exception:       # the replica is gone either way: say so
+                log.exception("releasing the memory of %s failed", msg.model_id)
         self.send(p.Unloaded(msg.model_id))
 
     def release(self, building: Future | None) -> None:

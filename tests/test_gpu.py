@@ -114,6 +114,22 @@ def test_the_kernels_tile_in_parts_and_refuse_what_they_cannot_read(die, monkeyp
         kc.check(dataclasses.replace(m, bs=64))
 
 
+def test_a_k_quant_file_is_repacked_for_the_die(tmp_path, die):
+    """A Q4_K_M file (Q4_K and Q6_K super-blocks) on a GPU die: its blocks repacked into
+    the kernels' q4 and q8 rows, the forward that of the same file's fp32 weights."""
+    from kquants import rewrite_as_k_quants
+    from test_kquant_model import SEQS, kinds, q4_k_m, widened
+    from test_quantized_model import compare
+    with widened("llama") as name:
+        f32 = tm.write_gguf(name, tmp_path / f"{name}.gguf")
+    path = rewrite_as_k_quants(f32, tmp_path / "q4km.gguf", q4_k_m)
+    on_die = load_engine(path, die(fp16=False), n_slots=1, ctx=64)
+    assert kinds(on_die) == {"q4/32", "q8/16"}          # Q6_K: scales per 16
+    reference = load_engine(path, n_slots=1, ctx=64, quantize="none")
+    agree, kl, n = compare(reference, on_die, SEQS[:2])
+    assert n > 20 and agree >= 0.99 and kl <= 0.01, (agree, kl)
+
+
 @smollm2
 @pytest.mark.gpu
 def test_smollm2_greedy_on_gpu_fp32():

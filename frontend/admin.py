@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from pathlib import Path
 
 import zmq
@@ -64,6 +65,17 @@ def field(body: dict, name: str, kind, default=None, required=False):
     return value
 
 
+def action_record(cmd: str, args, status: int, body: dict) -> dict:
+    """A load or unload as the dashboard lists it: what was asked, and how it ended."""
+    args = args if isinstance(args, dict) else {}
+    target = {k: str(args[k])[:200] for k in ("name", "id", "path", "die") if args.get(k)}
+    if isinstance(args.get("dies"), list):
+        target["die"] = ",".join(str(d) for d in args["dies"])[:200]
+    error = body.get("error") if isinstance(body, dict) else None
+    return {"time": time.time(), "action": cmd, **target, "status": status,
+            "error": str(error.get("message", ""))[:300] if isinstance(error, dict) else None}
+
+
 class Admin:
     def __init__(self, registry: Registry, pool: WorkerPool, placer: Placer, dies: DieTable,
                  admission: Admission, max_entries: int = MAX_ENTRIES,
@@ -74,6 +86,7 @@ class Admin:
         self.model_dirs = model_dirs          # None: any path (only tests build it so)
         self.loading: set[str] = set()
         self.load_tasks: set[asyncio.Task] = set()
+        self.actions: deque = deque(maxlen=20)  # the last loads and unloads, for the dashboard
         self.draining = False
 
     def drain(self) -> None:
@@ -89,10 +102,16 @@ class Admin:
         if cmd not in handlers:
             return 400, AdminError(400, f"unknown command {cmd!r}; one of "
                                         f"{', '.join(handlers)}").body()
+        status, body = await self.run(cmd, handlers[cmd], args, on_progress)
+        if cmd in ("load", "unload"):
+            self.actions.append(action_record(cmd, args, status, body))
+        return status, body
+
+    async def run(self, cmd: str, handler, args: dict, on_progress) -> tuple[int, dict]:
         try:
             if cmd == "load":
                 return 200, await self.load(args, on_progress)
-            result = handlers[cmd](args)
+            result = handler(args)
             return 200, (await result) if asyncio.iscoroutine(result) else result
         except AdminError as exc:
             return exc.status, exc.body()

@@ -20,6 +20,7 @@ from .admin import Admin
 from .body import parse_json, read_body
 from .chat import ChatService
 from .completions import CompletionService
+from .dashboard import Dashboard, RecentErrors
 from .drain import Drain
 from .errors import APIError
 from .lifecycle import Lifecycle
@@ -55,8 +56,8 @@ class RequestLog:
     prompt only with `--log-prompts`.
     """
 
-    def __init__(self, app, log_prompts: bool = False):
-        self.app, self.log_prompts = app, log_prompts
+    def __init__(self, app, log_prompts: bool = False, errors: RecentErrors | None = None):
+        self.app, self.log_prompts, self.errors = app, log_prompts, errors
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -70,15 +71,18 @@ class RequestLog:
         rid = given.decode() if given is not None else f"req-{secrets.token_hex(8)}"
         info = scope.setdefault("pantheon", {})
         info.update(request_id=rid, arrived=started, log_prompts=self.log_prompts)
-        status, complete = [0], [False]
+        status, complete, error_body = [0], [False], [None]
 
         async def send_with_id(message):
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
                 message["headers"] = list(message.get("headers", [])) + [
                     (b"x-request-id", rid.encode())]
-            elif not message.get("more_body"):
-                complete[0] = True
+            else:
+                if status[0] >= 400 and error_body[0] is None:
+                    error_body[0] = message.get("body", b"")    # its code, for the dashboard
+                if not message.get("more_body"):
+                    complete[0] = True
             await send(message)
         token = logs.request_id.set(rid)
         try:
@@ -95,8 +99,10 @@ class RequestLog:
                 raise                             # a response under way: cut it off
         finally:
             # a stream its client abandoned was sent as 200 and is logged as 499
-            self.access(scope, info, info.get("status") or status[0] or 500,
-                        time.monotonic() - started)
+            final = info.get("status") or status[0] or 500
+            self.access(scope, info, final, time.monotonic() - started)
+            if self.errors is not None and final >= 400 and scope["path"] not in QUIET_PATHS:
+                self.errors.add(scope["path"], final, info.get("model"), error_body[0])
             logs.request_id.reset(token)
 
     @staticmethod
@@ -125,11 +131,12 @@ class Guard:
     """
 
     def __init__(self, app, api_key: str | None, admin_key: str | None = None,
-                 metrics_auth: bool = False, browser: BrowserPolicy = BrowserPolicy(None)):
+                 metrics_auth: bool = False, browser: BrowserPolicy = BrowserPolicy(None),
+                 also_public: frozenset = frozenset()):
         self.app, self.browser = app, browser
         self.api_key = KeySet.of(api_key)         # KeySets: key files are reread on change
         self.admin_key = KeySet.of(admin_key)
-        self.public = PUBLIC_PATHS - {"/metrics"} if metrics_auth else PUBLIC_PATHS
+        self.public = (PUBLIC_PATHS - {"/metrics"} if metrics_auth else PUBLIC_PATHS) | also_public
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -214,8 +221,12 @@ def build_app(registry: Registry, lifecycle: Lifecycle, admin: Admin,
               log_prompts: bool = False, limits: RequestLimits = RequestLimits(),
               http_admin: bool = True,
               browser: BrowserPolicy = BrowserPolicy(None),
-              preparer: Preparer | None = None) -> RequestLog:
+              preparer: Preparer | None = None, dashboard: str = "on") -> RequestLog:
     pool, admission, metrics = lifecycle.pool, lifecycle.admission, lifecycle.metrics
+    errors = RecentErrors()
+    # the page reads an /admin/ route: none without the HTTP admin routes
+    board = Dashboard(registry, admin, pool, admission, metrics, errors,
+                      dashboard if http_admin else "off", drain)
     preparer = preparer or Preparer()
     chat = ChatService(registry, lifecycle, max_body_bytes, context_cap, limits, preparer)
     completions = CompletionService(registry, lifecycle, max_body_bytes, limits, preparer)
@@ -302,7 +313,9 @@ def build_app(registry: Registry, lifecycle: Lifecycle, admin: Admin,
                 Route("/get_load", get_load), Route("/v1/loads", v1_loads),
                 Route("/v1/chat/completions", chat, methods=["POST"]),
                 Route("/v1/completions", completions, methods=["POST"]),
-                *(admin_routes if http_admin else [])],
+                *(admin_routes if http_admin else []), *board.routes()],
         exception_handlers={APIError: api_error, HTTPException: http_error,
                             Exception: server_error})
-    return RequestLog(Guard(app, api_key, admin_key, metrics_auth, browser), log_prompts)
+    page_paths = board.public_paths() if board.mode != "off" else frozenset()
+    return RequestLog(Guard(app, api_key, admin_key, metrics_auth, browser, page_paths),
+                      log_prompts, errors)

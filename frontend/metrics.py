@@ -36,19 +36,54 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 LOAD_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 FINISH_REASONS = ("stop", "length", "tool_calls", "abort")
 WINDOW_S = 60.0                    # `pantheon admin top`'s figures: the last minute
+HISTORY_S, BUCKET_S = 600.0, 10.0  # the dashboard's sparklines: 10 minutes in 10 s steps
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 disable_created_metrics()          # no `_created` series beside every counter (as vLLM)
 
 
 class Window:
-    """Per model, the last minute: generated tokens per second, and TTFT samples."""
+    """Per model, the last minute: generated tokens per second, and TTFT samples; the
+    last ten minutes in 10 s buckets (tokens, TTFTs) for the dashboard; running totals
+    of generated, prompt and cached tokens."""
 
     def __init__(self):
         self.seconds: dict[str, deque] = defaultdict(deque)   # [second, tokens]
         self.ttfts: dict[str, deque] = defaultdict(deque)     # (time, seconds)
+        self.buckets: dict[str, deque] = defaultdict(deque)   # [start, tokens, [ttfts]]
+        self.totals: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+
+    def bucket(self, model: str, now: float) -> list:
+        q, start = self.buckets[model], now - now % BUCKET_S
+        if not q or q[-1][0] != start:
+            q.append([start, 0, []])
+            while q[0][0] <= start - HISTORY_S:
+                q.popleft()
+        return q[-1]
+
+    def history(self, model: str, now: float) -> list[dict]:
+        """Oldest first: per 10 s step, tokens per second and the median TTFT (None
+        where no request started)."""
+        start = now - now % BUCKET_S
+        have = {b[0]: b for b in self.buckets.get(model, ())}
+        out = []
+        for i in range(int(HISTORY_S / BUCKET_S) - 1, -1, -1):
+            t = start - i * BUCKET_S
+            _, n, ttfts = have.get(t, (t, 0, []))
+            span = now - t if t == start else BUCKET_S
+            ttfts = sorted(ttfts)
+            out.append({"ago_s": round(now - t), "tokens_per_s": round(n / max(span, 1.0), 2),
+                        "ttft_p50_s": round(ttfts[len(ttfts) // 2], 4) if ttfts else None})
+        return out
+
+    def prompts(self, model: str, prompt: int, cached: int) -> None:
+        totals = self.totals[model]
+        totals[1] += prompt
+        totals[2] += cached
 
     def tokens(self, model: str, n: int, now: float) -> None:
+        self.totals[model][0] += n
+        self.bucket(model, now)[1] += n
         q, second = self.seconds[model], int(now)
         if q and q[-1][0] == second:
             q[-1][1] += n
@@ -58,6 +93,7 @@ class Window:
                 q.popleft()
 
     def ttft(self, model: str, seconds: float, now: float) -> None:
+        self.bucket(model, now)[2].append(seconds)
         q = self.ttfts[model]
         q.append((now, seconds))
         while q and q[0][0] <= now - WINDOW_S:
@@ -147,6 +183,7 @@ class ModelMetrics:
 
     def finished(self, prompt: int, cached: int, reasons: list[str]) -> None:
         root = self.root
+        self.window.prompts(self.name, prompt, cached)
         root.prompt_tokens.labels(self.name).inc(prompt)
         root.prefix_queries.labels(self.name).inc(prompt)
         root.prefix_hits.labels(self.name).inc(cached)

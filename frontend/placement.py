@@ -70,6 +70,7 @@ class Placer:
                 return False
             if replica.die is None:
                 replica.reserved = held.weight_bytes + held.kv_bytes
+                replica.weight_bytes = held.weight_bytes
             replica.die, replica.worker, replica.state = worker.die, worker, ReplicaState.READY
             replica.slots, replica.ctx, replica.error = held.slots, held.ctx, ""
             log.info("%s is still resident on die %s: kept, not reloaded", held.model_id,
@@ -147,6 +148,7 @@ class Placer:
         replica.state, replica.worker = ReplicaState.READY, worker
         replica.loads += 1
         replica.reserved = loaded.weight_bytes + loaded.kv_bytes     # the real figure now
+        replica.weight_bytes = loaded.weight_bytes
         replica.slots, replica.ctx, replica.error = loaded.slots, loaded.ctx, ""
         self.pool.changed()                       # queued requests may start now
         self.change.set()

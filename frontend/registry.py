@@ -58,6 +58,7 @@ class Replica:
     want_ctx: int = 0
     want_quantize: str = ""        # "" : the server's --quantize
     reserved: int = 0              # bytes admitted on its die
+    weight_bytes: int = 0          # of which its weights (the worker's figure, once loaded)
     progress: tuple[int, int] = (0, 0)
     served: int = 0                # requests routed here, for the record
     loads: int = 0                 # uploads that completed (a kept replica adds none)

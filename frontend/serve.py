@@ -66,6 +66,7 @@ class ServeConfig:
     keys_dir: str | None = None           # CURVE on both ZeroMQ sockets (security.py)
     insecure: bool = False                # start despite exposure problems, warning
     http_admin: bool = True               # the /admin/ routes on the HTTP server
+    dashboard: str = "on"                 # GET /dashboard: on, readonly (no buttons) or off
     model_dirs: list[str] | None = None   # where loads may open; None: the defaults
     request_limits: RequestLimits = field(default_factory=RequestLimits)
     connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
@@ -158,7 +159,7 @@ async def serve(cfg: ServeConfig) -> int:
                     cfg.max_body_bytes, cfg.context_cap, drain, cfg.metrics_auth,
                     cfg.log_prompts, cfg.request_limits, cfg.http_admin,
                     BrowserPolicy.build(cfg.host, cfg.allowed_hosts, cfg.cors_origins),
-                    Preparer(cfg.prepare_timeout_s))
+                    Preparer(cfg.prepare_timeout_s), cfg.dashboard)
     server = DrainingServer(uvicorn.Config(app, host=cfg.host, port=cfg.port, lifespan="off",
                                            log_level="warning", timeout_graceful_shutdown=5,
                                            http=cfg.connection_limits.protocol()),
@@ -307,7 +308,7 @@ def main(args) -> int:
         quantize=args.quantize, shutdown_timeout_s=args.shutdown_timeout,
         metrics_auth=args.metrics_auth, log_format=args.log_format or settings.log_format(),
         log_prompts=args.log_prompts, keys_dir=args.keys, insecure=args.insecure,
-        http_admin=not args.no_http_admin, model_dirs=args.model_dir,
+        http_admin=not args.no_http_admin, dashboard=args.dashboard, model_dirs=args.model_dir,
         request_limits=RequestLimits(
             max_messages=args.max_messages, max_request_tokens=args.max_request_tokens,
             max_choices=args.max_request_choices,

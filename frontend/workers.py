@@ -161,6 +161,7 @@ class WorkerPool:
                  external: bool | None = None):
         self.address, self.slow_after_s, self.lost_after_s = address, slow_after_s, lost_after_s
         self.stream_buffer_tokens = stream_buffer_tokens
+        self.losses: dict[str, int] = {}       # die → workers lost there (each restarted)
         self.answer_deadline_s = answer_deadline_s
         self.unanswered: dict[str, RequestStream] = {}   # sent, no word from the worker yet
         # workers without a spawn proof may join: CURVE judged their key, or --insecure
@@ -547,6 +548,7 @@ class WorkerPool:
         if not worker.alive:
             return
         worker.alive, worker.slow, worker.lost_reason = False, False, reason
+        self.losses[worker.die] = self.losses.get(worker.die, 0) + 1
         log.warning("worker for die %s lost: %s", worker.die, reason)
         error = WorkerLost(f"the worker for die {worker.die} went away ({reason})")
         for request_id in list(worker.requests):

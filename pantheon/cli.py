@@ -132,7 +132,12 @@ def add_security_arguments(serve: argparse.ArgumentParser) -> None:
                        help="start even where a bind off loopback lacks its key, and let "
                             "workers join the link without keys (warned at every start)")
     serve.add_argument("--no-http-admin", action="store_true",
-                       help="no /admin/ routes on the HTTP server (the admin socket stays)")
+                       help="no /admin/ routes on the HTTP server (the admin socket stays; "
+                            "no dashboard)")
+    serve.add_argument("--dashboard", choices=("on", "readonly", "off"), default="on",
+                       help="the operator's page at /dashboard (behind the admin key when "
+                            "one is set): on, readonly (no load/unload buttons) or off "
+                            "(default on)")
     serve.add_argument("--model-dir", action="append", metavar="DIR",
                        help="a folder /admin/models/load may open models from; repeatable "
                             "(default: the cache folder and those of the --model files)")

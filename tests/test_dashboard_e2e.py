@@ -197,6 +197,27 @@ def test_the_page_in_chromium_shows_the_server_and_drives_it(server, browser, tm
     (tmp_path / "dashboard.png").write_bytes(png)
     assert png_is_not_blank(png)
 
+    # a phone's screen: nothing wider than it (the tables scroll inside themselves)
+    drv.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", {
+        "width": 390, "height": 844, "deviceScaleFactor": 3, "mobile": True})
+    wait(drv, lambda d: d.execute_script("return window.innerWidth") == 390, timeout=10)
+    wider = drv.execute_script("""const w = window.innerWidth, out = [];
+        for (const e of document.querySelectorAll('body *')) {
+          const r = e.getBoundingClientRect(), box = e.closest('table');
+          if (r.right > w + 1 && !(box && box !== e && box.getBoundingClientRect().right <= w + 1))
+            out.push(e.tagName + '#' + e.id + '.' + e.className);
+        }
+        return [document.documentElement.scrollWidth, out];""")
+    assert wider[0] <= 390 and not wider[1], wider
+    drv.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+    # the dark scheme follows the system's
+    background = "return getComputedStyle(document.body).backgroundColor"
+    light = drv.execute_script(background)
+    drv.execute_cdp_cmd("Emulation.setEmulatedMedia", {
+        "features": [{"name": "prefers-color-scheme", "value": "dark"}]})
+    dark = drv.execute_script(background)
+    assert light == "rgb(255, 255, 255)" and dark == "rgb(20, 24, 29)", (light, dark)
+
     click(drv, row + " button")                                      # Unload
     wait(drv, lambda d: "available" in cell_text(d, row))
     assert [m["name"] for m in board(server).json()["models"]] == []

@@ -1,0 +1,413 @@
+"""Models come and go by themselves: load on first request, idle unload, eviction.
+
+Invariants:
+- one load per model at a time: concurrent first requests for a model await the one
+  task that loads it (`pending`), and wait no longer than the admission queue's timeout;
+- only the loader makes room, one load at a time (`room`), so two loads never evict for
+  each other;
+- a replica with a request running or queued (or a request waiting for its model's
+  load) is never unloaded, neither when idle for keep-alive nor to make room; pinned
+  models (`--pin`, `--model`, an admin load with `"pin": true`) never are;
+- everything goes through the admin machinery (Admin.load: placement, admission of the
+  die's budget, the fleet-wide upload lock; Admin.unload: the drain), with a reason:
+  `request`, `idle`, `evicted`, or `admin` for what the admin API asked.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from ..common import settings
+from ..common.model_file import read_config
+from .admin import Admin, AdminError
+from .admission import Admission
+from .catalog import Catalog, CatalogError, Entry, parse_alias
+from .dies import PlacementError, replica_bytes
+from .errors import APIError
+from .keep_alive import FOREVER
+from .registry import Registry, Replica, ReplicaState, ServedModel
+
+log = logging.getLogger("pantheon.frontend.autoload")
+
+REASONS = ("start", "request", "idle", "evicted", "admin")
+
+
+@dataclass
+class Policy:
+    """The lifecycle settings `pantheon serve` takes."""
+
+    autoload: bool = True            # --no-autoload: only --model and the admin load
+    keep_alive_s: float = 300.0      # --keep-alive (-1: never unload when idle)
+    pins: set[str] = field(default_factory=set)     # --pin NAME, and the --model names
+    max_loaded: int = 0              # --max-loaded: resident models at most (0: no cap)
+    tick_s: float = 0.25             # how often idle replicas are looked at
+
+
+@dataclass(kw_only=True)
+class LifecycleConfig:
+    """`pantheon serve`'s lifecycle flags, checked before anything starts."""
+
+    aliases: list[tuple[str, str]] = field(default_factory=list)   # --alias NAME=PATH
+    pins: list[str] = field(default_factory=list)                  # --pin NAME
+    keep_alive_s: float = 300.0
+    max_loaded: int = 0
+    autoload: bool = True
+    preload: bool = True              # --no-preload: the --model files wait for a request
+    fetched: bool = True              # the models `pantheon models fetch` cached
+
+    def __post_init__(self):
+        if self.keep_alive_s < 0 and self.keep_alive_s != FOREVER:
+            raise ValueError(f"--keep-alive {self.keep_alive_s:g}: seconds >= 0, or -1 for "
+                             "never")
+        if self.max_loaded < 0:
+            raise ValueError(f"--max-loaded {self.max_loaded}: 0 (no cap) or more")
+
+    @classmethod
+    def from_args(cls, args) -> "LifecycleConfig":
+        return cls(aliases=[parse_alias(a) for a in args.alias or []], pins=args.pin or [],
+                   keep_alive_s=args.keep_alive, max_loaded=args.max_loaded,
+                   autoload=not args.no_autoload, preload=not args.no_preload)
+
+    def catalog(self, models: list[tuple[str, str | None]],
+                model_dirs: list[str] | None) -> Catalog:
+        """The catalog, scanned (blocking: off the event loop); CatalogError for a bad
+        --alias."""
+        catalog = Catalog(model_dirs, models, self.aliases, self.fetched)
+        catalog.scan()
+        return catalog
+
+    def policy(self, catalog: Catalog, model_names: list[str]) -> Policy:
+        """The pins are the --model names and --pin's (an alias pins its model)."""
+        pins = set(model_names)
+        for name in self.pins:
+            entry = catalog.lookup(name)
+            if entry is None:
+                raise CatalogError(f"--pin {name}: no such model; the catalog has "
+                                   f"{', '.join(catalog.all_names()) or 'nothing'}")
+            pins.add(entry.name)
+        return Policy(self.autoload, self.keep_alive_s, pins, self.max_loaded)
+
+
+class AutoLoader:
+    def __init__(self, catalog: Catalog, registry: Registry, admin: Admin,
+                 admission: Admission, policy: Policy, metrics=None):
+        self.catalog, self.registry, self.admin = catalog, registry, admin
+        self.admission, self.policy, self.metrics = admission, policy, metrics
+        self.pending: dict[str, asyncio.Task] = {}   # model name → its load
+        self.waiting: dict[str, int] = {}            # requests waiting for that load
+        self.keep: dict[str, float] = {}             # per model: the last request's keep_alive
+        self.seen: dict[str, float] = {}             # replica id → first seen ready
+        self.unloading: set[str] = set()             # replica ids an unload was started for
+        self.room = asyncio.Lock()
+        self.tasks: set[asyncio.Task] = set()
+        self.reaper: asyncio.Task | None = None
+        self.configs: dict[str, object] = {}         # path → ModelConfig (placement sizes)
+        self.events: dict[str, int] = {}             # "load:request" etc. → count (admin top)
+        registry.autoload = self
+        admin.autoload = self
+
+    def start(self) -> None:
+        self.reaper = asyncio.ensure_future(self.reap())
+
+    async def close(self) -> None:
+        tasks = [t for t in [self.reaper, *self.tasks, *self.pending.values()] if t]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # -- what a request asks for ---------------------------------------------------------
+    def pinned(self, name: str) -> bool:
+        return name in self.policy.pins
+
+    def status(self, name: str) -> str:
+        model = self.registry.models.get(name)
+        if model is not None and model.ready():
+            return "loaded"
+        if name in self.pending or (model is not None and model.replicas):
+            return "loading"
+        return "available"
+
+    def servable(self) -> bool:
+        """Something can be served on request (for /health with no model loaded yet)."""
+        return self.policy.autoload and bool(self.catalog.entries)
+
+    async def resolve(self, name: str | None, keep_alive: float | None = None) -> ServedModel:
+        """The ready model `name` names, loading it first when it is in the catalog and
+        not loaded (this request waits for the load, as in the admission queue)."""
+        entry = self.catalog.lookup(name)
+        if entry is None:
+            return self.unknown(name)
+        self.keep[entry.name] = self.policy.keep_alive_s if keep_alive is None else keep_alive
+        model = self.registry.models.get(entry.name)
+        if model is not None and model.ready():
+            self.touch(model)
+            return model
+        if not self.policy.autoload:
+            raise APIError(503, f"model {entry.name!r} is not loaded and this server loads "
+                                "models only when an admin asks (--no-autoload)",
+                           type="service_unavailable", code="model_not_loaded")
+        return await self.wait_for(entry)
+
+    def unknown(self, name: str | None) -> ServedModel:
+        """A name the catalog does not know: a model loaded under it (by the admin API),
+        the single-model shortcut (one model: any name goes to it), else a 400 without a
+        name and a 404 with one, listing what can be served."""
+        if name in self.registry.models or len(self.registry.models) == 1:
+            return self.registry.resolve(name)
+        available = ", ".join(self.catalog.all_names()) or "none"
+        if name is None:
+            raise APIError(400, f"model is required: this server serves several models "
+                                f"({available})", param="model", code="model_required")
+        raise APIError(404, f"model {name!r} does not exist; available: {available}",
+                       param="model", code="model_not_found")
+
+    def touch(self, model: ServedModel) -> None:
+        now = time.monotonic()
+        for r in model.replicas:
+            r.last_used = max(r.last_used, now)
+
+    async def wait_for(self, entry: Entry) -> ServedModel:
+        """Join the model's load (start it if none runs) and wait for it to be ready, up
+        to the queue timeout; the load's own error (507, 400...) if it fails."""
+        name = entry.name
+        waiting = self.waiting.get(name, 0)
+        if waiting >= self.admission.depth:
+            raise APIError(429, f"{waiting} requests already wait for {name!r} to load; "
+                                "retry shortly", type="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": "5"})
+        task = self.pending.get(name)
+        if task is None:
+            task = asyncio.ensure_future(self.load(entry, "request"))
+            self.pending[name] = task
+            task.add_done_callback(lambda t, n=name: self.loaded(n, t))
+        self.waiting[name] = waiting + 1
+        try:
+            await asyncio.wait_for(asyncio.shield(task), self.admission.timeout_s)
+        except asyncio.TimeoutError:
+            raise APIError(429, f"{name!r} did not finish loading within "
+                                f"{self.admission.timeout_s:g} s; retry shortly",
+                           type="rate_limit_error", code="queue_timeout",
+                           headers={"Retry-After": "2"}) from None
+        except AdminError as exc:
+            raise APIError(exc.status, str(exc), type="insufficient_storage"
+                           if exc.status == 507 else "invalid_request_error"
+                           if exc.status < 500 else "server_error",
+                           code="model_load_failed") from None
+        finally:
+            self.waiting[name] -= 1
+            if not self.waiting[name]:
+                del self.waiting[name]
+        model = self.registry.models.get(name)
+        if model is None or not model.ready():      # unloaded again meanwhile (an admin)
+            raise APIError(503, f"model {name!r} was unloaded while this request waited",
+                           type="service_unavailable", code="model_unloaded",
+                           headers={"Retry-After": "1"})
+        self.touch(model)
+        return model
+
+    def loaded(self, name: str, task: asyncio.Task) -> None:
+        self.pending.pop(name, None)
+        if not task.cancelled() and task.exception() is not None \
+                and not isinstance(task.exception(), AdminError):
+            log.error("loading %s failed: %s", name, task.exception())
+
+    # -- loading, and making room ---------------------------------------------------------
+    async def load(self, entry: Entry, reason: str) -> None:
+        deadline = time.monotonic() + self.admission.timeout_s
+        async with self.room:
+            model = self.registry.models.get(entry.name)
+            if model is not None and model.replicas:      # an admin load got there first
+                await self.until_settled(entry.name, deadline)
+                return
+            await self.make_room(entry, deadline)
+            log.info("loading %s (reason: %s)", entry.name, reason)
+            await self.admin.load({"path": entry.path, "name": entry.name}, trusted=True,
+                                  reason=reason)
+            self.count("load", reason)
+
+    async def until_settled(self, name: str, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            model = self.registry.models.get(name)
+            if model is None or model.ready() or all(
+                    r.state == ReplicaState.FAILED for r in model.replicas):
+                return
+            await asyncio.sleep(0.05)
+
+    def config(self, path: str):
+        if path not in self.configs:
+            self.configs[path] = read_config(path)
+        return self.configs[path]
+
+    async def make_room(self, entry: Entry, deadline: float) -> None:
+        """Unload the least recently used idle, unpinned replicas until the model fits a
+        die (and the resident count is under --max-loaded); wait for busy ones to go
+        idle up to `deadline`; a 507 naming what holds the memory when nothing can go."""
+        cfg = await asyncio.to_thread(self.config, entry.path)
+        placer = self.admin.placer
+        while True:
+            over = self.policy.max_loaded and self.resident() >= self.policy.max_loaded
+            why = f"--max-loaded {self.policy.max_loaded} models are resident" if over else ""
+            if not over:
+                try:
+                    self.admin.die_table.choose(entry.path, cfg, None, placer.slots,
+                                                placer.ctx, placer.quantize)
+                    return
+                except PlacementError as exc:
+                    if exc.status != 507:
+                        raise AdminError(exc.status, str(exc)) from None
+                    why = str(exc)
+            victims = self.victims(entry, cfg, whole_model=bool(over))
+            if victims:
+                await asyncio.gather(*(self.unload(m, r, "evicted") for m, r in victims))
+                continue
+            holders = self.holders(entry)
+            if not any(not self.pinned(m.name) for m, _ in holders) \
+                    or time.monotonic() >= deadline:
+                held = "; ".join(f"{r.model_id} on die {r.die} ({r.reserved / 2**20:.0f} MiB, "
+                                 + ("pinned" if self.pinned(m.name) else
+                                    f"{r.inflight} running") + ")" for m, r in holders)
+                raise AdminError(507, f"cannot load {entry.name!r}: {why}" +
+                                 (f"; held by {held}" if held else ""))
+            await asyncio.sleep(0.1)    # a busy replica goes idle: then it can go
+
+    def resident(self) -> int:
+        return sum(1 for m in self.registry.models.values() if m.replicas)
+
+    def evictable(self, model: ServedModel, r: Replica, entry: Entry) -> bool:
+        return (r.state == ReplicaState.READY and r.inflight == 0 and model.name != entry.name
+                and not self.pinned(model.name) and not self.admission.queued(model)
+                and not self.waiting.get(model.name) and r.model_id not in self.unloading)
+
+    def victims(self, entry: Entry, cfg, whole_model: bool) -> list[tuple]:
+        """What to unload next: the LRU idle model (--max-loaded), or the LRU idle
+        replica on a die where the new one fits once the evictable ones are gone."""
+        pairs = [(m, r) for m, r in self.registry.replicas() if self.evictable(m, r, entry)]
+        if whole_model:
+            idle = [m for m in self.registry.models.values() if m.replicas and all(
+                self.evictable(m, r, entry) for r in m.replicas)]
+            if not idle:
+                return []
+            lru = min(idle, key=lambda m: max(r.last_used for r in m.replicas))
+            return [(lru, r) for r in lru.replicas]
+        placer, useful = self.admin.placer, []
+        for die in self.admin.die_table.snapshot():
+            if not die.alive:
+                continue
+            need = replica_bytes(entry.path, cfg, die.kind, placer.slots or
+                                 self.admin.die_table.slots, placer.ctx, placer.quantize)
+            freeable = sum(r.reserved for m, r in pairs if r.die == die.die)
+            if need <= die.free_budget + freeable:
+                useful += [(m, r) for m, r in pairs if r.die == die.die]
+        if not useful:
+            return []
+        return [min(useful, key=lambda mr: mr[1].last_used)]
+
+    def holders(self, entry: Entry) -> list[tuple]:
+        return [(m, r) for m, r in self.registry.replicas() if m.name != entry.name]
+
+    async def unload(self, model: ServedModel, r: Replica, reason: str) -> None:
+        if r.model_id in self.unloading:
+            return
+        self.unloading.add(r.model_id)
+        try:
+            log.info("unloading %s from die %s (reason: %s)", r.model_id, r.die, reason)
+            await self.admin.unload({"id": r.model_id, "timeout_s": settings.UNLOAD_TIMEOUT_S},
+                                    reason=reason)
+        except AdminError as exc:        # gone meanwhile, or already unloading
+            log.info("unloading %s: %s", r.model_id, exc)
+        finally:
+            self.unloading.discard(r.model_id)
+            self.seen.pop(r.model_id, None)
+
+    # -- idle unload -------------------------------------------------------------------
+    async def reap(self) -> None:
+        while True:
+            await asyncio.sleep(self.policy.tick_s)
+            try:
+                self.reap_once(time.monotonic())
+            except Exception:        # the reaper must outlive any one bad moment
+                log.exception("idle check failed")
+
+    def reap_once(self, now: float) -> None:
+        for model, r in list(self.registry.replicas()):
+            if r.state != ReplicaState.READY:
+                continue
+            since = max(r.last_used, self.seen.setdefault(r.model_id, now))
+            if model.path and model.name not in self.catalog.names:
+                self.catalog.remember(model.name, model.path)   # admin-loaded: servable again
+            keep = self.keep.get(model.name, self.policy.keep_alive_s)
+            if keep == FOREVER or keep < 0 or self.pinned(model.name) or r.inflight \
+                    or self.admission.queued(model) or self.waiting.get(model.name) \
+                    or r.model_id in self.unloading or model.name in self.pending:
+                continue
+            if now - since >= keep:
+                self.spawn(self.unload(model, r, "idle"))
+
+    def spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    # -- what the admin API did ----------------------------------------------------------
+    def admin_loaded(self, name: str, path: str, pin: bool) -> None:
+        if pin:
+            self.policy.pins.add(name)
+        self.catalog.remember(name, path)
+
+    def admin_unloaded(self, name: str) -> None:
+        """An admin unloaded every replica of `name`: a model only an admin load named
+        leaves the catalog; the keep-alive it had goes."""
+        if name not in self.registry.models:
+            self.catalog.forget(name)
+            self.keep.pop(name, None)
+
+    def count(self, what: str, reason: str) -> None:
+        key = f"{what}:{reason}"
+        self.events[key] = self.events.get(key, 0) + 1
+
+    async def rescan(self) -> dict:
+        before = set(self.catalog.names)
+        await asyncio.to_thread(self.catalog.scan)
+        now = set(self.catalog.names)
+        log.info("catalog rescanned: %d names (%d new, %d gone)", len(now),
+                 len(now - before), len(before - now))
+        return {"models": self.catalog.all_names(), "added": sorted(now - before),
+                "removed": sorted(before - now)}
+
+    # -- what /v1/models shows -------------------------------------------------------------
+    def listing(self) -> list[dict]:
+        """Every servable name: catalog entries, their aliases, and loaded models the
+        catalog does not name; loaded ones first."""
+        rows = []
+        names = set()
+        for entry in self.catalog.entries.values():
+            rows.append(self.row(entry.name, entry.path, entry.source, entry.aliases))
+            names.add(entry.name)
+            for alias in entry.aliases:
+                rows.append(self.row(entry.name, entry.path, "alias", [], alias))
+                names.add(alias)
+        for model in self.registry.models.values():
+            if model.name not in names:
+                rows.append(self.row(model.name, model.path, "admin", []))
+        order = {"loaded": 0, "loading": 1, "available": 2}
+        return sorted(rows, key=lambda row: (order[row["status"]], row["id"]))
+
+    def row(self, name: str, path: str, source: str, aliases: list[str],
+            alias: str | None = None) -> dict:
+        model = self.registry.models.get(name)
+        out = {"id": alias or name, "status": self.status(name), "source": source,
+               "pinned": self.pinned(name), "max_model_len": model.context() if model else 0,
+               "created": model.created if model else 0}
+        if alias:
+            out["alias_of"] = name
+        elif aliases:
+            out["aliases"] = list(aliases)
+        if model is not None and model.replicas:
+            out["replicas"] = [{"id": r.model_id, "die": r.die, "state": r.state,
+                                "in_flight": r.inflight, "slots": r.slots, "ctx": r.ctx}
+                               for r in model.replicas]
+        keep = self.keep.get(name, self.policy.keep_alive_s)
+        out["keep_alive_s"] = None if keep < 0 or self.pinned(name) else keep
+        return out

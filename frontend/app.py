@@ -237,8 +237,10 @@ def build_app(registry: Registry, lifecycle: Lifecycle, admin: Admin,
             return JSONResponse({"status": "draining", "running": lifecycle.running},
                                 status_code=503, headers={"Retry-After": "5"})
         ready = registry.ready_models()
+        # nothing to load at start (--no-preload, or all unloaded since): a worker is
+        # enough, each model loads on its first request
         on_request = registry.autoload is not None and registry.autoload.servable() \
-            and bool(pool.live())             # nothing loaded yet: loaded when asked for
+            and not registry.models and bool(pool.live())
         if not ready and not on_request:
             err = APIError(503, "no model is ready", type="service_unavailable",
                            code="model_not_ready")

@@ -5,8 +5,9 @@ Invariants:
   task that loads it (`pending`), and wait no longer than the admission queue's timeout;
 - only the loader makes room, one load at a time (`room`), so two loads never evict for
   each other;
-- a replica with a request running or queued (or a request waiting for its model's
-  load) is never unloaded, neither when idle for keep-alive nor to make room; pinned
+- a model is claimed by every request that named it, from its resolve() to the end of
+  the request's task (its last byte sent, or its error): a claimed model's replicas, or
+  ones with a request running or queued, are never unloaded, neither when idle for keep-alive nor to make room; pinned
   models (`--pin`, `--model`, an admin load with `"pin": true`) never are;
 - everything goes through the admin machinery (Admin.load: placement, admission of the
   die's budget, the fleet-wide upload lock; Admin.unload: the drain), with a reason:
@@ -98,6 +99,8 @@ class AutoLoader:
         self.pending: dict[str, asyncio.Task] = {}   # model name → its load
         self.waiting: dict[str, int] = {}            # requests waiting for that load
         self.keep: dict[str, float] = {}             # per model: the last request's keep_alive
+        self.claims: dict[str, int] = {}             # per model: requests under way
+        self.released: dict[str, float] = {}         # per model: when the last one ended
         self.seen: dict[str, float] = {}             # replica id → first seen ready
         self.unloading: set[str] = set()             # replica ids an unload was started for
         self.room = asyncio.Lock()
@@ -138,8 +141,11 @@ class AutoLoader:
         not loaded (this request waits for the load, as in the admission queue)."""
         entry = self.catalog.lookup(name)
         if entry is None:
-            return self.unknown(name)
+            model = self.unknown(name)
+            self.claim(model.name)
+            return model
         self.keep[entry.name] = self.policy.keep_alive_s if keep_alive is None else keep_alive
+        self.claim(entry.name)
         model = self.registry.models.get(entry.name)
         if model is not None and model.ready():
             self.touch(model)
@@ -162,6 +168,25 @@ class AutoLoader:
                                 f"({available})", param="model", code="model_required")
         raise APIError(404, f"model {name!r} does not exist; available: {available}",
                        param="model", code="model_not_found")
+
+    def claim(self, name: str) -> None:
+        """Hold `name` until the calling request's task ends (its response is over)."""
+        self.claims[name] = self.claims.get(name, 0) + 1
+        task = asyncio.current_task()
+        if task is not None:
+            task.add_done_callback(lambda _t: self.unclaim(name))
+        else:                                             # not in a task: nothing holds it
+            self.unclaim(name)
+
+    def unclaim(self, name: str) -> None:
+        self.claims[name] -= 1
+        if not self.claims[name]:
+            del self.claims[name]
+        self.released[name] = time.monotonic()
+
+    def busy(self, model: ServedModel) -> bool:
+        return bool(self.claims.get(model.name) or self.admission.queued(model)
+                    or self.waiting.get(model.name))
 
     def touch(self, model: ServedModel) -> None:
         now = time.monotonic()
@@ -247,7 +272,7 @@ class AutoLoader:
         cfg = await asyncio.to_thread(self.config, entry.path)
         placer = self.admin.placer
         while True:
-            over = self.policy.max_loaded and self.resident() >= self.policy.max_loaded
+            over = bool(self.policy.max_loaded) and self.resident() >= self.policy.max_loaded
             why = f"--max-loaded {self.policy.max_loaded} models are resident" if over else ""
             if not over:
                 try:
@@ -258,16 +283,18 @@ class AutoLoader:
                     if exc.status != 507:
                         raise AdminError(exc.status, str(exc)) from None
                     why = str(exc)
-            victims = self.victims(entry, cfg, whole_model=bool(over))
+            victims = self.victims(entry, cfg, over, busy_too=False)
             if victims:
-                await asyncio.gather(*(self.unload(m, r, "evicted") for m, r in victims))
+                lru = min(victims, key=lambda mr: mr[1].last_used)
+                targets = [(lru[0], r) for r in lru[0].replicas] if over else [lru]
+                await asyncio.gather(*(self.unload(m, r, "evicted") for m, r in targets))
                 continue
-            holders = self.holders(entry)
-            if not any(not self.pinned(m.name) for m, _ in holders) \
+            if not self.victims(entry, cfg, over, busy_too=True) \
                     or time.monotonic() >= deadline:
-                held = "; ".join(f"{r.model_id} on die {r.die} ({r.reserved / 2**20:.0f} MiB, "
+                held = "; ".join(f"{r.model_id} on die {r.die} ({r.reserved / 2**20:.1f} MiB, "
                                  + ("pinned" if self.pinned(m.name) else
-                                    f"{r.inflight} running") + ")" for m, r in holders)
+                                    f"{r.inflight} running") + ")"
+                                 for m, r in self.registry.replicas() if m.name != entry.name)
                 raise AdminError(507, f"cannot load {entry.name!r}: {why}" +
                                  (f"; held by {held}" if held else ""))
             await asyncio.sleep(0.1)    # a busy replica goes idle: then it can go
@@ -275,37 +302,34 @@ class AutoLoader:
     def resident(self) -> int:
         return sum(1 for m in self.registry.models.values() if m.replicas)
 
-    def evictable(self, model: ServedModel, r: Replica, entry: Entry) -> bool:
-        return (r.state == ReplicaState.READY and r.inflight == 0 and model.name != entry.name
-                and not self.pinned(model.name) and not self.admission.queued(model)
-                and not self.waiting.get(model.name) and r.model_id not in self.unloading)
+    def evictable(self, model: ServedModel, r: Replica, entry: Entry, busy_too: bool) -> bool:
+        """May go now; or, `busy_too`, will or may go (busy, or already unloading)."""
+        if model.name == entry.name or self.pinned(model.name):
+            return False
+        if busy_too:
+            return r.state in (ReplicaState.READY, ReplicaState.UNLOADING)
+        return r.state == ReplicaState.READY and r.model_id not in self.unloading \
+            and not (r.inflight or self.busy(model))
 
-    def victims(self, entry: Entry, cfg, whole_model: bool) -> list[tuple]:
-        """What to unload next: the LRU idle model (--max-loaded), or the LRU idle
-        replica on a die where the new one fits once the evictable ones are gone."""
-        pairs = [(m, r) for m, r in self.registry.replicas() if self.evictable(m, r, entry)]
+    def victims(self, entry: Entry, cfg, whole_model: bool, busy_too: bool) -> list[tuple]:
+        """What may go to make room: replicas of models whose every replica may go
+        (--max-loaded), or replicas on a die where the new one fits once they are gone.
+        `busy_too`: those that may go once their requests are over."""
+        pairs = [(m, r) for m, r in self.registry.replicas()
+                 if self.evictable(m, r, entry, busy_too)]
         if whole_model:
-            idle = [m for m in self.registry.models.values() if m.replicas and all(
-                self.evictable(m, r, entry) for r in m.replicas)]
-            if not idle:
-                return []
-            lru = min(idle, key=lambda m: max(r.last_used for r in m.replicas))
-            return [(lru, r) for r in lru.replicas]
+            return [(m, r) for m, r in pairs
+                    if all(self.evictable(m, x, entry, busy_too) for x in m.replicas)]
         placer, useful = self.admin.placer, []
         for die in self.admin.die_table.snapshot():
             if not die.alive:
                 continue
             need = replica_bytes(entry.path, cfg, die.kind, placer.slots or
                                  self.admin.die_table.slots, placer.ctx, placer.quantize)
-            freeable = sum(r.reserved for m, r in pairs if r.die == die.die)
-            if need <= die.free_budget + freeable:
-                useful += [(m, r) for m, r in pairs if r.die == die.die]
-        if not useful:
-            return []
-        return [min(useful, key=lambda mr: mr[1].last_used)]
-
-    def holders(self, entry: Entry) -> list[tuple]:
-        return [(m, r) for m, r in self.registry.replicas() if m.name != entry.name]
+            here = [(m, r) for m, r in pairs if r.die == die.die]
+            if need <= die.free_budget + sum(r.reserved for _, r in here):
+                useful += here
+        return useful
 
     async def unload(self, model: ServedModel, r: Replica, reason: str) -> None:
         if r.model_id in self.unloading:
@@ -334,13 +358,14 @@ class AutoLoader:
         for model, r in list(self.registry.replicas()):
             if r.state != ReplicaState.READY:
                 continue
-            since = max(r.last_used, self.seen.setdefault(r.model_id, now))
+            since = max(r.last_used, self.seen.setdefault(r.model_id, now),
+                        self.released.get(model.name, 0.0))
             if model.path and model.name not in self.catalog.names:
                 self.catalog.remember(model.name, model.path)   # admin-loaded: servable again
             keep = self.keep.get(model.name, self.policy.keep_alive_s)
             if keep == FOREVER or keep < 0 or self.pinned(model.name) or r.inflight \
-                    or self.admission.queued(model) or self.waiting.get(model.name) \
-                    or r.model_id in self.unloading or model.name in self.pending:
+                    or self.busy(model) or r.model_id in self.unloading \
+                    or model.name in self.pending:
                 continue
             if now - since >= keep:
                 self.spawn(self.unload(model, r, "idle"))

@@ -33,6 +33,9 @@ def cmd_models(args) -> int:
     from pantheon.common import model_catalog as catalog
     from pantheon.common.default_model import DEFAULT
     if args.models_command == "list":
+        if args.url:                   # a running server's catalog, with each model's status
+            from pantheon.frontend.catalog_cli import show
+            return show(args.url, args.api_key or settings.api_key())
         print(catalog.format_listing(catalog.listing()))
         return 0
     name = DEFAULT if args.models_command == "fetch-default" else args.name
@@ -219,7 +222,11 @@ def build_parser() -> argparse.ArgumentParser:
     models_sub.add_parser("fetch-default", help="fetch the embedded default model into the cache")
     fetch = models_sub.add_parser("fetch", help="fetch a catalogue model into the cache")
     fetch.add_argument("name", help="a name that `pantheon models list` shows")
-    models_sub.add_parser("list", help="the catalogue and the cache: name, status, size, path")
+    listing = models_sub.add_parser("list", help="the catalogue and the cache: name, status, "
+                                    "size, path; with --url, what a running server serves")
+    listing.add_argument("--url", metavar="URL", help="a running server (e.g. "
+                         "http://127.0.0.1:8080): its models, loaded, loading or available")
+    listing.add_argument("--api-key", help="its API key (env PANTHEON_API_KEY)")
     models.set_defaults(func=cmd_models)
 
     run = sub.add_parser("run", help="one chat turn in-process, streamed to stdout")

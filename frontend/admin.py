@@ -140,6 +140,7 @@ class Admin:
                          "used_bytes": d.reserved, "budget_bytes": d.budget,
                          "step_s": d.worker["step_s"]})
         models = []
+        waiting = self.autoload.waiting if self.autoload is not None else {}
         for model in self.registry.models.values():
             ready = model.ready()
             window = self.metrics.window.summary(model.name, now) if self.metrics else {}
@@ -149,8 +150,12 @@ class Admin:
                                        if r.model_id in loads),
                            "slots": sum(r.slots for r in ready),
                            "running": sum(r.inflight for r in model.replicas),
-                           "queued": self.admission.queued(model), **window})
-        return {"dies": dies, "models": models, "draining": self.draining}
+                           "queued": self.admission.queued(model) + waiting.get(model.name, 0),
+                           **window})
+        out = {"dies": dies, "models": models, "draining": self.draining}
+        if self.autoload is not None:          # loads and unloads by reason, since the start
+            out["lifecycle"] = self.autoload.summary()
+        return out
 
     async def rescan(self, args=None) -> dict:
         """Scan the --model-dir folders again (a file added or removed since the start)."""

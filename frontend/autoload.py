@@ -377,6 +377,7 @@ class AutoLoader:
 
     # -- what the admin API did ----------------------------------------------------------
     def admin_loaded(self, name: str, path: str, pin: bool) -> None:
+        self.count("load", "admin")
         if pin:
             self.policy.pins.add(name)
         self.catalog.remember(name, path)
@@ -387,6 +388,15 @@ class AutoLoader:
         if name not in self.registry.models:
             self.catalog.forget(name)
             self.keep.pop(name, None)
+
+    def summary(self) -> dict:
+        """For `pantheon admin top`: loads and unloads by reason, what is loading."""
+        by = {"loads": {}, "unloads": {}}
+        for key, n in sorted(self.events.items()):
+            what, reason = key.split(":")
+            by[what + "s"][reason] = n
+        return {**by, "loading": sorted(self.pending), "waiting": dict(self.waiting),
+                "catalog": len(self.catalog.names)}
 
     def count(self, what: str, reason: str) -> None:
         key = f"{what}:{reason}"

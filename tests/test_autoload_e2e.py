@@ -173,3 +173,27 @@ def test_a_pinned_model_is_never_evicted(srv):
     assert "smol-a#" in r.json()["error"]["message"] and "pinned" in r.json()["error"]["message"]
     assert models(srv)["smol-a"]["status"] == "loaded" and models(srv)["smol-a"]["pinned"]
     assert chat(srv, "smol-a").status_code == 200
+
+
+def test_max_loaded_evicts_the_least_recently_used_unpinned_model(tmp_path):
+    """--max-loaded 2 with tiny-a pinned: a third model evicts the LRU unpinned one (b),
+    never the pinned a, though a was used first; `admin top` counts it all by reason."""
+    for name, arch in (("tiny-a", "qwen2"), ("tiny-b", "llama"), ("tiny-c", "qwen2")):
+        tm.write_gguf(arch, tmp_path / f"{name}.gguf")
+    with Server("--no-preload", "--model-dir", str(tmp_path), "--max-loaded", "2",
+                "--pin", "tiny-a", "--keep-alive", "-1", "--slots", "2", "--ctx", "64") as s:
+        for name in ("tiny-a", "tiny-b", "tiny-c"):
+            r = chat(s, name)
+            assert r.status_code == 200, r.text
+        found = models(s)
+        assert [found[n]["status"] for n in ("tiny-a", "tiny-b", "tiny-c")] == [
+            "loaded", "available", "loaded"]
+        assert found["tiny-a"]["pinned"] and not found["tiny-c"]["pinned"]
+        assert metric(s, "pantheon:model_unloads_total", model_name="tiny-b",
+                      reason="evicted") == 1
+        assert "unloading tiny-b#2 from die cpu (reason: evicted)" in s.logs()
+        top = subprocess.run([sys.executable, "-m", "pantheon.cli", "admin", "--addr",
+                              s.args[s.args.index("--admin-addr") + 1], "top", "--once"],
+                             capture_output=True, text=True, timeout=60)
+        assert top.returncode == 0, top.stderr
+        assert "LOADS    request 3" in top.stdout and "UNLOADS  evicted 1" in top.stdout

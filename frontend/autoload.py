@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -33,6 +34,16 @@ from .registry import Registry, Replica, ReplicaState, ServedModel
 log = logging.getLogger("pantheon.frontend.autoload")
 
 REASONS = ("start", "request", "idle", "evicted", "admin")
+
+
+def looks_like_path(name: str | None) -> bool:
+    """A file path rather than a model name: absolute, home- or dot-relative, with a
+    `..` step, or a model file's suffix ("org/model", a Hugging Face id, is a name)."""
+    if not name:
+        return False
+    return (name.startswith(("/", "~", "./", "../", "\\")) or "/../" in name
+            or name.endswith(("/..", ".gguf", ".safetensors"))
+            or re.match(r"[A-Za-z]:[\\/]", name) is not None)
 
 
 @dataclass
@@ -158,11 +169,13 @@ class AutoLoader:
 
     def unknown(self, name: str | None) -> ServedModel:
         """A name the catalog does not know: a model loaded under it (by the admin API),
-        the single-model shortcut (one model: any name goes to it), else a 400 without a
-        name and a 404 with one, listing what can be served."""
-        if name in self.registry.models or len(self.registry.models) == 1:
-            return self.registry.resolve(name)
+        the single-model shortcut (one model: any other name goes to it, as before there
+        was a catalog), else a 400 without a name and a 404 with one, listing what can be
+        served. A path is never a name: always a 404, whatever is loaded."""
         available = ", ".join(self.catalog.all_names()) or "none"
+        if name in self.registry.models or (len(self.registry.models) == 1
+                                            and not looks_like_path(name)):
+            return self.registry.resolve(name)
         if name is None:
             raise APIError(400, f"model is required: this server serves several models "
                                 f"({available})", param="model", code="model_required")

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 import tiny_models as tm
-from pantheon.frontend.autoload import AutoLoader, LifecycleConfig, Policy
+from pantheon.frontend.autoload import AutoLoader, LifecycleConfig, Policy, looks_like_path
 from pantheon.frontend.catalog import Catalog, CatalogError
 from pantheon.frontend.errors import APIError
 from pantheon.frontend.registry import Registry
@@ -49,6 +49,15 @@ def test_unknown_names_are_404_and_no_name_among_several_is_400(catalog):
     with pytest.raises(APIError) as exc:
         resolve(auto, None)
     assert exc.value.status == 400 and exc.value.code == "model_required"
+
+
+@pytest.mark.parametrize("name, path", [
+    ("/models/a.gguf", True), ("../a", True), ("~/a", True), ("./a", True),
+    ("a/../../etc", True), ("a.gguf", True), ("C:\\m\\a", True), ("x.safetensors", True),
+    ("HuggingFaceTB/SmolLM2-135M-Instruct", False), ("gpt-4o", False), ("m", False),
+    (None, False), ("", False)])
+def test_a_path_is_never_a_name(name, path):
+    assert looks_like_path(name) is path
 
 
 def test_the_listing_shows_every_name_with_its_status(catalog):

@@ -121,6 +121,11 @@ def test_two_concurrent_first_requests_share_one_load(srv):
     assert found["tiny"]["status"] == found["tiny-a"]["status"] == "loaded"
     (replica,) = found["tiny-a"]["replicas"]
     assert replica["state"] == "ready"
+    # one model loaded: any other name goes to it (the single-model shortcut), a path never
+    assert chat(srv, "gpt-4o").json()["model"] == "tiny-a"
+    for path in (str(srv.dir / "tiny-b.gguf"), "../tiny-b.gguf", "~/x"):
+        assert chat(srv, path).status_code == 404
+    assert models(srv)["tiny-b"]["status"] == "available"
     # --keep-alive 2: left alone, it goes (idle), and comes back on the next request
     until(lambda: models(srv)["tiny-a"]["status"] == "available")
     assert metric(srv, "pantheon:model_unloads_total", model_name="tiny-a", reason="idle") == 1
@@ -143,27 +148,31 @@ def test_keep_alive_in_the_request(srv):
 
 def test_a_busy_replica_is_neither_unloaded_nor_evicted(srv):
     """smol-a streams with keep_alive 0 (idle, it would go at once); smol-b does not fit
-    beside it: its request waits until smol-a's stream is over, then smol-a is evicted."""
+    beside it: its request waits until smol-a's stream is over, then smol-a goes."""
     busy = Stream(srv.url, {"model": "smol-a", "messages": HI, "max_tokens": 120,
                             "logit_bias": NO_EOS, "keep_alive": 0})
     busy.start()
     assert busy.first.wait(60)
     assert models(srv)["smol-a"]["status"] == "loaded"
-    second = chat(srv, "smol-b")
+    second = chat(srv, "smol-b", keep_alive="1h")     # it stays until evicted (next test)
     assert second.status_code == 200, second.text
     busy.join(60)
     assert busy.status == 200 and busy.error() is None
     assert busy.usage()["completion_tokens"] == 120           # ran to its end, never cut
     found = models(srv)
     assert found["smol-a"]["status"] == "available" and found["smol-b"]["status"] == "loaded"
-    assert metric(srv, "pantheon:model_unloads_total", model_name="smol-a",
+    # once idle it went once: evicted for smol-b, or unloaded first by its keep_alive 0
+    assert metric(srv, "pantheon:model_unloads_total", model_name="smol-a") == 1
+
+
+def test_an_idle_replica_is_evicted_but_a_pinned_one_never(srv):
+    """smol-b is idle: a request for smol-a evicts it. Then smol-a, loaded again by an
+    admin with "pin": true, stays: a request for smol-b is a 507 that names what holds
+    the memory, at once (nothing could go)."""
+    assert chat(srv, "smol-a").status_code == 200
+    assert metric(srv, "pantheon:model_unloads_total", model_name="smol-b",
                   reason="evicted") == 1
-
-
-def test_a_pinned_model_is_never_evicted(srv):
-    """An admin load with "pin": true; a model that does not fit beside it is a 507 that
-    names what holds the memory, at once (nothing could go)."""
-    r = httpx.post(srv.url + "/admin/models/unload", json={"name": "smol-b"}, timeout=60)
+    r = httpx.post(srv.url + "/admin/models/unload", json={"name": "smol-a"}, timeout=60)
     assert r.status_code == 200, r.text
     r = httpx.post(srv.url + "/admin/models/load", timeout=120, json={
         "path": str(srv.dir / "smol-a.gguf"), "name": "smol-a", "pin": True})

@@ -19,21 +19,19 @@ import asyncio
 import logging
 import re
 import time
-from dataclasses import dataclass, field
 
 from ..common import settings
 from ..common.model_file import read_config
 from .admin import Admin, AdminError
 from .admission import Admission
-from .catalog import Catalog, CatalogError, Entry, parse_alias
+from .catalog import Catalog, Entry
 from .dies import PlacementError, replica_bytes
 from .errors import APIError
 from .keep_alive import FOREVER
+from .model_policy import LifecycleConfig, Policy
 from .registry import Registry, Replica, ReplicaState, ServedModel
 
 log = logging.getLogger("pantheon.frontend.autoload")
-
-REASONS = ("start", "request", "idle", "evicted", "admin")
 
 
 def looks_like_path(name: str | None) -> bool:
@@ -44,62 +42,6 @@ def looks_like_path(name: str | None) -> bool:
     return (name.startswith(("/", "~", "./", "../", "\\")) or "/../" in name
             or name.endswith(("/..", ".gguf", ".safetensors"))
             or re.match(r"[A-Za-z]:[\\/]", name) is not None)
-
-
-@dataclass
-class Policy:
-    """The lifecycle settings `pantheon serve` takes."""
-
-    autoload: bool = True            # --no-autoload: only --model and the admin load
-    keep_alive_s: float = 300.0      # --keep-alive (-1: never unload when idle)
-    pins: set[str] = field(default_factory=set)     # --pin NAME, and the --model names
-    max_loaded: int = 0              # --max-loaded: resident models at most (0: no cap)
-    tick_s: float = 0.25             # how often idle replicas are looked at
-
-
-@dataclass(kw_only=True)
-class LifecycleConfig:
-    """`pantheon serve`'s lifecycle flags, checked before anything starts."""
-
-    aliases: list[tuple[str, str]] = field(default_factory=list)   # --alias NAME=PATH
-    pins: list[str] = field(default_factory=list)                  # --pin NAME
-    keep_alive_s: float = 300.0
-    max_loaded: int = 0
-    autoload: bool = True
-    preload: bool = True              # --no-preload: the --model files wait for a request
-    fetched: bool = True              # the models `pantheon models fetch` cached
-
-    def __post_init__(self):
-        if self.keep_alive_s < 0 and self.keep_alive_s != FOREVER:
-            raise ValueError(f"--keep-alive {self.keep_alive_s:g}: seconds >= 0, or -1 for "
-                             "never")
-        if self.max_loaded < 0:
-            raise ValueError(f"--max-loaded {self.max_loaded}: 0 (no cap) or more")
-
-    @classmethod
-    def from_args(cls, args) -> "LifecycleConfig":
-        return cls(aliases=[parse_alias(a) for a in args.alias or []], pins=args.pin or [],
-                   keep_alive_s=args.keep_alive, max_loaded=args.max_loaded,
-                   autoload=not args.no_autoload, preload=not args.no_preload)
-
-    def catalog(self, models: list[tuple[str, str | None]],
-                model_dirs: list[str] | None) -> Catalog:
-        """The catalog, scanned (blocking: off the event loop); CatalogError for a bad
-        --alias."""
-        catalog = Catalog(model_dirs, models, self.aliases, self.fetched)
-        catalog.scan()
-        return catalog
-
-    def policy(self, catalog: Catalog, model_names: list[str]) -> Policy:
-        """The pins are the --model names and --pin's (an alias pins its model)."""
-        pins = set(model_names)
-        for name in self.pins:
-            entry = catalog.lookup(name)
-            if entry is None:
-                raise CatalogError(f"--pin {name}: no such model; the catalog has "
-                                   f"{', '.join(catalog.all_names()) or 'nothing'}")
-            pins.add(entry.name)
-        return Policy(self.autoload, self.keep_alive_s, pins, self.max_loaded)
 
 
 class AutoLoader:
@@ -255,23 +197,26 @@ class AutoLoader:
     async def load(self, entry: Entry, reason: str) -> None:
         deadline = time.monotonic() + self.admission.timeout_s
         async with self.room:
-            model = self.registry.models.get(entry.name)
-            if model is not None and model.replicas:      # an admin load got there first
-                await self.until_settled(entry.name, deadline)
-                return
+            if not await self.until_gone(entry.name, deadline):
+                return                                     # an admin load got there first
             await self.make_room(entry, deadline)
             log.info("loading %s (reason: %s)", entry.name, reason)
             await self.admin.load({"path": entry.path, "name": entry.name}, trusted=True,
                                   reason=reason)
             self.count("load", reason)
 
-    async def until_settled(self, name: str, deadline: float) -> None:
+    async def until_gone(self, name: str, deadline: float) -> bool:
+        """True once `name` has no replica left (an idle unload under way finishes
+        first); False when it is ready, or an admin's load of it has ended, or at the
+        deadline (the waiters then see whether it is ready)."""
         while time.monotonic() < deadline:
             model = self.registry.models.get(name)
-            if model is None or model.ready() or all(
-                    r.state == ReplicaState.FAILED for r in model.replicas):
-                return
+            if model is None or not model.replicas:
+                return True
+            if model.ready() or all(r.state == ReplicaState.FAILED for r in model.replicas):
+                return False
             await asyncio.sleep(0.05)
+        return False
 
     def config(self, path: str):
         if path not in self.configs:
@@ -373,8 +318,6 @@ class AutoLoader:
                 continue
             since = max(r.last_used, self.seen.setdefault(r.model_id, now),
                         self.released.get(model.name, 0.0))
-            if model.path and model.name not in self.catalog.names:
-                self.catalog.remember(model.name, model.path)   # admin-loaded: servable again
             keep = self.keep.get(model.name, self.policy.keep_alive_s)
             if keep == FOREVER or keep < 0 or self.pinned(model.name) or r.inflight \
                     or self.busy(model) or r.model_id in self.unloading \
@@ -459,3 +402,6 @@ class AutoLoader:
         keep = self.keep.get(name, self.policy.keep_alive_s)
         out["keep_alive_s"] = None if keep < 0 or self.pinned(name) else keep
         return out
+
+
+__all__ = ["AutoLoader", "LifecycleConfig", "Policy", "looks_like_path"]

@@ -6,9 +6,10 @@ Invariants:
 - only the loader makes room, one load at a time (`room`), so two loads never evict for
   each other;
 - a model is claimed by every request that named it, from its resolve() to the end of
-  the request's task (its last byte sent, or its error): a claimed model's replicas, or
-  ones with a request running or queued, are never unloaded, neither when idle for keep-alive nor to make room; pinned
-  models (`--pin`, `--model`, an admin load with `"pin": true`) never are;
+  the request's task (its last byte sent, or its error): the replicas of a claimed
+  model, or with a request running or queued, are never unloaded, neither for
+  keep-alive nor to make room; pinned models (`--pin`, `--model`, an admin load with
+  `"pin": true`) never are;
 - everything goes through the admin machinery (Admin.load: placement, admission of the
   die's budget, the fleet-wide upload lock; Admin.unload: the drain), with a reason:
   `request`, `idle`, `evicted`, or `admin` for what the admin API asked.
@@ -374,23 +375,23 @@ class AutoLoader:
         rows = []
         names = set()
         for entry in self.catalog.entries.values():
-            rows.append(self.row(entry.name, entry.path, entry.source, entry.aliases))
+            rows.append(self.row(entry.name, entry.source, entry.aliases, entry.created))
             names.add(entry.name)
             for alias in entry.aliases:
-                rows.append(self.row(entry.name, entry.path, "alias", [], alias))
+                rows.append(self.row(entry.name, "alias", [], entry.created, alias))
                 names.add(alias)
         for model in self.registry.models.values():
             if model.name not in names:
-                rows.append(self.row(model.name, model.path, "admin", []))
+                rows.append(self.row(model.name, "admin", [], model.created))
         order = {"loaded": 0, "loading": 1, "available": 2}
         return sorted(rows, key=lambda row: (order[row["status"]], row["id"]))
 
-    def row(self, name: str, path: str, source: str, aliases: list[str],
+    def row(self, name: str, source: str, aliases: list[str], created: int,
             alias: str | None = None) -> dict:
         model = self.registry.models.get(name)
         out = {"id": alias or name, "status": self.status(name), "source": source,
                "pinned": self.pinned(name), "max_model_len": model.context() if model else 0,
-               "created": model.created if model else 0}
+               "created": model.created if model else created}
         if alias:
             out["alias_of"] = name
         elif aliases:

@@ -41,6 +41,7 @@ class Entry:
     path: str                 # resolved file or folder
     source: str               # "model", "alias", "model-dir", "fetched", "admin"
     aliases: list[str] = field(default_factory=list)
+    created: int = 0          # the file's (or folder's) modification time
 
     def as_json(self) -> dict:
         return {"name": self.name, "path": self.path, "source": self.source,
@@ -163,7 +164,12 @@ class Catalog:
                 entry.aliases.append(name)
                 self.names[name] = entry
             return entry
-        entry = Entry(name, str(Path(path).expanduser().resolve()), source)
+        real = Path(path).expanduser().resolve()
+        try:
+            created = int(real.stat().st_mtime)
+        except OSError:
+            created = 0
+        entry = Entry(name, str(real), source, created=created)
         self.entries[name] = self.names[name] = entry
         return entry
 

@@ -48,7 +48,8 @@ class InstanceLoad:
 def measure(registry: Registry, admission: Admission) -> InstanceLoad:
     running = capacity = 0
     # requests waiting for their model's load on request wait as in a queue (autoload.py)
-    waiting = sum(registry.autoload.waiting.values()) if registry.autoload is not None else 0
+    autoload = getattr(registry, "autoload", None)
+    waiting = sum(autoload.waiting.values()) if autoload is not None else 0
     for model in registry.models.values():
         waiting += admission.queued(model)
         for replica in model.replicas:

@@ -84,6 +84,7 @@ class Admin:
         self.metrics = metrics                  # metrics.Metrics: unloads
         self.die_table, self.admission, self.max_entries = dies, admission, max_entries
         self.model_dirs = model_dirs          # None: any path (only tests build it so)
+        self.autoload = None                  # autoload.AutoLoader, told of admin loads
         self.loading: set[str] = set()
         self.load_tasks: set[asyncio.Task] = set()
         self.actions: deque = deque(maxlen=20)  # the last loads and unloads, for the dashboard
@@ -98,7 +99,8 @@ class Admin:
     async def call(self, cmd: str, args: dict, on_progress=None) -> tuple[int, dict]:
         """Run one command; (status, JSON body), errors included."""
         handlers = {"load": self.load, "unload": self.unload, "dies": self.dies,
-                    "models": self.models, "status": self.status, "top": self.top}
+                    "models": self.models, "status": self.status, "top": self.top,
+                    "rescan": self.rescan}
         if cmd not in handlers:
             return 400, AdminError(400, f"unknown command {cmd!r}; one of "
                                         f"{', '.join(handlers)}").body()
@@ -157,6 +159,7 @@ class Admin:
                          "used_bytes": d.reserved, "budget_bytes": d.budget,
                          "step_s": d.worker["step_s"]})
         models = []
+        waiting = self.autoload.waiting if self.autoload is not None else {}
         for model in self.registry.models.values():
             ready = model.ready()
             window = self.metrics.window.summary(model.name, now) if self.metrics else {}
@@ -166,15 +169,29 @@ class Admin:
                                        if r.model_id in loads),
                            "slots": sum(r.slots for r in ready),
                            "running": sum(r.inflight for r in model.replicas),
-                           "queued": self.admission.queued(model), **window})
-        return {"dies": dies, "models": models, "draining": self.draining}
+                           "queued": self.admission.queued(model) + waiting.get(model.name, 0),
+                           **window})
+        out = {"dies": dies, "models": models, "draining": self.draining}
+        if self.autoload is not None:          # loads and unloads by reason, since the start
+            out["lifecycle"] = self.autoload.summary()
+        return out
+
+    async def rescan(self, args=None) -> dict:
+        """Scan the --model-dir folders again (a file added or removed since the start)."""
+        if self.autoload is None:
+            raise AdminError(400, "this server has no model catalog")
+        return await self.autoload.rescan()
 
     # -- load --------------------------------------------------------------------------
-    async def load(self, body: dict, on_progress=None) -> dict:
+    async def load(self, body: dict, on_progress=None, trusted: bool = False,
+                   reason: str = "admin") -> dict:
+        """`trusted`: a catalog model the autoloader loads (its folders, not --model-dir's
+        rule, say what it may open); `reason` goes to the log and the load metrics."""
         path = field(body, "path", str, required=True)
+        pin = field(body, "pin", bool, False)
         if not Path(path).is_absolute():       # the server's folder is not the caller's
             raise AdminError(400, f"model path must be absolute, got {path!r}", "path")
-        if self.model_dirs is not None and not self.model_dirs.allows(path):
+        if not trusted and self.model_dirs is not None and not self.model_dirs.allows(path):
             # the same answer whether the path exists or not: no probing of the host
             raise AdminError(403, "model path is outside the folders loads may open "
                                   "(--model-dir)", "path")
@@ -204,10 +221,13 @@ class Admin:
             raise AdminError(503, "the server is shutting down: no new loads")
         self.loading.add(name)
         task = asyncio.ensure_future(self.place_and_upload(path, name, dies, ctx, slots,
-                                                           on_progress, quantize))
+                                                           on_progress, quantize, reason))
         self.load_tasks.add(task)
         try:
-            return await task
+            loaded = await task
+            if self.autoload is not None and reason == "admin":
+                self.autoload.admin_loaded(name, path, pin)
+            return loaded
         except asyncio.CancelledError:
             if self.draining and task.cancelled():
                 raise AdminError(503, f"the load of {name!r} was cancelled: the server is "
@@ -218,7 +238,7 @@ class Admin:
             self.loading.discard(name)
 
     async def place_and_upload(self, path, name, dies, ctx, slots, on_progress,
-                               quantize="") -> dict:
+                               quantize="", reason="admin") -> dict:
         if not Path(path).exists():
             raise AdminError(404, f"model file not found: {path}", "path")
         try:
@@ -243,7 +263,7 @@ class Admin:
         worker = next(w for w in self.pool.live() if w.die == die)
         replica = self.registry.add(model, die)
         replica.reserved, replica.want_slots, replica.want_ctx = need, slots, ctx
-        replica.want_quantize = quantize
+        replica.want_quantize, replica.reason = quantize, reason
         replica.state = ReplicaState.LOADING
         # phase 3: upload (the placer holds the fleet-wide upload lock); phase 4: publish
         sent = [None]
@@ -280,9 +300,9 @@ class Admin:
                 await on_progress(replica.model_id, *now)
 
     # -- unload ------------------------------------------------------------------------
-    async def unload(self, body: dict) -> dict:
+    async def unload(self, body: dict, reason: str = "admin") -> dict:
         """Every replica of `name`, those on `die`, or the one replica `id` (as
-        /admin/models lists them)."""
+        /admin/models lists them). `reason`: admin, or the autoloader's idle / evicted."""
         rid = field(body, "id", str)
         name = field(body, "name", str, required=rid is None)
         die = field(body, "die", (str, int))
@@ -323,9 +343,13 @@ class Admin:
                     log.warning("unloading %s: %s", r.model_id, exc)
             self.registry.remove(model, r)
             if self.metrics is not None:
-                self.metrics.unloads.labels(name).inc()
-        log.info("unloaded %s (%d replica(s), %d request(s) aborted)", name, len(targets),
-                 aborted)
+                self.metrics.unloads.labels(name, reason).inc()
+        log.info("unloaded %s (%d replica(s), %d request(s) aborted; reason: %s)", name,
+                 len(targets), aborted, reason)
+        if self.autoload is not None:
+            self.autoload.count("unload", reason)
+            if reason == "admin":
+                self.autoload.admin_unloaded(name)
         return {"unloaded": [{"id": r.model_id, "die": r.die} for r in targets],
                 "aborted": aborted}
 

@@ -24,6 +24,8 @@ def request_args(args) -> dict:
                "slots": args.slots}
         if args.dies:
             out["dies"] = args.dies
+        if args.pin:
+            out["pin"] = True
         return {k: v for k, v in out.items() if v is not None}
     if args.admin_command == "unload":
         if args.name is None and args.replica_id is None:

@@ -40,6 +40,16 @@ def render(snap: dict, addr: str) -> list[str]:
                      f"{m.get('tokens_per_s_1m', 0):>10.1f}"
                      f"{(f'{ttft:.3f} s' if ttft is not None else '-'):>13}"
                      f"{m.get('requests_1m', 0):>8}")
+    if "lifecycle" in snap:                # loads and unloads by reason (autoload.py)
+        life = snap["lifecycle"]
+
+        def counts(by: dict) -> str:
+            return "  ".join(f"{reason} {n}" for reason, n in by.items()) or "none"
+        lines += ["", f"LOADS    {counts(life['loads'])}",
+                  f"UNLOADS  {counts(life['unloads'])}"]
+        if life["loading"]:
+            lines.append("LOADING  " + "  ".join(
+                f"{name} ({life['waiting'].get(name, 0)} waiting)" for name in life["loading"]))
     return lines
 
 

@@ -15,6 +15,7 @@ Every decision happens before any SSE header is sent.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import defaultdict, deque
 
 import psutil
@@ -52,6 +53,7 @@ class Admission:
     def take(self, replica: Replica, session: str | None, n: int) -> Replica:
         replica.inflight += n
         replica.served += n
+        replica.last_used = time.monotonic()
         replica.idle.clear()
         self.router.routed(replica, session)
         return replica
@@ -129,6 +131,7 @@ class Admission:
     def release(self, model: ServedModel, replica: Replica) -> None:
         """One choice of a group is over: its slot goes back."""
         replica.inflight -= 1
+        replica.last_used = time.monotonic()
         if replica.inflight == 0:
             replica.idle.set()                    # an unload waiting for the drain goes on
         self.wake(model)

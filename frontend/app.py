@@ -248,7 +248,11 @@ def build_app(registry: Registry, lifecycle: Lifecycle, admin: Admin,
             return JSONResponse({"status": "draining", "running": lifecycle.running},
                                 status_code=503, headers={"Retry-After": "5"})
         ready = registry.ready_models()
-        if not ready:
+        # nothing to load at start (--no-preload, or all unloaded since): a worker is
+        # enough, each model loads on its first request
+        on_request = registry.autoload is not None and registry.autoload.servable() \
+            and not registry.models and bool(pool.live())
+        if not ready and not on_request:
             err = APIError(503, "no model is ready", type="service_unavailable",
                            code="model_not_ready")
             return JSONResponse(err.body(), status_code=503)
@@ -266,13 +270,24 @@ def build_app(registry: Registry, lifecycle: Lifecycle, admin: Admin,
         return {"id": m.name, "object": "model", "created": m.created, "owned_by": "pantheon",
                 "max_model_len": m.context()}
 
+    def catalog_card(row: dict) -> dict:
+        """A catalog row (autoload.listing) as a model object, with its status."""
+        return {"object": "model", "owned_by": "pantheon", **row}
+
     async def models(request: Request):
+        if registry.autoload is not None:      # the catalog: loaded, loading, available
+            return JSONResponse({"object": "list", "data": [
+                catalog_card(row) for row in registry.autoload.listing()]})
         ready = registry.ready_models()
         return JSONResponse(models_list([m.name for m in ready], 0) | {
             "data": [model_card(m) for m in ready]})
 
     async def model(request: Request):
         name = request.path_params["name"]
+        if registry.autoload is not None:
+            row = next((r for r in registry.autoload.listing() if r["id"] == name), None)
+            if row is not None:
+                return JSONResponse(catalog_card(row))
         found = next((m for m in registry.ready_models() if m.name == name), None)
         if found is None:
             raise APIError(404, f"The model {name!r} does not exist", param="model",
@@ -306,6 +321,7 @@ def build_app(registry: Registry, lifecycle: Lifecycle, admin: Admin,
                     Route("/admin/models", admin_route("models")),
                     Route("/admin/dies", admin_route("dies")),
                     Route("/admin/status", admin_route("status")),
+                    Route("/admin/models/rescan", admin_route("rescan"), methods=["POST"]),
                     Route("/admin/top", admin_route("top"))]
     app = Starlette(
         routes=[Route("/", root), Route("/health", health), Route("/metrics", prometheus),

@@ -140,7 +140,7 @@ class ChatService:
         req = await self.preparer.run(deadline, parse_chat_request, body,
                                       session_header(request.headers), self.limits,
                                       size=len(body))
-        model = self.registry.resolve(req.model)
+        model = await self.registry.want(req.model, req.keep_alive)
         ctx = model.context()
         grammar, prompt, text, capped = await self.preparer.run(
             deadline, self.shape, req, model, ctx, size=len(body))

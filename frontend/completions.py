@@ -54,7 +54,7 @@ class CompletionService:
         req = await self.preparer.run(deadline, parse_completion_request, body,
                                       session_header(request.headers), self.limits,
                                       size=len(body))
-        model = self.registry.resolve(req.model)
+        model = await self.registry.want(req.model, req.keep_alive)
         grammar = await self.preparer.run(deadline, request_grammar, req.response_format,
                                           None, None, size=len(body))
         ctx = model.context()

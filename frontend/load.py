@@ -46,7 +46,10 @@ class InstanceLoad:
 
 
 def measure(registry: Registry, admission: Admission) -> InstanceLoad:
-    running = capacity = waiting = 0
+    running = capacity = 0
+    # requests waiting for their model's load on request wait as in a queue (autoload.py)
+    autoload = getattr(registry, "autoload", None)
+    waiting = sum(autoload.waiting.values()) if autoload is not None else 0
     for model in registry.models.values():
         waiting += admission.queued(model)
         for replica in model.replicas:

@@ -142,9 +142,10 @@ class Metrics:
         self.failed = counter("pantheon:request_failure",
                               "Requests that failed after they were admitted, by reason.",
                               model + ["reason"])
-        self.loads = counter("pantheon:model_loads", "Replica loads, by outcome.",
-                             model + ["outcome"])
-        self.unloads = counter("pantheon:model_unloads", "Replica unloads.")
+        self.loads = counter("pantheon:model_loads", "Replica loads, by outcome and reason "
+                             "(start, request, admin).", model + ["outcome", "reason"])
+        self.unloads = counter("pantheon:model_unloads", "Replica unloads, by reason (idle, "
+                               "evicted, admin).", model + ["reason"])
         self.load_seconds = histogram("pantheon:model_load_seconds",
                                       "Seconds a successful replica load took on its worker.",
                                       LOAD_BUCKETS)

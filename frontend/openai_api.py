@@ -19,6 +19,7 @@ from ..common.protocol import SAMPLING_RANGES, Sampling
 from .body import parse_json
 from .emitter import joined
 from .errors import APIError
+from .keep_alive import parse_keep_alive
 from .limits import RequestLimits
 from .tools import check_tools, parse_tool_calls, tool_call_text
 
@@ -46,6 +47,7 @@ class GenerationRequest:
     response_format: dict | None = None
     return_token_ids: bool = False      # vLLM's: token_ids per choice, prompt_token_ids
     cache_salt: str | None = None       # vLLM's: a prefix-cache scope of the client's own
+    keep_alive: float | None = None     # Ollama's: seconds the model stays loaded after
 
 
 @dataclass(slots=True, kw_only=True)
@@ -255,7 +257,8 @@ def _common(data: dict, session_header: str | None) -> dict:
                 stream=stream, include_usage=include_usage, n=numbers["n"] or 1,
                 user=_optional(data, "user", str, "a string"),
                 session_id=session_id, cache_salt=cache_salt,
-                response_format=response_format, return_token_ids=return_token_ids), numbers
+                response_format=response_format, return_token_ids=return_token_ids,
+                keep_alive=parse_keep_alive(data.get("keep_alive"))), numbers
 
 
 DEFAULT_LIMITS = RequestLimits()

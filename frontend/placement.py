@@ -125,7 +125,8 @@ class Placer:
             async with self.upload_lock:
                 if not worker.alive:
                     raise WorkerLost("worker gone before its turn to load")
-                log.info("loading %s (%s) on die %s", model.name, replica.model_id, worker.die)
+                log.info("loading %s (%s) on die %s (reason: %s)", model.name,
+                         replica.model_id, worker.die, replica.reason)
                 loaded = await self.pool.load(worker, p.Load(
                     replica.model_id, replica.path or model.path, model.name,
                     replica.want_slots or self.slots,
@@ -135,12 +136,12 @@ class Placer:
             replica.state, replica.error = ReplicaState.FAILED, str(exc)
             replica.error_code = exc.code
             log.error("loading %s on die %s failed: %s", model.name, worker.die, exc)
-            self.count(model.name, "failed")
+            self.count(model.name, "failed", reason=replica.reason)
             return
         except (WorkerLost, asyncio.TimeoutError) as exc:
             replica.state, replica.error = ReplicaState.PLACED, str(exc)
             log.warning("loading %s on die %s interrupted: %s", model.name, worker.die, exc)
-            self.count(model.name, "interrupted")
+            self.count(model.name, "interrupted", reason=replica.reason)
             return
         finally:
             replica.progress = self.pool.progress.pop(replica.model_id, replica.progress)
@@ -154,11 +155,12 @@ class Placer:
         self.change.set()
         log.info("%s ready on die %s: %d slots x %d ctx, loaded in %.1f s", model.name,
                  worker.die, loaded.slots, loaded.ctx, loaded.load_s)
-        self.count(model.name, "loaded", loaded.load_s)
+        self.count(model.name, "loaded", loaded.load_s, replica.reason)
 
-    def count(self, name: str, outcome: str, seconds: float | None = None) -> None:
+    def count(self, name: str, outcome: str, seconds: float | None = None,
+              reason: str = "start") -> None:
         if self.metrics is not None:
-            self.metrics.loads.labels(name, outcome).inc()
+            self.metrics.loads.labels(name, outcome, reason).inc()
             if seconds is not None:
                 self.metrics.load_seconds.labels(name).observe(seconds)
 

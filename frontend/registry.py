@@ -63,6 +63,8 @@ class Replica:
     served: int = 0                # requests routed here, for the record
     loads: int = 0                 # uploads that completed (a kept replica adds none)
     path: str = ""                 # its own file (a copy of the model's); "": the model's
+    last_used: float = 0.0         # monotonic time a request last took or left a slot
+    reason: str = "start"          # why it was loaded: start, request, admin (autoload.py)
     idle: asyncio.Event = field(default_factory=lambda: idle_event(), repr=False,
                                 compare=False)   # set while nothing is in flight
 
@@ -158,6 +160,13 @@ class Registry:
     def __init__(self):
         self.models: dict[str, ServedModel] = {}
         self.ids = itertools.count(1)
+        self.autoload = None       # autoload.AutoLoader: the catalog, loads on request
+
+    async def want(self, name: str | None, keep_alive: float | None = None) -> ServedModel:
+        """resolve(), loading a catalog model first when the server has an AutoLoader."""
+        if self.autoload is not None:
+            return await self.autoload.resolve(name, keep_alive)
+        return self.resolve(name)
 
     def add(self, model: ServedModel, die: str | None) -> Replica:
         """A new replica of `model` (a new served name, or one more copy of it, whose file

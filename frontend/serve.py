@@ -7,6 +7,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import uvicorn
 import zmq
@@ -17,6 +18,7 @@ from ..common.key_set import KeySet
 from .admission import Admission
 from .admin import Admin, AdminSocket
 from .app import build_app
+from .autoload import AutoLoader, LifecycleConfig
 from .dies import DieTable
 from .drain import Drain, DrainingServer, shutting_down
 from .lifecycle import Lifecycle
@@ -81,6 +83,7 @@ class ServeConfig:
     cors_origins: list[str] = field(default_factory=list)     # none: no CORS headers
     max_request_slots: int = 0            # one request's choices at once; 0: half a replica
     prepare_timeout_s: float = settings.PREPARE_TIMEOUT_S
+    lifecycle: LifecycleConfig = field(default_factory=lambda: LifecycleConfig())
 
     def __post_init__(self):
         """Settings that cannot serve are refused here, before anything starts, each with
@@ -115,7 +118,10 @@ async def serve(cfg: ServeConfig) -> int:
     registry = Registry()
     for path, name in cfg.models:        # metadata and tokenizers: refuse bad files up front
         model = await asyncio.to_thread(open_model, path, name, created)
-        registry.add(model, die=None)
+        if cfg.lifecycle.preload:        # else loaded on its first request
+            registry.add(model, die=None)
+    catalog = await asyncio.to_thread(cfg.lifecycle.catalog, cfg.models, cfg.model_dirs)
+    policy = cfg.lifecycle.policy(catalog, [name or Path(path).stem for path, name in cfg.models])
     model_dirs = ModelDirs(cfg.model_dirs) if cfg.model_dirs else \
         ModelDirs.default(settings.cache_dir(), [path for path, _ in cfg.models])
     link = LinkAuth(cfg.keys_dir) if cfg.keys_dir else None
@@ -143,6 +149,7 @@ async def serve(cfg: ServeConfig) -> int:
     pool.on_change.append(admission.wake_all)
     admin = Admin(registry, pool, placer, die_table, admission, cfg.max_models, model_dirs,
                   metrics)
+    autoload = AutoLoader(catalog, registry, admin, admission, policy, metrics)
     try:
         admin_socket = bind("admin", cfg.admin_addr,
                             lambda: AdminSocket(admin, cfg.admin_addr, cfg.admin_key, curve))
@@ -165,6 +172,7 @@ async def serve(cfg: ServeConfig) -> int:
                                            http=cfg.connection_limits.protocol()),
                             drain)
     pool.start()
+    autoload.start()
     worker_args = ["--prefix-cache-mb", str(cfg.prefix_cache_mb), "--log-format", cfg.log_format]
     if link is not None:
         worker_args += ["--keys", cfg.keys_dir]     # they join with the server's own pair
@@ -198,6 +206,7 @@ async def serve(cfg: ServeConfig) -> int:
         await asyncio.gather(*tasks, return_exceptions=True)
         admin_socket.close()
         admission.close()
+        await autoload.close()
         await placer.close()
         await supervisor.stop()
         await pool.close()
@@ -322,7 +331,8 @@ def main(args) -> int:
             max_connections_per_client=args.max_connections_per_client),
         stream_buffer_tokens=args.stream_buffer_tokens, allowed_hosts=args.allowed_hosts,
         cors_origins=args.cors_origins, max_request_slots=args.max_request_slots,
-        prepare_timeout_s=args.prepare_timeout, **registry_settings())
+        prepare_timeout_s=args.prepare_timeout, lifecycle=LifecycleConfig.from_args(args),
+        **registry_settings())
     return asyncio.run(serve(cfg))
 
 

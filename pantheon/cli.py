@@ -33,6 +33,9 @@ def cmd_models(args) -> int:
     from pantheon.common import model_catalog as catalog
     from pantheon.common.default_model import DEFAULT
     if args.models_command == "list":
+        if args.url:                   # a running server's catalog, with each model's status
+            from pantheon.frontend.catalog_cli import show
+            return show(args.url, args.api_key or settings.api_key())
         print(catalog.format_listing(catalog.listing()))
         return 0
     name = DEFAULT if args.models_command == "fetch-default" else args.name
@@ -122,6 +125,28 @@ def comma_list(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
+def add_lifecycle_arguments(serve: argparse.ArgumentParser) -> None:
+    """`serve`'s catalog and model lifecycle (README "Models on demand")."""
+    serve.add_argument("--alias", action="append", metavar="NAME=PATH",
+                       help="one more name for a model file or folder (or for a catalog "
+                            "name); repeatable")
+    serve.add_argument("--pin", action="append", metavar="NAME",
+                       help="never unload or evict this model (the --model ones are pinned); "
+                            "repeatable")
+    serve.add_argument("--keep-alive", type=float, default=300.0, metavar="S",
+                       help="unload a replica after S seconds without a request (default "
+                            "300; -1: never); a request's keep_alive overrides it")
+    serve.add_argument("--max-loaded", type=int, default=0, metavar="N",
+                       help="resident models at most; a load past it evicts the least "
+                            "recently used idle one (default 0: no cap but memory)")
+    serve.add_argument("--no-autoload", action="store_true",
+                       help="a request for a model that is not loaded is a 503: only "
+                            "--model and the admin API load")
+    serve.add_argument("--no-preload", action="store_true",
+                       help="load nothing at start: the --model files (or the default) "
+                            "load on their first request")
+
+
 def add_security_arguments(serve: argparse.ArgumentParser) -> None:
     """`serve`'s guards off loopback and its bounds on clients (README "Security")."""
     s = settings
@@ -139,8 +164,10 @@ def add_security_arguments(serve: argparse.ArgumentParser) -> None:
                             "one is set): on, readonly (no load/unload buttons) or off "
                             "(default on)")
     serve.add_argument("--model-dir", action="append", metavar="DIR",
-                       help="a folder /admin/models/load may open models from; repeatable "
-                            "(default: the cache folder and those of the --model files)")
+                       help="a folder of models: each *.gguf and Hugging Face folder in it "
+                            "is served on request under its name, and /admin/models/load "
+                            "may open models from it; repeatable (default for loads: the "
+                            "cache folder and those of the --model files)")
     serve.add_argument("--allowed-hosts", metavar="NAMES", type=comma_list, default=[],
                        help="Host header names accepted besides localhost, 127.0.0.1, [::1] "
                             "and the bind address (comma list; '*': any). Off loopback the "
@@ -200,7 +227,11 @@ def build_parser() -> argparse.ArgumentParser:
     models_sub.add_parser("fetch-default", help="fetch the embedded default model into the cache")
     fetch = models_sub.add_parser("fetch", help="fetch a catalogue model into the cache")
     fetch.add_argument("name", help="a name that `pantheon models list` shows")
-    models_sub.add_parser("list", help="the catalogue and the cache: name, status, size, path")
+    listing = models_sub.add_parser("list", help="the catalogue and the cache: name, status, "
+                                    "size, path; with --url, what a running server serves")
+    listing.add_argument("--url", metavar="URL", help="a running server (e.g. "
+                         "http://127.0.0.1:8080): its models, loaded, loading or available")
+    listing.add_argument("--api-key", help="its API key (env PANTHEON_API_KEY)")
     models.set_defaults(func=cmd_models)
 
     run = sub.add_parser("run", help="one chat turn in-process, streamed to stdout")
@@ -287,6 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds a worker may answer neither heartbeats nor probes "
                             "before it is lost (a spawned one is then killed and restarted)")
     add_security_arguments(serve)
+    add_lifecycle_arguments(serve)
     serve.set_defaults(func=cmd_serve)
 
     admin = sub.add_parser("admin", help="load, unload and inspect models on a running server")
@@ -311,6 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--die", action="append", dest="dies", help="pin to this die")
     load.add_argument("--ctx", type=int, default=0)
     load.add_argument("--slots", type=int, default=0)
+    load.add_argument("--pin", action="store_true",
+                      help="never unload it when idle nor evict it to make room")
     unload = admin_sub.add_parser("unload", help="unload every replica of a name, one die's, "
                                   "or one replica (--id)")
     unload.add_argument("name", nargs="?", help="the model's name (optional with --id)")
@@ -323,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
                                "TTFT (q quits; one snapshot through a pipe)")
     top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     top.add_argument("--once", action="store_true", help="print one snapshot and exit")
-    for cmd in ("dies", "models", "status"):
+    for cmd in ("dies", "models", "status", "rescan"):
         admin_sub.add_parser(cmd, help=f"show {cmd}")
     admin.set_defaults(func=cmd_admin)
 

@@ -53,6 +53,7 @@ class Emitter:
         self.tool_start = 0    # where its inner text starts in tool_raw
         self.after_tool = False  # a tool block closed, no non-space content since
         self.stopped = False   # a stop string ended the reply
+        self.stop_string: str | None = None   # which one (Anthropic reports it)
         self.done = False      # the reply ended (stop string or finish())
         self.out: list[Event] = []
 
@@ -64,6 +65,7 @@ class Emitter:
         hit = min((i for i in (buf.find(s) for s in self.stop) if i >= 0), default=-1)
         if hit >= 0:       # the reply is buf[:hit], settled at once
             self.stopped, self.carry = True, ""
+            self.stop_string = next(s for s in self.stop if buf.find(s) == hit)
             self.scan(buf[:hit], final=True)
             return self.flush()
         self.scan(buf, final=False)

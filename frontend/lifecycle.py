@@ -28,7 +28,7 @@ from .emitter import Emitter
 from .errors import APIError
 from .generation import Generation
 from .metrics import Metrics, ModelMetrics
-from .openai_api import counts, sse, sse_error
+from .openai_api import counts
 from .registry import ServedModel
 from .workers import WorkerPool
 
@@ -160,16 +160,16 @@ class Lifecycle:
             await send({"type": "http.response.body", "body": data, "more_body": True})
         try:
             for body in renderer.opening(gens):
-                await out(sse(body))
+                await out(renderer.frame(body))
             async for i, event in lanes.events():
-                await out(sse(renderer.event(i, gens[i], event) if event is not None
-                              else renderer.closing(i, gens[i])))
+                await out(renderer.frame(renderer.event(i, gens[i], event) if event is not None
+                                         else renderer.closing(i, gens[i])))
             if job.include_usage:
-                await out(sse(renderer.usage(gens)))
+                await out(renderer.frame(renderer.usage(gens)))
         except APIError as exc:
             job.error = exc
-            await out(sse_error(exc))
-        await out(sse("[DONE]"))
+            await out(renderer.failure(exc))
+        await out(renderer.end())
         return True
 
 

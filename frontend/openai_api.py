@@ -300,7 +300,12 @@ def _token_list(value) -> bool:
 def parse_chat_request(body: bytes, session_header: str | None = None,
                        limits: RequestLimits = DEFAULT_LIMITS) -> ChatRequest:
     """Validate a /v1/chat/completions body; raises `APIError(400)` naming the bad field."""
-    data = _json_object(body)
+    return chat_request(_json_object(body), session_header, limits)
+
+
+def chat_request(data: dict, session_header: str | None = None,
+                 limits: RequestLimits = DEFAULT_LIMITS) -> ChatRequest:
+    """A decoded chat body (or another edge's body translated into one) → ChatRequest."""
     messages = data.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "messages must be a non-empty list of message objects"
@@ -452,6 +457,17 @@ class Renderer:
         self.rid, self.created, self.model, self.tok, self.req = rid, created, model, tokenizer, req
         self.sent_lp = [0] * n_choices
         self.sent_ids = [0] * n_choices
+
+    # how a stream is framed: SSE `data:` lines closed by `[DONE]` (another API's
+    # renderer frames its own events)
+    def frame(self, body) -> bytes:
+        return sse(body)
+
+    def failure(self, err: APIError) -> bytes:
+        return sse_error(err)
+
+    def end(self) -> bytes:
+        return sse("[DONE]")
 
     def head(self, obj: str) -> dict:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}

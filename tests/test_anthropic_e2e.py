@@ -140,3 +140,15 @@ def test_sdk_raises_bad_request_and_the_server_lives_on(client):
     with pytest.raises(anthropic.BadRequestError):
         client.messages.count_tokens(model="m", messages=[{"role": "user", "content": 5}])
     assert client.messages.create(model="m", max_tokens=2, messages=HELLO).content
+
+
+def test_langchain_chat_anthropic(server):
+    from langchain_anthropic import ChatAnthropic
+    llm = ChatAnthropic(model="m", base_url=server.url, api_key=KEY, max_tokens=20,
+                        temperature=0, max_retries=0)
+    reply = llm.invoke("What is the capital of France?")
+    assert isinstance(reply.content, str) and reply.content
+    assert reply.response_metadata["stop_reason"] in ("end_turn", "max_tokens")
+    chunks = list(llm.stream("What is the capital of France?"))
+    assert "".join(c.content if isinstance(c.content, str) else "".join(
+        p.get("text", "") for p in c.content) for c in chunks) == reply.content

@@ -30,6 +30,8 @@ from .limits import RequestLimits
 from .openai_api import models_list
 from .preparer import Preparer
 from .registry import Registry
+from .response_store import ResponseStore
+from .responses_api import ResponsesService
 from .security import BrowserPolicy
 from .workers import WorkerPool
 
@@ -225,12 +227,14 @@ def build_app(registry: Registry, lifecycle: Lifecycle, admin: Admin,
               log_prompts: bool = False, limits: RequestLimits = RequestLimits(),
               http_admin: bool = True,
               browser: BrowserPolicy = BrowserPolicy(None),
-              preparer: Preparer | None = None) -> RequestLog:
+              preparer: Preparer | None = None,
+              responses: ResponseStore | None = None) -> RequestLog:
     pool, admission, metrics = lifecycle.pool, lifecycle.admission, lifecycle.metrics
     preparer = preparer or Preparer()
     chat = ChatService(registry, lifecycle, max_body_bytes, context_cap, limits, preparer)
     completions = CompletionService(registry, lifecycle, max_body_bytes, limits, preparer)
     messages = MessagesService(chat)
+    responses_api = ResponsesService(chat, responses or ResponseStore())
 
     def admin_route(cmd: str):
         async def handle(request: Request):
@@ -316,6 +320,10 @@ def build_app(registry: Registry, lifecycle: Lifecycle, admin: Admin,
                 Route("/v1/completions", completions, methods=["POST"]),
                 Route("/v1/messages", messages, methods=["POST"]),
                 Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
+                Route("/v1/responses", responses_api, methods=["POST"]),
+                Route("/v1/responses/{id}", responses_api.retrieve, methods=["GET"]),
+                Route("/v1/responses/{id}", responses_api.delete, methods=["DELETE"]),
+                Route("/v1/responses/{id}/cancel", responses_api.cancel, methods=["POST"]),
                 *(admin_routes if http_admin else [])],
         exception_handlers={APIError: api_error, HTTPException: http_error,
                             Exception: server_error})

@@ -63,6 +63,7 @@ class Job:
     headers: dict = field(default_factory=dict)
     error: APIError | None = None      # what ended a stream after its first byte
     salt: str = ""                     # prefix-cache scope (chat.cache_salt)
+    gens: list = field(default_factory=list)   # its Generations once built (a cancel's)
 
     @property
     def need(self) -> int:
@@ -109,7 +110,7 @@ class Lifecycle:
             figures.rejected(exc.status, exc.code)
             raise
         figures.queue.observe(time.monotonic() - asked)
-        gens: list[Generation] = []
+        gens: list[Generation] = job.gens
         lanes = None
         try:
             for i, c in enumerate(job.choices):

@@ -27,6 +27,7 @@ from .placement import Placer
 from .preparer import Preparer
 from .registration import Identity, Registration, endpoint_url
 from .registry import Registry, ReplicaState, open_model
+from .response_store import ResponseStore
 from .security import BrowserPolicy, Exposure, LinkAuth, ModelDirs, enforce
 from ..common.die_spec import parse_die
 from .supervisor import Supervisor, die_names
@@ -80,6 +81,8 @@ class ServeConfig:
     cors_origins: list[str] = field(default_factory=list)     # none: no CORS headers
     max_request_slots: int = 0            # one request's choices at once; 0: half a replica
     prepare_timeout_s: float = settings.PREPARE_TIMEOUT_S
+    responses_ttl_s: float = settings.RESPONSES_TTL_S
+    responses_max_mb: float = settings.RESPONSES_MAX_MB
 
     def __post_init__(self):
         """Settings that cannot serve are refused here, before anything starts, each with
@@ -95,6 +98,9 @@ class ServeConfig:
                              "the model's, at most 4096)")
         if self.prefill_chunk < 1:
             raise ValueError(f"--prefill-chunk {self.prefill_chunk}: at least 1 token a step")
+        if self.responses_ttl_s < 0 or self.responses_max_mb < 0:
+            raise ValueError("--responses-ttl and --responses-max-mb must be >= 0 (0: "
+                             "responses are not kept)")
         if self.worker_lost_after_s < self.worker_timeout_s:
             raise ValueError("--worker-lost-after must be at least --worker-timeout")
         if self.worker_lost_after_s < 2.0:       # probes start after 1 s of silence
@@ -158,7 +164,8 @@ async def serve(cfg: ServeConfig) -> int:
                     cfg.max_body_bytes, cfg.context_cap, drain, cfg.metrics_auth,
                     cfg.log_prompts, cfg.request_limits, cfg.http_admin,
                     BrowserPolicy.build(cfg.host, cfg.allowed_hosts, cfg.cors_origins),
-                    Preparer(cfg.prepare_timeout_s))
+                    Preparer(cfg.prepare_timeout_s),
+                    ResponseStore(cfg.responses_ttl_s, int(cfg.responses_max_mb * (1 << 20))))
     server = DrainingServer(uvicorn.Config(app, host=cfg.host, port=cfg.port, lifespan="off",
                                            log_level="warning", timeout_graceful_shutdown=5,
                                            http=cfg.connection_limits.protocol()),
@@ -321,7 +328,8 @@ def main(args) -> int:
             max_connections_per_client=args.max_connections_per_client),
         stream_buffer_tokens=args.stream_buffer_tokens, allowed_hosts=args.allowed_hosts,
         cors_origins=args.cors_origins, max_request_slots=args.max_request_slots,
-        prepare_timeout_s=args.prepare_timeout, **registry_settings())
+        prepare_timeout_s=args.prepare_timeout, responses_ttl_s=args.responses_ttl,
+        responses_max_mb=args.responses_max_mb, **registry_settings())
     return asyncio.run(serve(cfg))
 
 

@@ -19,11 +19,11 @@ import uuid
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from ..common.chat_template import TemplateError
 from .body import parse_json, read_body
 from .errors import APIError
 from .openai_api import Renderer, chat_request, session_header
-from .tools import parse_tool_calls, prepare_conversation, tool_call_text
+from .tokenize_api import count_prompt
+from .tools import parse_tool_calls, tool_call_text
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                403: "permission_error", 404: "not_found_error", 413: "request_too_large",
@@ -384,14 +384,3 @@ class MessagesService:
             return JSONResponse(error_body(exc), status_code=exc.status, headers=exc.headers)
         return JSONResponse({"input_tokens": count})
 
-
-def count_prompt(model, req) -> int:
-    """The prompt's tokens, template and tools included (a preparer thread)."""
-    messages, tools = prepare_conversation(req.messages, req.tools, req.tool_choice,
-                                           model.tokenizer.chat_template)
-    try:
-        text = model.render_text(messages, tools)
-    except TemplateError as exc:
-        raise APIError(400, f"the chat template refused the conversation: {exc}",
-                       param="messages") from exc
-    return len(model.tokenizer.encode(text))

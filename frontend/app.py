@@ -32,6 +32,7 @@ from .preparer import Preparer
 from .registry import Registry
 from .response_store import ResponseStore
 from .responses_api import ResponsesService
+from .tokenize_api import TokenizeService
 from .security import BrowserPolicy
 from .workers import WorkerPool
 
@@ -235,6 +236,7 @@ def build_app(registry: Registry, lifecycle: Lifecycle, admin: Admin,
     completions = CompletionService(registry, lifecycle, max_body_bytes, limits, preparer)
     messages = MessagesService(chat)
     responses_api = ResponsesService(chat, responses or ResponseStore())
+    tokens = TokenizeService(chat)
 
     def admin_route(cmd: str):
         async def handle(request: Request):
@@ -318,9 +320,13 @@ def build_app(registry: Registry, lifecycle: Lifecycle, admin: Admin,
                 Route("/get_load", get_load), Route("/v1/loads", v1_loads),
                 Route("/v1/chat/completions", chat, methods=["POST"]),
                 Route("/v1/completions", completions, methods=["POST"]),
+                Route("/tokenize", tokens.tokenize, methods=["POST"]),
+                Route("/detokenize", tokens.detokenize, methods=["POST"]),
                 Route("/v1/messages", messages, methods=["POST"]),
                 Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
                 Route("/v1/responses", responses_api, methods=["POST"]),
+                Route("/v1/responses/input_tokens", responses_api.input_tokens,
+                      methods=["POST"]),
                 Route("/v1/responses/{id}", responses_api.retrieve, methods=["GET"]),
                 Route("/v1/responses/{id}", responses_api.delete, methods=["DELETE"]),
                 Route("/v1/responses/{id}/cancel", responses_api.cancel, methods=["POST"]),

@@ -25,6 +25,7 @@ from .body import parse_json, read_body
 from .errors import APIError
 from .openai_api import SAMPLING_FIELDS, Renderer, chat_request, session_header
 from .response_store import ResponseStore
+from .tokenize_api import count_prompt
 from .tools import parse_tool_calls, tool_call_text
 
 ROLES = ("user", "assistant", "system", "developer")
@@ -428,6 +429,20 @@ class ResponsesService:
             await chat.lifecycle.run(request, send, job)
         finally:
             self.store.running.pop(rid, None)
+
+    async def input_tokens(self, request: Request) -> JSONResponse:
+        """POST /v1/responses/input_tokens: a create body's prompt tokens, as it would
+        be rendered (previous_response_id included)."""
+        chat = self.chat
+        body = await read_body(request, chat.max_body_bytes)
+        deadline = chat.preparer.deadline()
+        rr = await chat.preparer.run(deadline, parse_responses_request, body, size=len(body))
+        turns, _ = self.earlier(rr.previous)
+        req = await chat.preparer.run(deadline, chat_for, rr, turns, None, chat.limits,
+                                      size=len(body))
+        model = chat.registry.resolve(req.model)
+        count = await chat.preparer.run(deadline, count_prompt, model, req, size=len(body))
+        return JSONResponse({"object": "response.input_tokens", "input_tokens": count})
 
     def found(self, request: Request):
         rid = request.path_params["id"]

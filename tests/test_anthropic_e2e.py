@@ -7,11 +7,11 @@ import anthropic
 import httpx
 import pytest
 
-from cluster import Server
+from conftest import AGENT_KEY
 from pantheon.common.default_model import cached_path
 
 pytestmark = pytest.mark.skipif(not cached_path().exists(), reason="default model not fetched")
-KEY = "sk-messages-test"
+KEY = AGENT_KEY
 WEATHER = {"name": "get_weather", "description": "Current weather in a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
                             "required": ["city"]}}
@@ -20,14 +20,14 @@ T0 = {"temperature": 0}
 HELLO = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module")
-def server():
-    with Server("--slots", "4", "--ctx", "512", api_key=KEY) as srv:
-        yield srv
+@pytest.fixture
+def server(agent_server):
+    return agent_server
 
 
 @pytest.fixture(scope="module")
-def client(server):
+def client(agent_server):
+    server = agent_server
     return anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0, timeout=60)
 
 

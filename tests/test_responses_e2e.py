@@ -7,7 +7,6 @@ import httpx
 import openai
 import pytest
 
-from cluster import Server
 from pantheon.common.default_model import cached_path
 
 pytestmark = pytest.mark.skipif(not cached_path().exists(), reason="default model not fetched")
@@ -16,15 +15,14 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Current we
                           "required": ["city"]}}
 
 
-@pytest.fixture(scope="module")
-def server():
-    with Server("--slots", "4", "--ctx", "1024", "--responses-ttl", "30") as srv:
-        yield srv
+@pytest.fixture
+def server(agent_server):
+    return agent_server
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return server.client()
+def client(agent_server):
+    return agent_server.client()
 
 
 def test_create_and_stream_agree(client):
@@ -155,7 +153,8 @@ BAD = [
 
 @pytest.mark.parametrize("body,status,param", BAD)
 def test_bad_input(server, body, status, param):
-    r = httpx.post(server.url + "/v1/responses", json=body, timeout=30)
+    r = httpx.post(server.url + "/v1/responses", json=body, headers=server.headers(),
+                   timeout=30)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["message"]

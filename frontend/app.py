@@ -33,6 +33,7 @@ from .registry import Registry
 from .response_store import ResponseStore
 from .responses_api import ResponsesService
 from .tokenize_api import TokenizeService
+from .embeddings_api import EmbeddingsService
 from .security import BrowserPolicy
 from .workers import WorkerPool
 
@@ -229,7 +230,8 @@ def build_app(registry: Registry, lifecycle: Lifecycle, admin: Admin,
               http_admin: bool = True,
               browser: BrowserPolicy = BrowserPolicy(None),
               preparer: Preparer | None = None,
-              responses: ResponseStore | None = None) -> RequestLog:
+              responses: ResponseStore | None = None,
+              pooling: str = "auto") -> RequestLog:
     pool, admission, metrics = lifecycle.pool, lifecycle.admission, lifecycle.metrics
     preparer = preparer or Preparer()
     chat = ChatService(registry, lifecycle, max_body_bytes, context_cap, limits, preparer)
@@ -237,6 +239,7 @@ def build_app(registry: Registry, lifecycle: Lifecycle, admin: Admin,
     messages = MessagesService(chat)
     responses_api = ResponsesService(chat, responses or ResponseStore())
     tokens = TokenizeService(chat)
+    embeddings = EmbeddingsService(chat, pooling)
 
     def admin_route(cmd: str):
         async def handle(request: Request):
@@ -320,6 +323,7 @@ def build_app(registry: Registry, lifecycle: Lifecycle, admin: Admin,
                 Route("/get_load", get_load), Route("/v1/loads", v1_loads),
                 Route("/v1/chat/completions", chat, methods=["POST"]),
                 Route("/v1/completions", completions, methods=["POST"]),
+                Route("/v1/embeddings", embeddings, methods=["POST"]),
                 Route("/tokenize", tokens.tokenize, methods=["POST"]),
                 Route("/detokenize", tokens.detokenize, methods=["POST"]),
                 Route("/v1/messages", messages, methods=["POST"]),

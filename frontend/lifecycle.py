@@ -47,6 +47,7 @@ class Choice:
     emitter: Emitter
     grammar: str | None = None
     logprobs: int = -1
+    pooling: str = ""                  # an embedding: "mean" or "last" (Generate.pooling)
 
 
 @dataclass
@@ -119,7 +120,7 @@ class Lifecycle:
                                        c.max_tokens or replica.ctx - len(c.prompt), c.emitter,
                                        job.session if i == 0 else None, c.grammar, c.logprobs,
                                        figures, arrived if i == 0 else None,
-                                       info.get("request_id", ""), job.salt))
+                                       info.get("request_id", ""), job.salt, c.pooling))
             self.generations.update(gens)
             for gen in gens[:k]:
                 await gen.start()

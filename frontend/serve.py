@@ -83,6 +83,7 @@ class ServeConfig:
     prepare_timeout_s: float = settings.PREPARE_TIMEOUT_S
     responses_ttl_s: float = settings.RESPONSES_TTL_S
     responses_max_mb: float = settings.RESPONSES_MAX_MB
+    pooling: str = "auto"                 # /v1/embeddings: auto (the model file's), mean, last
 
     def __post_init__(self):
         """Settings that cannot serve are refused here, before anything starts, each with
@@ -165,7 +166,8 @@ async def serve(cfg: ServeConfig) -> int:
                     cfg.log_prompts, cfg.request_limits, cfg.http_admin,
                     BrowserPolicy.build(cfg.host, cfg.allowed_hosts, cfg.cors_origins),
                     Preparer(cfg.prepare_timeout_s),
-                    ResponseStore(cfg.responses_ttl_s, int(cfg.responses_max_mb * (1 << 20))))
+                    ResponseStore(cfg.responses_ttl_s, int(cfg.responses_max_mb * (1 << 20))),
+                    cfg.pooling)
     server = DrainingServer(uvicorn.Config(app, host=cfg.host, port=cfg.port, lifespan="off",
                                            log_level="warning", timeout_graceful_shutdown=5,
                                            http=cfg.connection_limits.protocol()),
@@ -329,7 +331,7 @@ def main(args) -> int:
         stream_buffer_tokens=args.stream_buffer_tokens, allowed_hosts=args.allowed_hosts,
         cors_origins=args.cors_origins, max_request_slots=args.max_request_slots,
         prepare_timeout_s=args.prepare_timeout, responses_ttl_s=args.responses_ttl,
-        responses_max_mb=args.responses_max_mb, **registry_settings())
+        responses_max_mb=args.responses_max_mb, pooling=args.pooling, **registry_settings())
     return asyncio.run(serve(cfg))
 
 

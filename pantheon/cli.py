@@ -161,6 +161,10 @@ def add_security_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--responses-max-mb", type=float, default=s.RESPONSES_MAX_MB,
                        metavar="MB", help="stored responses together, MB (the oldest go "
                                           "first)")
+    serve.add_argument("--pooling", choices=["auto", "mean", "last"], default="auto",
+                       help="how /v1/embeddings pools a prompt's final hidden states: auto "
+                            "(as the model file says; mean when it says nothing), mean, or "
+                            "the last token's")
     serve.add_argument("--header-timeout", type=float, default=s.HEADER_TIMEOUT_S,
                        help="seconds for a request's line and headers (408 beyond)")
     serve.add_argument("--body-timeout", type=float, default=s.BODY_TIMEOUT_S,

@@ -150,6 +150,15 @@ def _tool_choice(choice):
                               '{"type": "none"} or {"type": "tool", "name": ...}')
 
 
+def _parallel(choice) -> bool | None:
+    """tool_choice.disable_parallel_tool_use, as chat's parallel_tool_calls."""
+    flag = choice.get("disable_parallel_tool_use") if isinstance(choice, dict) else None
+    if flag is not None and not isinstance(flag, bool):
+        raise _bad("tool_choice.disable_parallel_tool_use",
+                   "tool_choice.disable_parallel_tool_use must be a boolean")
+    return None if flag is None else not flag
+
+
 def _thinking(value) -> bool:
     """Whether reasoning is shown as thinking blocks (it is unless disabled)."""
     if value is None:
@@ -195,7 +204,8 @@ def parse_messages_request(body: bytes, session: str | None, limits,
     chat = {"model": data.get("model"), "messages": turns, "stream": data.get("stream"),
             "max_tokens": None if counting else max_tokens, "stop": stops or None,
             "tools": _tools(data.get("tools")), "tool_choice": _tool_choice(data.get("tool_choice")),
-            "user": (metadata or {}).get("user_id")}
+            "user": (metadata or {}).get("user_id"),
+            "parallel_tool_calls": _parallel(data.get("tool_choice"))}
     for name in ("temperature", "top_p", "top_k"):
         chat[name] = data.get(name)
     try:

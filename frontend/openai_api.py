@@ -58,6 +58,7 @@ class ChatRequest(GenerationRequest):
     tool_choice: object = None
     logprobs: bool = False
     top_logprobs: int = 0
+    parallel_tool_calls: bool = True    # false: the reply ends with its first tool call
 
 
 @dataclass(slots=True, kw_only=True)
@@ -323,7 +324,9 @@ def chat_request(data: dict, session_header: str | None = None,
     return ChatRequest(messages=messages, max_tokens=max_tokens,
                        tools=_tools(data.get("tools"), data.get("tool_choice")),
                        tool_choice=data.get("tool_choice"),
-                       logprobs=logprobs, top_logprobs=numbers["top_logprobs"] or 0, **fields)
+                       logprobs=logprobs, top_logprobs=numbers["top_logprobs"] or 0,
+                       parallel_tool_calls=_optional(data, "parallel_tool_calls", bool,
+                                                     "a boolean") is not False, **fields)
 
 
 # ---- responses -------------------------------------------------------------------------

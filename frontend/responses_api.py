@@ -192,6 +192,7 @@ def parse_responses_request(body: bytes) -> ResponsesRequest:
     chat = {"model": data.get("model"), "stream": data.get("stream"), "max_tokens": max_tokens,
             "tools": _tools(data.get("tools")), "tool_choice": _tool_choice(data.get("tool_choice")),
             "response_format": _format(data.get("text")), "user": data.get("user"),
+            "parallel_tool_calls": data.get("parallel_tool_calls"),
             **{k: data[k] for k in SAMPLING_FIELDS if k in data}}
     echo = {"instructions": instructions, "max_output_tokens": max_tokens,
             "previous_response_id": previous, "tools": data.get("tools") or [],

@@ -122,3 +122,18 @@ def test_malformed_tool_block_is_text():
     events = r.event(0, gen, Event("tool", "not json"))
     assert events[-1][1]["delta"] == {"type": "text_delta",
                                       "text": "<tool_call>not json</tool_call>"}
+
+
+def test_disable_parallel_tool_use():
+    one, _ = parse(messages=[{"role": "user", "content": "x"}], tools=[TOOL],
+                   tool_choice={"type": "auto", "disable_parallel_tool_use": True})
+    many, _ = parse(messages=[{"role": "user", "content": "x"}], tools=[TOOL])
+    assert one.parallel_tool_calls is False and many.parallel_tool_calls is True
+
+
+def test_two_calls_in_one_turn_are_two_tool_use_blocks():
+    call = '\n{"name": "get_weather", "arguments": {"city": "%s"}}\n'
+    body = renderer().whole([fake()], [[Event("tool", call % "Oslo"),
+                                        Event("tool", call % "Rome")]])
+    assert [b["input"]["city"] for b in body["content"]] == ["Oslo", "Rome"]
+    assert body["content"][0]["id"] != body["content"][1]["id"]

@@ -127,3 +127,12 @@ def test_store_ttl_and_size():
     assert not store.put("e", {"x": "e" * 500}, [], "s")      # bigger than the store
     assert store.delete("c") and not store.delete("c")
     assert list(store.entries) == ["d"]
+
+
+def test_parallel_tool_calls_reaches_the_chat_request():
+    req = chat_for(parse(input="x", tools=[TOOL], parallel_tool_calls=False), [], None,
+                   RequestLimits())
+    assert req.parallel_tool_calls is False
+    call = '\n{"name": "get_weather", "arguments": {"city": "%s"}}\n'
+    out = renderer().whole([fake()], [[Event("tool", call % "Oslo"), Event("tool", call % "Rome")]])
+    assert [json.loads(i["arguments"])["city"] for i in out["output"]] == ["Oslo", "Rome"]

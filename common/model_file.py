@@ -58,6 +58,7 @@ class ModelConfig:
     blocks: tuple[Block, ...] = ()
     embed_scale: float = 1.0   # the embedding's multiplier (Gemma: sqrt(d_model))
     params: dict = field(default_factory=dict, compare=False)
+    pooling_type: int = 0      # GGUF {arch}.pooling_type: 1 mean, 3 last (embedding models)
 
     @property
     def q_dim(self) -> int:

@@ -181,6 +181,9 @@ class Tokens:
     cached_tokens: int = 0
     # per token when asked: [logprob, [[token id, logprob], ... top N]]
     logprobs: list[list[object]] = field(default_factory=list)
+    # an embedding request's pooled hidden state, d_model values (the link carries no
+    # raw binary: msgpack floats)
+    embedding: list[float] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -298,6 +301,9 @@ class Generate:
     # same salt, sessions included. The frontend derives it from the caller's API key and
     # the request's `cache_salt`, so no client learns from another's cached_tokens.
     cache_salt: str = bounded(lim.MAX_ID_CHARS, default="")
+    # "": generate; "mean" / "last": an embedding (the prompt's final hidden states
+    # pooled, sent back in Tokens.embedding), prefilled with no decode
+    pooling: str = bounded(8, default="")
 
 
 @dataclass(slots=True)

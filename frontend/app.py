@@ -17,6 +17,7 @@ from ..common import logs
 from ..common.key_set import KeySet
 from .admission import Admission
 from .admin import Admin
+from .anthropic_api import MessagesService, error_body
 from .body import parse_json, read_body
 from .chat import ChatService
 from .completions import CompletionService
@@ -30,6 +31,10 @@ from .limits import RequestLimits
 from .openai_api import models_list
 from .preparer import Preparer
 from .registry import Registry
+from .response_store import ResponseStore
+from .responses_api import ResponsesService
+from .tokenize_api import TokenizeService
+from .embeddings_api import EmbeddingsService
 from .security import BrowserPolicy
 from .workers import WorkerPool
 
@@ -42,7 +47,8 @@ PUBLIC_PATHS = frozenset({"/", "/health", "/metrics", "/get_load", "/v1/loads"})
 QUIET_PATHS = frozenset({"/health", "/metrics", "/get_load", "/v1/loads"})
 CORS_ALLOW = [(b"access-control-allow-methods", b"GET, POST, OPTIONS"),
               (b"access-control-allow-headers",
-               b"Authorization, Content-Type, X-Session-Id, X-SMG-Routing-Key, X-Request-Id"),
+               b"Authorization, Content-Type, X-Session-Id, X-SMG-Routing-Key, X-Request-Id, "
+               b"X-Api-Key, Anthropic-Version, Anthropic-Beta"),
               (b"access-control-max-age", b"600")]
 REQUEST_ID = re.compile(rb"[\x21-\x7e]{1,128}")        # visible ASCII, as a client sends
 
@@ -162,15 +168,15 @@ class Guard:
             return await self.reply(send, 204, None, cors + CORS_ALLOW)
         key = (self.admin_key or self.api_key) if path.startswith("/admin/") else self.api_key
         if key and path not in self.public and not self.authorized(headers, key):
-            err = APIError(401, "invalid or missing key: send 'Authorization: Bearer KEY'",
-                           code="invalid_api_key")
-            return await self.reply(send, 401, err.body(),
+            err = APIError(401, "invalid or missing key: send 'Authorization: Bearer KEY' "
+                                "(or 'x-api-key: KEY')", code="invalid_api_key")
+            return await self.reply(send, 401, shaped(path, err),
                                     [(b"www-authenticate", b"Bearer")] + cors)
         if scope["method"] in ("POST", "PUT", "PATCH") and not is_json(headers):
             err = APIError(415, "the request body must be JSON: send 'Content-Type: "
                                 "application/json'", param="Content-Type",
                            code="unsupported_media_type")
-            return await self.reply(send, 415, err.body(), cors)
+            return await self.reply(send, 415, shaped(path, err), cors)
         if not cors:
             return await self.app(scope, receive, send)
 
@@ -182,9 +188,13 @@ class Guard:
 
     @staticmethod
     def authorized(headers: dict, keys: KeySet) -> bool:
+        """`Authorization: Bearer KEY`, or Anthropic's `x-api-key: KEY`."""
         header = headers.get(b"authorization", b"")
         scheme, _, token = header.partition(b" ")
-        return scheme.lower() == b"bearer" and keys.matches(token.strip())
+        if scheme.lower() == b"bearer" and keys.matches(token.strip()):
+            return True
+        key = headers.get(b"x-api-key")
+        return key is not None and keys.matches(key.strip())
 
     @staticmethod
     async def reply(send, status: int, body: dict | None, headers=()) -> None:
@@ -194,6 +204,11 @@ class Guard:
             head.insert(0, (b"content-type", b"application/json"))
         await send({"type": "http.response.start", "status": status, "headers": head})
         await send({"type": "http.response.body", "body": data})
+
+
+def shaped(path: str, err: APIError) -> dict:
+    """An error body in the shape of the API the path belongs to."""
+    return error_body(err) if path.startswith("/v1/messages") else err.body()
 
 
 def is_json(headers: dict) -> bool:
@@ -221,7 +236,9 @@ def build_app(registry: Registry, lifecycle: Lifecycle, admin: Admin,
               log_prompts: bool = False, limits: RequestLimits = RequestLimits(),
               http_admin: bool = True,
               browser: BrowserPolicy = BrowserPolicy(None),
-              preparer: Preparer | None = None, dashboard: str = "on") -> RequestLog:
+              preparer: Preparer | None = None, dashboard: str = "on",
+              responses: ResponseStore | None = None,
+              pooling: str = "auto") -> RequestLog:
     pool, admission, metrics = lifecycle.pool, lifecycle.admission, lifecycle.metrics
     errors = RecentErrors()
     # the page reads an /admin/ route: none without the HTTP admin routes
@@ -230,6 +247,10 @@ def build_app(registry: Registry, lifecycle: Lifecycle, admin: Admin,
     preparer = preparer or Preparer()
     chat = ChatService(registry, lifecycle, max_body_bytes, context_cap, limits, preparer)
     completions = CompletionService(registry, lifecycle, max_body_bytes, limits, preparer)
+    messages = MessagesService(chat)
+    responses_api = ResponsesService(chat, responses or ResponseStore())
+    tokens = TokenizeService(chat)
+    embeddings = EmbeddingsService(chat, pooling)
 
     def admin_route(cmd: str):
         async def handle(request: Request):
@@ -329,6 +350,17 @@ def build_app(registry: Registry, lifecycle: Lifecycle, admin: Admin,
                 Route("/get_load", get_load), Route("/v1/loads", v1_loads),
                 Route("/v1/chat/completions", chat, methods=["POST"]),
                 Route("/v1/completions", completions, methods=["POST"]),
+                Route("/v1/embeddings", embeddings, methods=["POST"]),
+                Route("/tokenize", tokens.tokenize, methods=["POST"]),
+                Route("/detokenize", tokens.detokenize, methods=["POST"]),
+                Route("/v1/messages", messages, methods=["POST"]),
+                Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
+                Route("/v1/responses", responses_api, methods=["POST"]),
+                Route("/v1/responses/input_tokens", responses_api.input_tokens,
+                      methods=["POST"]),
+                Route("/v1/responses/{id}", responses_api.retrieve, methods=["GET"]),
+                Route("/v1/responses/{id}", responses_api.delete, methods=["DELETE"]),
+                Route("/v1/responses/{id}/cancel", responses_api.cancel, methods=["POST"]),
                 *(admin_routes if http_admin else []), *board.routes()],
         exception_handlers={APIError: api_error, HTTPException: http_error,
                             Exception: server_error})

@@ -51,11 +51,12 @@ def request_grammar(response_format, tools, tool_choice) -> str | None:
 
 
 def cache_salt(headers, salt: str | None) -> str:
-    """The request's prefix-cache scope: its API key (the bearer token it was admitted
-    with) and its own `cache_salt`, hashed (the key never crosses the wire). Requests of
+    """The request's prefix-cache scope: its API key (the bearer token or x-api-key it
+    was admitted with) and its own `cache_salt`, hashed (the key never crosses the wire). Requests of
     different scopes never share a warm state, so `cached_tokens` tells a client nothing
     of another's prompts; "" (no key, no salt) is the one shared scope."""
-    key = headers.get("authorization", "").partition(" ")[2].strip()
+    key = headers.get("authorization", "").partition(" ")[2].strip() \
+        or headers.get("x-api-key", "").strip()          # Anthropic's clients send this
     if not key and not salt:
         return ""
     both = key.encode() + b"\0" + (salt or "").encode()
@@ -140,19 +141,28 @@ class ChatService:
         req = await self.preparer.run(deadline, parse_chat_request, body,
                                       session_header(request.headers), self.limits,
                                       size=len(body))
+        return await self.job(request, req, deadline, len(body))
+
+    async def job(self, request: Request, req: ChatRequest, deadline: float, size: int,
+                  renderer=None) -> Job:
+        """The Job for a validated request. Another API's edge (anthropic_api,
+        responses_api) translates its body into a ChatRequest and passes its own
+        `renderer(model, tokenizer, req, capped)`; chat's is the default."""
         model = await self.registry.want(req.model, req.keep_alive)
         ctx = model.context()
         grammar, prompt, text, capped = await self.preparer.run(
-            deadline, self.shape, req, model, ctx, size=len(body))
+            deadline, self.shape, req, model, ctx, size=size)
         room = ctx - len(prompt)
         max_tokens = min(req.max_tokens, room) if req.max_tokens else None   # None: fill
         think = text.rstrip().endswith("<think>")           # the template opened reasoning
         use_tools = bool(req.tools) and req.tool_choice != "none"
         choices = [Choice(prompt, seeded(req.sampling, req.sampling.seed, i), max_tokens,
-                          Emitter(req.stop, think=think, tools=use_tools), grammar,
+                          Emitter(req.stop, think=think, tools=use_tools,
+                                  max_calls=None if req.parallel_tool_calls else 1), grammar,
                           req.top_logprobs if req.logprobs else -1) for i in range(req.n)]
         renderer = ChatRenderer(completion_id(), int(time.time()), model.name,
-                                model.tokenizer, req, req.n, capped)
+                                model.tokenizer, req, req.n, capped) if renderer is None \
+            else renderer(model, req, capped)
         return Job(model, choices, req.stream, renderer,
                    None if capped else req.session_id,      # a capped turn is not cached
                    req.include_usage, salt=cache_salt(request.headers, req.cache_salt))

@@ -42,7 +42,7 @@ class Emitter:
     """One reply's text in, events out. Not thread-safe: one per request."""
 
     def __init__(self, stop: list[str] | None = None, think: bool = False, tools: bool = True,
-                 reasoning: bool = True):
+                 reasoning: bool = True, max_calls: int | None = None):
         self.stop = [s for s in (stop or []) if s]
         self.tools = tools
         self.reasoning = reasoning   # False: `<think>` is plain text (raw completions)
@@ -53,6 +53,9 @@ class Emitter:
         self.tool_start = 0    # where its inner text starts in tool_raw
         self.after_tool = False  # a tool block closed, no non-space content since
         self.stopped = False   # a stop string ended the reply
+        self.stop_string: str | None = None   # which one (Anthropic reports it)
+        # parallel_tool_calls false: the reply ends when this many tool blocks closed
+        self.max_calls, self.calls = max_calls, 0
         self.done = False      # the reply ended (stop string or finish())
         self.out: list[Event] = []
 
@@ -64,9 +67,13 @@ class Emitter:
         hit = min((i for i in (buf.find(s) for s in self.stop) if i >= 0), default=-1)
         if hit >= 0:       # the reply is buf[:hit], settled at once
             self.stopped, self.carry = True, ""
+            self.stop_string = next(s for s in self.stop if buf.find(s) == hit)
             self.scan(buf[:hit], final=True)
             return self.flush()
         self.scan(buf, final=False)
+        if self.max_calls is not None and self.calls >= self.max_calls:
+            self.stopped, self.carry = True, ""     # what follows the last call is dropped
+            return self.flush()
         return self.take()
 
     def finish(self) -> list[Event]:
@@ -85,6 +92,9 @@ class Emitter:
         limit = len(buf) if final else len(buf) - held(buf, self.stop)
         i = 0
         while True:
+            if self.max_calls is not None and self.calls >= self.max_calls:
+                self.carry = ""          # the reply ends with the last call it may make
+                return
             markers = self.markers()
             found = [(j, m) for m in markers if (j := buf.find(m, i, limit)) >= 0]
             if not found:
@@ -115,6 +125,7 @@ class Emitter:
             self.tool_start = len(self.tool_raw)
         else:                                # END_TOOL: the block is complete
             self.emit("tool", self.tool_raw[self.tool_start:])
+            self.calls += 1
             self.mode, self.tool_raw, self.after_tool = "content", "", True
 
     def text(self, s: str) -> None:

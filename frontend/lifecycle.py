@@ -28,7 +28,7 @@ from .emitter import Emitter
 from .errors import APIError
 from .generation import Generation
 from .metrics import Metrics, ModelMetrics
-from .openai_api import counts, sse, sse_error
+from .openai_api import counts
 from .registry import ServedModel
 from .workers import WorkerPool
 
@@ -47,6 +47,7 @@ class Choice:
     emitter: Emitter
     grammar: str | None = None
     logprobs: int = -1
+    pooling: str = ""                  # an embedding: "mean" or "last" (Generate.pooling)
 
 
 @dataclass
@@ -63,6 +64,7 @@ class Job:
     headers: dict = field(default_factory=dict)
     error: APIError | None = None      # what ended a stream after its first byte
     salt: str = ""                     # prefix-cache scope (chat.cache_salt)
+    gens: list = field(default_factory=list)   # its Generations once built (a cancel's)
 
     @property
     def need(self) -> int:
@@ -109,7 +111,7 @@ class Lifecycle:
             figures.rejected(exc.status, exc.code)
             raise
         figures.queue.observe(time.monotonic() - asked)
-        gens: list[Generation] = []
+        gens: list[Generation] = job.gens
         lanes = None
         try:
             for i, c in enumerate(job.choices):
@@ -118,7 +120,7 @@ class Lifecycle:
                                        c.max_tokens or replica.ctx - len(c.prompt), c.emitter,
                                        job.session if i == 0 else None, c.grammar, c.logprobs,
                                        figures, arrived if i == 0 else None,
-                                       info.get("request_id", ""), job.salt))
+                                       info.get("request_id", ""), job.salt, c.pooling))
             self.generations.update(gens)
             for gen in gens[:k]:
                 await gen.start()
@@ -160,16 +162,16 @@ class Lifecycle:
             await send({"type": "http.response.body", "body": data, "more_body": True})
         try:
             for body in renderer.opening(gens):
-                await out(sse(body))
+                await out(renderer.frame(body))
             async for i, event in lanes.events():
-                await out(sse(renderer.event(i, gens[i], event) if event is not None
-                              else renderer.closing(i, gens[i])))
+                await out(renderer.frame(renderer.event(i, gens[i], event) if event is not None
+                                         else renderer.closing(i, gens[i])))
             if job.include_usage:
-                await out(sse(renderer.usage(gens)))
+                await out(renderer.frame(renderer.usage(gens)))
         except APIError as exc:
             job.error = exc
-            await out(sse_error(exc))
-        await out(sse("[DONE]"))
+            await out(renderer.failure(exc))
+        await out(renderer.end())
         return True
 
 

@@ -60,6 +60,7 @@ class ChatRequest(GenerationRequest):
     tool_choice: object = None
     logprobs: bool = False
     top_logprobs: int = 0
+    parallel_tool_calls: bool = True    # false: the reply ends with its first tool call
 
 
 @dataclass(slots=True, kw_only=True)
@@ -303,7 +304,12 @@ def _token_list(value) -> bool:
 def parse_chat_request(body: bytes, session_header: str | None = None,
                        limits: RequestLimits = DEFAULT_LIMITS) -> ChatRequest:
     """Validate a /v1/chat/completions body; raises `APIError(400)` naming the bad field."""
-    data = _json_object(body)
+    return chat_request(_json_object(body), session_header, limits)
+
+
+def chat_request(data: dict, session_header: str | None = None,
+                 limits: RequestLimits = DEFAULT_LIMITS) -> ChatRequest:
+    """A decoded chat body (or another edge's body translated into one) → ChatRequest."""
     messages = data.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "messages must be a non-empty list of message objects"
@@ -321,7 +327,9 @@ def parse_chat_request(body: bytes, session_header: str | None = None,
     return ChatRequest(messages=messages, max_tokens=max_tokens,
                        tools=_tools(data.get("tools"), data.get("tool_choice")),
                        tool_choice=data.get("tool_choice"),
-                       logprobs=logprobs, top_logprobs=numbers["top_logprobs"] or 0, **fields)
+                       logprobs=logprobs, top_logprobs=numbers["top_logprobs"] or 0,
+                       parallel_tool_calls=_optional(data, "parallel_tool_calls", bool,
+                                                     "a boolean") is not False, **fields)
 
 
 # ---- responses -------------------------------------------------------------------------
@@ -455,6 +463,17 @@ class Renderer:
         self.rid, self.created, self.model, self.tok, self.req = rid, created, model, tokenizer, req
         self.sent_lp = [0] * n_choices
         self.sent_ids = [0] * n_choices
+
+    # how a stream is framed: SSE `data:` lines closed by `[DONE]` (another API's
+    # renderer frames its own events)
+    def frame(self, body) -> bytes:
+        return sse(body)
+
+    def failure(self, err: APIError) -> bytes:
+        return sse_error(err)
+
+    def end(self) -> bytes:
+        return sse("[DONE]")
 
     def head(self, obj: str) -> dict:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}

@@ -29,6 +29,7 @@ from .placement import Placer
 from .preparer import Preparer
 from .registration import Identity, Registration, endpoint_url
 from .registry import Registry, ReplicaState, open_model
+from .response_store import ResponseStore
 from .security import BrowserPolicy, Exposure, LinkAuth, ModelDirs, enforce
 from ..common.die_spec import parse_die
 from .supervisor import Supervisor, die_names
@@ -84,6 +85,9 @@ class ServeConfig:
     max_request_slots: int = 0            # one request's choices at once; 0: half a replica
     prepare_timeout_s: float = settings.PREPARE_TIMEOUT_S
     lifecycle: LifecycleConfig = field(default_factory=lambda: LifecycleConfig())
+    responses_ttl_s: float = settings.RESPONSES_TTL_S
+    responses_max_mb: float = settings.RESPONSES_MAX_MB
+    pooling: str = "auto"                 # /v1/embeddings: auto (the model file's), mean, last
 
     def __post_init__(self):
         """Settings that cannot serve are refused here, before anything starts, each with
@@ -99,6 +103,9 @@ class ServeConfig:
                              "the model's, at most 4096)")
         if self.prefill_chunk < 1:
             raise ValueError(f"--prefill-chunk {self.prefill_chunk}: at least 1 token a step")
+        if self.responses_ttl_s < 0 or self.responses_max_mb < 0:
+            raise ValueError("--responses-ttl and --responses-max-mb must be >= 0 (0: "
+                             "responses are not kept)")
         if self.worker_lost_after_s < self.worker_timeout_s:
             raise ValueError("--worker-lost-after must be at least --worker-timeout")
         if self.worker_lost_after_s < 2.0:       # probes start after 1 s of silence
@@ -166,7 +173,9 @@ async def serve(cfg: ServeConfig) -> int:
                     cfg.max_body_bytes, cfg.context_cap, drain, cfg.metrics_auth,
                     cfg.log_prompts, cfg.request_limits, cfg.http_admin,
                     BrowserPolicy.build(cfg.host, cfg.allowed_hosts, cfg.cors_origins),
-                    Preparer(cfg.prepare_timeout_s), cfg.dashboard)
+                    Preparer(cfg.prepare_timeout_s), cfg.dashboard,
+                    ResponseStore(cfg.responses_ttl_s, int(cfg.responses_max_mb * (1 << 20))),
+                    cfg.pooling)
     server = DrainingServer(uvicorn.Config(app, host=cfg.host, port=cfg.port, lifespan="off",
                                            log_level="warning", timeout_graceful_shutdown=5,
                                            http=cfg.connection_limits.protocol()),
@@ -332,7 +341,8 @@ def main(args) -> int:
         stream_buffer_tokens=args.stream_buffer_tokens, allowed_hosts=args.allowed_hosts,
         cors_origins=args.cors_origins, max_request_slots=args.max_request_slots,
         prepare_timeout_s=args.prepare_timeout, lifecycle=LifecycleConfig.from_args(args),
-        **registry_settings())
+        responses_ttl_s=args.responses_ttl, responses_max_mb=args.responses_max_mb,
+        pooling=args.pooling, **registry_settings())
     return asyncio.run(serve(cfg))
 
 

@@ -187,6 +187,16 @@ def add_security_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--prepare-timeout", type=float, default=s.PREPARE_TIMEOUT_S,
                        help="seconds for a request's templating and tokenization, queue "
                             "included (503 beyond)")
+    serve.add_argument("--responses-ttl", type=float, default=s.RESPONSES_TTL_S, metavar="S",
+                       help="seconds a stored /v1/responses response (and its conversation, "
+                            "for previous_response_id) is kept")
+    serve.add_argument("--responses-max-mb", type=float, default=s.RESPONSES_MAX_MB,
+                       metavar="MB", help="stored responses together, MB (the oldest go "
+                                          "first)")
+    serve.add_argument("--pooling", choices=["auto", "mean", "last"], default="auto",
+                       help="how /v1/embeddings pools a prompt's final hidden states: auto "
+                            "(as the model file says; mean when it says nothing), mean, or "
+                            "the last token's")
     serve.add_argument("--header-timeout", type=float, default=s.HEADER_TIMEOUT_S,
                        help="seconds for a request's line and headers (408 beyond)")
     serve.add_argument("--body-timeout", type=float, default=s.BODY_TIMEOUT_S,

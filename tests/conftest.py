@@ -35,3 +35,16 @@ def no_amx():
     kernels_cpu.use_amx(0)
     yield
     kernels_cpu.use_amx(None)
+
+
+AGENT_KEY = "sk-agent-apis"
+
+
+@pytest.fixture(scope="session")
+def agent_server():
+    """One server on the default model for the agent APIs' end-to-end tests (Messages,
+    Responses, tokenize, embeddings), with an API key: started once for all of them."""
+    from cluster import Server
+    with Server("--slots", "4", "--ctx", "1024", "--responses-ttl", "30",
+                api_key=AGENT_KEY) as srv:
+        yield srv

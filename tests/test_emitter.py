@@ -68,6 +68,13 @@ CASES = [
     ("double-bracket", "<<think>>x</think>>", {}, R("<>", ">x")),
     ("marker-after-partial", "<thin<think>r</thin</think>c", {}, R("<thinc", "r</thin")),
     ("tool-after-partial", "<tool_<tool_call>X</tool_</tool_call>", {}, R("<tool_", tools=["X</tool_"])),
+    # parallel_tool_calls: several calls in one turn, or (false) the reply ends at the first
+    ("calls-parallel", "Sure <tool_call>A</tool_call>\n<tool_call>B</tool_call>\n", {},
+     R("Sure", tools=["A", "B"])),
+    ("calls-one-only", "Sure <tool_call>A</tool_call>\n<tool_call>B</tool_call> more",
+     {"max_calls": 1}, R("Sure", tools=["A"])),
+    ("calls-one-unclosed", "<tool_call>A", {"max_calls": 1}, R("<tool_call>A")),
+    ("calls-one-none", "no call", {"max_calls": 1}, R("no call")),
     ("partial-marker-at-end", "abc<thi", {}, R("abc<thi")),
     ("partial-end-think-at-end", "r</thi", {"think": True}, R("", "r</thi")),
     # stop strings inside reasoning, tools, and markers
@@ -141,6 +148,7 @@ def test_random_replies_are_cut_independent():
     for n in range(300):
         text = "".join(rng.choice(atoms) for _ in range(rng.randint(0, 14)))
         kw = {"think": rng.random() < 0.3, "tools": rng.random() < 0.8,
+              "max_calls": rng.choice([None, None, 1]),
               "stop": rng.choice([[], ["STOP"], ["k><", "b\n"], ["<tool_call>a"], ["</think>b"]])}
         whole = feed([text], **kw)
         for pieces in list(splits(text, seed=n))[1:]:
@@ -189,6 +197,13 @@ def test_finish_is_idempotent_and_ends_the_reply():
     assert em.finish() == []
     assert em.push("more") == []
     assert not em.stopped
+
+
+def test_a_single_call_stops_the_reply():
+    em = Emitter(max_calls=1)
+    assert em.push("<tool_call>A</tool") == []
+    assert em.push("_call> tail") == [Event("tool", "A")] and em.stopped and em.done
+    assert em.push("more") == [] and em.finish() == []
 
 
 def test_positional_stop_like_the_old_api():

@@ -308,3 +308,14 @@ def test_usage_counts_each_prompt_once_and_its_cached_tokens_with_it():
             SimpleNamespace(prompt=b, completion_tokens=2, cached_tokens=10)]
     assert counts(gens) == (40, 10, 29)
     assert counts(gens[:2]) == (30, 7, 29)
+
+
+def test_parallel_tool_calls_is_a_boolean_defaulting_to_true():
+    from pantheon.frontend.openai_api import chat_request
+    messages = [{"role": "user", "content": "hi"}]
+    assert chat_request({"messages": messages}).parallel_tool_calls is True
+    assert chat_request({"messages": messages, "parallel_tool_calls": False}) \
+        .parallel_tool_calls is False
+    with pytest.raises(APIError) as info:
+        chat_request({"messages": messages, "parallel_tool_calls": "no"})
+    assert info.value.param == "parallel_tool_calls"

@@ -40,6 +40,10 @@ class Engine:
         """The scheduler's forward: logits [n_sampled, V] float32, left on the die."""
         return self.model.forward(tokens, spans)
 
+    def pooled(self) -> list:
+        """The last forward's pooled hidden states, on the host: [(span index, [D])]."""
+        return [(i, self.device.to_host(v)) for i, v in self.model.pooled]
+
     def sample(self, logits, seqs: list[SequenceSampler]) -> list[tuple[int, list | None]]:
         """The scheduler's sampler: each row's token (and logprobs when its request asks),
         chosen on the die from `logits` (consumed); only those cross to the host."""
@@ -99,7 +103,7 @@ def load_engine(path: str | Path, die: str | Device = "cpu", n_slots: int = 8,
     engine = Engine(cfg, device, model, None, 0.0, Sampler(device.xp, device.settle))
     cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
     engine.scheduler = Scheduler(engine.logits, n_slots, ctx, prefill_chunk, model.state, cache,
-                                 sample=engine.sample)
+                                 sample=engine.sample, pooled=engine.pooled)
     engine.load_seconds = time.perf_counter() - started
     log.info("loaded %s (%s, %d layers) on die %s in %.1f s: %.0f MB weights (%s), "
              "%.0f MB KV", Path(path).name, cfg.arch, cfg.n_layers, device.die_id,

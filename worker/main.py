@@ -368,6 +368,9 @@ class Worker:
             if msg.max_tokens < 1 or any(not 0 <= t < replica.engine.cfg.vocab_size
                                          for t in msg.prompt):
                 raise ValueError("max_tokens must be >= 1 and token ids within the vocabulary")
+            if msg.pooling not in ("", "mean", "last") or (msg.pooling and msg.grammar):
+                raise ValueError(f"pooling must be mean or last (and without a grammar), "
+                                 f"got {msg.pooling!r}")
         except (TypeError, ValueError) as exc:
             self.traces[msg.request_id] = msg.trace
             self.request_log(logging.INFO, msg.request_id, "refused: %s", exc)
@@ -380,7 +383,7 @@ class Worker:
                              "max_tokens %d", msg.model_id, len(msg.prompt), msg.max_tokens)
         request = Request(msg.request_id, msg.prompt, params, msg.max_tokens,
                           frozenset(msg.stop_ids), msg.session_id, None, min(msg.logprobs, 20),
-                          msg.cache_salt)
+                          msg.cache_salt, msg.pooling)
         self.owner[msg.request_id] = replica
         self.send(p.Accepted(msg.request_id))         # taken: the frontend's first answer
         if msg.grammar:         # its matcher is made in the preparation thread
@@ -599,7 +602,8 @@ class Worker:
                 self.traces.pop(out.request_id, None)
         if outputs:             # one message per step, whatever the batch size
             self.send(p.Outputs([p.Tokens(o.request_id, o.tokens, o.finish, o.prompt_tokens,
-                                          o.completion_tokens, o.cached_tokens, o.logprobs)
+                                          o.completion_tokens, o.cached_tokens, o.logprobs,
+                                          o.embedding)
                                  for o in outputs]))
 
 

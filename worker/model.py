@@ -45,6 +45,8 @@ class Span:
     start: int           # positions already in the slot's state
     n: int               # tokens this step adds (1 for decode, a chunk for prefill)
     logits: bool = True  # whether the last of those positions needs logits
+    pool: str = ""       # "mean": the sum of these positions' final hidden states is
+                         # wanted; "last": the last one's (an embedding request)
 
 
 class RopeTable:
@@ -139,6 +141,7 @@ class Model:
         # kernels cost in proportion to the rows and get none.
         dense = not is_quantized(weights.blocks[0].mlp.w_gate_up) if weights.blocks else True
         self.row_multiple = 8 if xp is np and dense else 1
+        self.pooled: list = []          # the last forward's (span index, [D] vector)
         self.decode_c = None
         if xp is np and not dense:      # each product tells the kernels what follows it
             kernels_cpu.chain(weights.forward_matrices())
@@ -166,8 +169,18 @@ class Model:
             if step is None or not step.run(i, x):
                 block(x, batch)
         assert x.dtype == F32, f"activations drifted to {x.dtype}"
+        self.pooled = [(i, self.pool(x, batch, i, s.pool)) for i, s in enumerate(spans) if s.pool]
         rows = [int(batch.rows[i + 1]) - 1 for i, s in enumerate(spans) if s.logits]
         if not rows:
             return xp.empty((0, cfg.vocab_size), dtype=F32)
         h = rms_norm(x[rows], w.out_norm, cfg.rms_eps)
         return linear(h, w.head)                                           # [n, V]
+
+    def pool(self, x, batch: Batch, i: int, how: str):
+        """Span i's final hidden states (after the output norm) pooled: their sum
+        ("mean": the caller divides once the whole prompt has passed) or the last."""
+        start, end = int(batch.rows[i]), int(batch.rows[i + 1])
+        if how == "last":
+            start = end - 1
+        h = rms_norm(x[start:end], self.w.out_norm, self.cfg.rms_eps)     # [n, D]
+        return h.sum(axis=0)                                               # [D]

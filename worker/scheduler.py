@@ -75,6 +75,7 @@ class Request:
     constraint: object = None        # a grammar the output must follow (worker/constraint.py)
     logprobs: int = -1               # -1: none; N: the chosen token's logprob and the top N
     salt: str = ""                   # its prefix-cache scope (Generate.cache_salt)
+    pooling: str = ""                # "mean" / "last": an embedding, no decode (Generate)
 
 
 @dataclass
@@ -89,6 +90,7 @@ class Output:
     cached_tokens: int = 0           # prompt tokens whose KV was reused, not computed
     logprobs: list = field(default_factory=list)   # [logprob, [[id, logprob], ...]] per token
     error: str | None = None         # finish "error": why, short, of this request alone
+    embedding: list = field(default_factory=list)  # an embedding request's pooled state
 
 
 @dataclass
@@ -106,6 +108,7 @@ class Slot:
     last_used: int = 0
     fork_from: "Slot | None" = None  # WAIT: the slot whose prefix this one will copy
     fork_len: int = 0
+    pooled: object = None            # an embedding request's running sum (or last state)
 
     @property
     def cached(self) -> int:
@@ -115,7 +118,7 @@ class Slot:
         """Back to IDLE; the KV and its history stay for a later request to reuse."""
         self.session_id = self.request.session_id if self.request else None
         self.state, self.request, self.sampler = SlotState.IDLE, None, None
-        self.feed, self.generated, self.fork_from = [], 0, None
+        self.feed, self.generated, self.fork_from, self.pooled = [], 0, None, None
 
 
 class PrefillPacer:
@@ -155,11 +158,14 @@ class PrefillPacer:
 class Scheduler:
     def __init__(self, forward: Callable, n_slots: int, ctx: int, prefill_chunk: int = 128,
                  kv=None, cache: PrefixCache | None = None, pacer: PrefillPacer | None = None,
-                 clock: Callable[[], float] = time.perf_counter, sample: Callable | None = None):
+                 clock: Callable[[], float] = time.perf_counter, sample: Callable | None = None,
+                 pooled: Callable | None = None):
         if prefill_chunk < 1:
             raise ValueError("prefill_chunk must be >= 1")
         self.forward, self.ctx, self.prefill_chunk = forward, ctx, prefill_chunk
         self.sample = sample or Sampler(np).sample
+        # after a forward with pooling spans: [(span index, [D] host vector)]
+        self.pooled = pooled
         self.pacer = pacer or PrefillPacer(prefill_chunk)
         self.clock = clock
         self.kv, self.cache = kv, cache
@@ -182,6 +188,8 @@ class Scheduler:
             raise ValueError(f"request {req.id} is already running")
         if not req.prompt:
             raise ValueError("empty prompt")
+        if req.pooling and (req.pooling not in ("mean", "last") or self.pooled is None):
+            raise ValueError(f"pooling {req.pooling!r} is not available here")
         if len(req.prompt) >= self.ctx:
             raise ValueError(f"prompt of {len(req.prompt)} tokens leaves no room in the "
                              f"context of {self.ctx}")
@@ -198,6 +206,8 @@ class Scheduler:
                                         and s.salt == req.salt,
                                         matches[s.index], -s.last_used))
         reuse = self.warm_start(slot, matches[slot.index], req)
+        if req.pooling == "mean":        # every position's state is wanted: none skipped
+            reuse = 0
         slot.state, slot.request, slot.last_used = SlotState.PREFILL, req, next(self.uses)
         slot.salt = req.salt
         slot.sampler = SequenceSampler(req.params, req.prompt, req.constraint, req.logprobs)
@@ -205,7 +215,8 @@ class Scheduler:
         slot.feed, slot.generated, slot.reused = list(req.prompt[reuse:]), 0, reuse
         self.by_id[req.id] = slot
         source, shared = self.fork_source(slot, prompt)
-        if source is not None and shared > reuse:   # n > 1, retries: prefill once, copy
+        if source is not None and shared > reuse and req.pooling != "mean":
+            # n > 1, retries: prefill once, copy
             slot.state, slot.fork_from, slot.fork_len = SlotState.WAIT, source, shared
 
     FORK_MIN = 16      # shared prompt tokens worth waiting for instead of computing
@@ -309,7 +320,9 @@ class Scheduler:
         tokens, spans = [], []
         for slot, n in plan:
             tokens += slot.feed[:n]
-            spans.append(Span(slot.index, slot.cached, n, logits=(n == len(slot.feed))))
+            pool = slot.request.pooling
+            spans.append(Span(slot.index, slot.cached, n, logits=(n == len(slot.feed)) and not pool,
+                              pool=pool if pool == "mean" or n == len(slot.feed) else ""))
         started = self.clock()
         try:
             logits = self.forward(np.asarray(tokens, dtype=np.int64), spans)
@@ -319,6 +332,7 @@ class Scheduler:
             for slot, _ in plan:
                 slot.history = []
             raise
+        pooled = self.pooled() if any(span.pool for span in spans) else []
         sampled = [slot for (slot, _), span in zip(plan, spans) if span.logits]
         picks = self.sample(logits, [slot.sampler for slot in sampled]) if sampled else []
         n_decode = sum(slot.state is SlotState.DECODE for slot, _ in plan)
@@ -327,7 +341,21 @@ class Scheduler:
         for slot, n in plan:
             slot.history += slot.feed[:n]
             del slot.feed[:n]
-        return [self._advance(slot, token, entry) for slot, (token, entry) in zip(sampled, picks)]
+        return [self._advance(slot, token, entry) for slot, (token, entry) in zip(sampled, picks)] \
+            + [out for i, vector in pooled if (out := self._pool(plan[i][0], vector))]
+
+    def _pool(self, slot: Slot, vector) -> Output | None:
+        """An embedding request's chunk went through; its Output once its prompt has."""
+        slot.pooled = vector if slot.pooled is None else slot.pooled + vector
+        if slot.feed:
+            return None
+        req = slot.request
+        pooled = slot.pooled / len(req.prompt) if req.pooling == "mean" else slot.pooled
+        out = self._output(slot, [], "stop")
+        out.embedding = np.asarray(pooled, dtype=np.float32).tolist()
+        del self.by_id[req.id]
+        slot.release()
+        return out
 
     def _advance(self, slot: Slot, token: int, logprobs: list | None) -> Output:
         req = slot.request

@@ -49,6 +49,8 @@ BASE_FIELDS: tuple[Field, ...] = (
     Field("context_length", "context_length", "max_position_embeddings", hf_default=4096),
     Field("rms_eps", "attention.layer_norm_rms_epsilon", "rms_norm_eps", cast=float,
           hf_default=1e-6),
+    # llama.cpp's embedding pooling (0 none, 1 mean, 2 cls, 3 last); a folder says none
+    Field("pooling_type", "pooling_type", None, default=0),
 )
 
 # Parameter names outside the layers, every family (Hugging Face → GGUF).

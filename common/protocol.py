@@ -181,6 +181,10 @@ class Tokens:
     cached_tokens: int = 0
     # per token when asked: [logprob, [[token id, logprob], ... top N]]
     logprobs: list[list[object]] = field(default_factory=list)
+    # speculation in the step(s) this message reports: tokens proposed and verified, and of
+    # those the ones accepted (the rest were rejected and rolled back)
+    proposed: int = 0
+    accepted: int = 0
 
 
 @dataclass(slots=True)
@@ -218,6 +222,16 @@ class Stopping:
 # -- frontend → worker ------------------------------------------------------------
 
 @dataclass(slots=True)
+class Speculation:
+    """A replica's speculative decoding (worker/spec.py): `kind` "" (none) or "ngram"
+    (prompt lookup), the longest n-gram matched `n`, the longest proposal `k` (1-16)."""
+
+    kind: str = bounded(16, default="")
+    n: int = 3
+    k: int = 8
+
+
+@dataclass(slots=True)
 class Load:
     model_id: str            # the replica's id, unique in the fleet
     path: str
@@ -226,6 +240,7 @@ class Load:
     ctx: int = 0             # 0: the model's trained context, capped by the worker
     prefill_chunk: int = PREFILL_CHUNK
     quantize: str = "auto"   # common/weight_format.QUANTIZE_MODES
+    spec: Speculation | None = None   # None: none
 
 
 @dataclass(slots=True)
@@ -298,6 +313,8 @@ class Generate:
     # same salt, sessions included. The frontend derives it from the caller's API key and
     # the request's `cache_salt`, so no client learns from another's cached_tokens.
     cache_salt: str = bounded(lim.MAX_ID_CHARS, default="")
+    # a predicted output (OpenAI's `prediction`), as token ids: seeds speculation's proposals
+    prediction: list[int] = bounded(lim.MAX_PROMPT_TOKENS, default_factory=list)
 
 
 @dataclass(slots=True)
@@ -349,7 +366,7 @@ MESSAGES: dict[str, type] = {
     "admin_request": AdminRequest, "admin_reply": AdminReply,
 }
 KIND_OF = {cls: kind for kind, cls in MESSAGES.items()}
-NESTED = {Sampling, Resident, Tokens, ReplicaLoad}
+NESTED = {Sampling, Resident, Tokens, ReplicaLoad, Speculation}
 
 
 def encode(msg) -> bytes:

@@ -24,7 +24,7 @@ import zmq.asyncio
 
 from ..common import limits as wire
 from ..common import protocol as p
-from ..common import settings
+from ..common import settings, speculation
 from ..common.key_set import KeySet
 from ..common.keys import KeyPair, curve_server
 from ..common.model_file import ModelFileError
@@ -170,6 +170,14 @@ class Admin:
                                   f"not {quantize!r}", "quantize")
         if ctx < 0 or slots < 0:
             raise AdminError(400, "ctx and slots must be >= 0")
+        spec = None
+        if "spec" in body:                             # absent: the server's --spec
+            try:
+                spec = speculation.parse(body["spec"]) or p.Speculation("")
+            except ValueError as exc:
+                field_name = str(exc).split(" ", 1)[0]
+                raise AdminError(400, str(exc), field_name if field_name.startswith("spec")
+                                 else "spec") from None
         if dies is not None:
             dies = [str(d) for d in dies]
         # phase 1: reserve the name
@@ -185,7 +193,7 @@ class Admin:
             raise AdminError(503, "the server is shutting down: no new loads")
         self.loading.add(name)
         task = asyncio.ensure_future(self.place_and_upload(path, name, dies, ctx, slots,
-                                                           on_progress, quantize))
+                                                           on_progress, quantize, spec))
         self.load_tasks.add(task)
         try:
             return await task
@@ -199,7 +207,7 @@ class Admin:
             self.loading.discard(name)
 
     async def place_and_upload(self, path, name, dies, ctx, slots, on_progress,
-                               quantize="") -> dict:
+                               quantize="", spec=None) -> dict:
         if not Path(path).exists():
             raise AdminError(404, f"model file not found: {path}", "path")
         try:
@@ -225,6 +233,7 @@ class Admin:
         replica = self.registry.add(model, die)
         replica.reserved, replica.want_slots, replica.want_ctx = need, slots, ctx
         replica.want_quantize = quantize
+        replica.want_spec = spec
         replica.state = ReplicaState.LOADING
         # phase 3: upload (the placer holds the fleet-wide upload lock); phase 4: publish
         sent = [None]

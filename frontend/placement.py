@@ -26,11 +26,13 @@ log = logging.getLogger("pantheon.frontend.placement")
 class Placer:
     def __init__(self, registry: Registry, pool: WorkerPool, dies: DieTable, slots: int = 0,
                  ctx: int = 0, prefill_chunk: int = settings.PREFILL_CHUNK, expected_dies: list[str] | None = None,
-                 grace_s: float = 60.0, quantize: str = "auto", metrics=None):
+                 grace_s: float = 60.0, quantize: str = "auto", metrics=None,
+                 spec: p.Speculation | None = None):
         self.registry, self.pool, self.dies = registry, pool, dies
         self.metrics = metrics                # metrics.Metrics: loads by outcome, seconds
         self.slots, self.ctx, self.prefill_chunk = slots, ctx, prefill_chunk
         self.quantize = quantize
+        self.spec = spec                      # serve --spec: every replica's unless its load says
         # auto-placement waits (up to grace_s) for every die we spawned, to spread models
         self.expected = set(expected_dies or [])
         self.grace = asyncio.get_running_loop().call_later(grace_s, self.stop_waiting)
@@ -129,7 +131,8 @@ class Placer:
                     replica.model_id, replica.path or model.path, model.name,
                     replica.want_slots or self.slots,
                     replica.want_ctx or self.ctx, self.prefill_chunk,
-                    replica.want_quantize or self.quantize))
+                    replica.want_quantize or self.quantize,
+                    replica.want_spec if replica.want_spec is not None else self.spec))
         except LoadError as exc:
             replica.state, replica.error = ReplicaState.FAILED, str(exc)
             replica.error_code = exc.code

@@ -57,6 +57,7 @@ class Replica:
     want_slots: int = 0            # as asked (0: the server's default)
     want_ctx: int = 0
     want_quantize: str = ""        # "" : the server's --quantize
+    want_spec: object = None       # protocol.Speculation (kind "": none); None: the server's
     reserved: int = 0              # bytes admitted on its die
     progress: tuple[int, int] = (0, 0)
     served: int = 0                # requests routed here, for the record

@@ -263,6 +263,14 @@ def build_parser() -> argparse.ArgumentParser:
                             "as stored), none (dense fp32, the exact reference), q8_0 or q4 "
                             "(float tensors quantized at load)")
     add_kv_cache(serve)
+    serve.add_argument("--spec", default="", metavar="KIND",
+                       help="speculative decoding of every --model: ngram (prompt lookup: "
+                            "the sequence's last tokens matched earlier in its prompt and "
+                            "output propose what followed; exact, greedy and sampled)")
+    serve.add_argument("--spec-n", type=int, default=3, metavar="N",
+                       help="prompt lookup's longest n-gram (1-64, default 3)")
+    serve.add_argument("--spec-k", type=int, default=8, metavar="K",
+                       help="the longest proposal verified in one step (1-16, default 8)")
     serve.add_argument("--shutdown-timeout", type=float, default=settings.SHUTDOWN_TIMEOUT_S,
                        metavar="S", help="on SIGTERM/SIGINT, seconds that running and queued "
                        "requests may take to finish before they are ended (a second signal "

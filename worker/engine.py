@@ -15,6 +15,7 @@ from .model import Model, Span
 from .prefix_cache import PrefixCache
 from .sampler import Sampler, SamplingParams, SequenceSampler
 from .scheduler import Scheduler
+from .spec import SpecConfig
 from .weights import load_weights
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,8 @@ class OpenGrammar:
 
 def load_engine(path: str | Path, die: str | Device = "cpu", n_slots: int = 8,
                 ctx: int | None = None, prefill_chunk: int = 128, progress=None,
-                prefix_cache_bytes: int = 0, quantize: str = "auto") -> Engine:
+                prefix_cache_bytes: int = 0, quantize: str = "auto",
+                spec: SpecConfig | None = None) -> Engine:
     """Load the model at `path` onto a die with `n_slots` KV slots of `ctx` positions."""
     started = time.perf_counter()
     device = die if isinstance(die, Device) else open_device(die)
@@ -99,11 +101,20 @@ def load_engine(path: str | Path, die: str | Device = "cpu", n_slots: int = 8,
     engine = Engine(cfg, device, model, None, 0.0, Sampler(device.xp, device.settle))
     cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
     engine.scheduler = Scheduler(engine.logits, n_slots, ctx, prefill_chunk, model.state, cache,
-                                 sample=engine.sample)
+                                 sample=engine.sample, spec=spec)
     engine.load_seconds = time.perf_counter() - started
     log.info("loaded %s (%s, %d layers) on die %s in %.1f s: %.0f MB weights (%s), "
              "%.0f MB KV", Path(path).name, cfg.arch, cfg.n_layers, device.die_id,
              engine.load_seconds, weights.nbytes() / 1e6,
              ", ".join(f"{n} {k}" for k, n in sorted(weights.formats().items())),
              model.state.nbytes / 1e6)
+    if spec is not None and spec.on:
+        if engine.scheduler.spec is None:
+            log.info("speculation (%s) is off for %s: its recurrent layers' state cannot be "
+                     "rolled back to a rejected position (a copy per verified position costs "
+                     "more than speculation saves), so it decodes one token a step",
+                     spec.kind, Path(path).name)
+        else:
+            log.info("speculation on for %s: %s, n-grams up to %d, proposals up to %d tokens",
+                     Path(path).name, spec.kind, spec.n, spec.k)
     return engine

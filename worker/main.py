@@ -47,6 +47,7 @@ from .constraint import summary
 from .engine import Engine, load_engine
 from .qmatrix import FormatError
 from .scheduler import Request
+from .spec import SpecConfig
 
 log = logging.getLogger("pantheon.worker")
 
@@ -380,7 +381,7 @@ class Worker:
                              "max_tokens %d", msg.model_id, len(msg.prompt), msg.max_tokens)
         request = Request(msg.request_id, msg.prompt, params, msg.max_tokens,
                           frozenset(msg.stop_ids), msg.session_id, None, min(msg.logprobs, 20),
-                          msg.cache_salt)
+                          msg.cache_salt, msg.prediction or None)
         self.owner[msg.request_id] = replica
         self.send(p.Accepted(msg.request_id))         # taken: the frontend's first answer
         if msg.grammar:         # its matcher is made in the preparation thread
@@ -502,7 +503,7 @@ class Worker:
             engine = load_engine(msg.path, self.device, n_slots=msg.slots or self.slots,
                                  ctx=msg.ctx or None, prefill_chunk=msg.prefill_chunk,
                                  prefix_cache_bytes=self.prefix_cache_bytes, progress=progress,
-                                 quantize=msg.quantize)
+                                 quantize=msg.quantize, spec=spec_config(msg.spec))
             engine.warm_up()              # ready means warm: the first request pays nothing
             self.loads.put((msg, engine))
         except (ModelFileError, FormatError) as exc:      # the file's fault: one line
@@ -599,8 +600,16 @@ class Worker:
                 self.traces.pop(out.request_id, None)
         if outputs:             # one message per step, whatever the batch size
             self.send(p.Outputs([p.Tokens(o.request_id, o.tokens, o.finish, o.prompt_tokens,
-                                          o.completion_tokens, o.cached_tokens, o.logprobs)
+                                          o.completion_tokens, o.cached_tokens, o.logprobs,
+                                          o.proposed, o.accepted)
                                  for o in outputs]))
+
+
+def spec_config(spec: p.Speculation | None) -> SpecConfig | None:
+    """A Load's speculation, checked (a ValueError fails the load with its message)."""
+    if spec is None or not spec.kind:
+        return None
+    return SpecConfig(spec.kind, spec.n, spec.k)
 
 
 def replica_load(replica: Replica) -> p.ReplicaLoad:

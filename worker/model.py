@@ -45,6 +45,8 @@ class Span:
     start: int           # positions already in the slot's state
     n: int               # tokens this step adds (1 for decode, a chunk for prefill)
     logits: bool = True  # whether the last of those positions needs logits
+    verify: int = 1      # with logits: how many of its last positions need them (a
+                         # speculative chunk's last token and its proposals: all of them)
 
 
 class RopeTable:
@@ -145,7 +147,8 @@ class Model:
             self.decode_c = DecodeLayers(self.blocks, cfg.d_model)   # decodes: a layer per call
 
     def forward(self, tokens, spans: list[Span]):
-        """Run one mixed batch; returns logits [n_sampled, V] float32 (on the die).
+        """Run one mixed batch; returns logits [n_sampled, V] float32 (on the die): for each
+        span that asks, rows of its last `verify` positions, in order.
 
         tokens: the spans' new token ids, concatenated in span order.
         """
@@ -166,7 +169,8 @@ class Model:
             if step is None or not step.run(i, x):
                 block(x, batch)
         assert x.dtype == F32, f"activations drifted to {x.dtype}"
-        rows = [int(batch.rows[i + 1]) - 1 for i, s in enumerate(spans) if s.logits]
+        rows = [r for i, s in enumerate(spans) if s.logits
+                for r in range(int(batch.rows[i + 1]) - min(s.verify, s.n), int(batch.rows[i + 1]))]
         if not rows:
             return xp.empty((0, cfg.vocab_size), dtype=F32)
         h = rms_norm(x[rows], w.out_norm, cfg.rms_eps)

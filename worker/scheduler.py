@@ -53,6 +53,7 @@ import numpy as np
 from .model import Span
 from .prefix_cache import PrefixCache, common_prefix
 from .sampler import Sampler, SamplingParams, SequenceSampler
+from .spec import Adaptive, NgramProposer, SpecConfig, SpecPacer
 
 
 class SlotState(enum.Enum):
@@ -75,6 +76,7 @@ class Request:
     constraint: object = None        # a grammar the output must follow (worker/constraint.py)
     logprobs: int = -1               # -1: none; N: the chosen token's logprob and the top N
     salt: str = ""                   # its prefix-cache scope (Generate.cache_salt)
+    prediction: list[int] | None = None   # a predicted output: seeds speculation's proposals
 
 
 @dataclass
@@ -89,6 +91,8 @@ class Output:
     cached_tokens: int = 0           # prompt tokens whose KV was reused, not computed
     logprobs: list = field(default_factory=list)   # [logprob, [[id, logprob], ...]] per token
     error: str | None = None         # finish "error": why, short, of this request alone
+    proposed: int = 0                # speculation this step: tokens proposed and verified,
+    accepted: int = 0                # and of those, the ones the model agreed with
 
 
 @dataclass
@@ -106,6 +110,9 @@ class Slot:
     last_used: int = 0
     fork_from: "Slot | None" = None  # WAIT: the slot whose prefix this one will copy
     fork_len: int = 0
+    proposal: list[int] = field(default_factory=list)   # speculated tokens in this step's feed
+    adaptive: Adaptive | None = None
+    shadow: int | None = None        # the token prompt lookup would have proposed, unverified
 
     @property
     def cached(self) -> int:
@@ -155,7 +162,8 @@ class PrefillPacer:
 class Scheduler:
     def __init__(self, forward: Callable, n_slots: int, ctx: int, prefill_chunk: int = 128,
                  kv=None, cache: PrefixCache | None = None, pacer: PrefillPacer | None = None,
-                 clock: Callable[[], float] = time.perf_counter, sample: Callable | None = None):
+                 clock: Callable[[], float] = time.perf_counter, sample: Callable | None = None,
+                 spec: SpecConfig | None = None):
         if prefill_chunk < 1:
             raise ValueError("prefill_chunk must be >= 1")
         self.forward, self.ctx, self.prefill_chunk = forward, ctx, prefill_chunk
@@ -168,6 +176,11 @@ class Scheduler:
         self.by_id: dict[str, Slot] = {}
         self.uses = itertools.count(1)
         self.last_step = (0, 0)
+        # speculation (worker/spec.py) needs a state that can be cut back by length
+        self.spec = spec if spec is not None and spec.on and not self.exact else None
+        self.proposer = NgramProposer(self.spec.n) if self.spec else None
+        self.spec_pacer = SpecPacer()
+        self.spec_totals = [0, 0, 0]          # steps that verified proposals, proposed, accepted
 
     # -- the owner's operations ------------------------------------------------
     def free_slots(self) -> int:
@@ -203,6 +216,7 @@ class Scheduler:
         slot.sampler = SequenceSampler(req.params, req.prompt, req.constraint, req.logprobs)
         slot.history = list(req.prompt[:reuse])
         slot.feed, slot.generated, slot.reused = list(req.prompt[reuse:]), 0, reuse
+        slot.adaptive = Adaptive() if self.spec else None
         self.by_id[req.id] = slot
         source, shared = self.fork_source(slot, prompt)
         if source is not None and shared > reuse:   # n > 1, retries: prefill once, copy
@@ -277,7 +291,16 @@ class Scheduler:
     def plan(self) -> list[tuple[Slot, int]]:
         """(slot, tokens to feed) for this step: every decode, then prefill chunks."""
         self.resolve_forks()
-        plan = [(s, 1) for s in self.slots if s.state is SlotState.DECODE]
+        decoding = [s for s in self.slots if s.state is SlotState.DECODE]
+        if self.spec:
+            measured = self.spec_pacer.measured(len(decoding))
+            price = self.spec_pacer.price(len(decoding))
+            for s in decoding:
+                found = self.propose(s)
+                k = s.adaptive.length(price, len(found)) if measured else 0
+                s.proposal, s.shadow = found[:k], (found[0] if found and not k else None)
+                s.feed = s.feed[:1] + s.proposal
+        plan = [(s, len(s.feed)) for s in decoding]
         # a prompt that fits one chunk goes whole (one stall); a longer one is paced
         long_prompt = any(s.state is SlotState.PREFILL and len(s.feed) > self.prefill_chunk
                           for s in self.slots)
@@ -289,6 +312,17 @@ class Scheduler:
                 plan.append((s, take))
                 budget -= take
         return plan
+
+    def propose(self, slot: Slot) -> list[int]:
+        """Tokens that might follow `slot`'s last one: no more than the replica's longest
+        proposal, its remaining budget (less the token every step emits anyway) or its
+        context allow."""
+        req = slot.request
+        room = min(self.spec.k, req.max_tokens - slot.generated - 1, self.ctx - slot.cached - 2)
+        if room < 1:
+            return []
+        tokens = slot.history + slot.feed[:1]
+        return self.proposer.propose(tokens, room, req.prediction, slot.generated)
 
     def fork_stops(self) -> dict[int, int]:
         """Exact states: how far each fork source may prefill this step (to its nearest
@@ -309,7 +343,9 @@ class Scheduler:
         tokens, spans = [], []
         for slot, n in plan:
             tokens += slot.feed[:n]
-            spans.append(Span(slot.index, slot.cached, n, logits=(n == len(slot.feed))))
+            spans.append(Span(slot.index, slot.cached, n, logits=(n == len(slot.feed)),
+                              verify=1 + len(slot.proposal) if slot.state is SlotState.DECODE
+                              else 1))
         started = self.clock()
         try:
             logits = self.forward(np.asarray(tokens, dtype=np.int64), spans)
@@ -319,18 +355,79 @@ class Scheduler:
             for slot, _ in plan:
                 slot.history = []
             raise
-        sampled = [slot for (slot, _), span in zip(plan, spans) if span.logits]
-        picks = self.sample(logits, [slot.sampler for slot in sampled]) if sampled else []
-        n_decode = sum(slot.state is SlotState.DECODE for slot, _ in plan)
-        self.last_step = (n_decode, len(tokens) - n_decode)   # (decode rows, prompt tokens)
-        self.pacer.record(self.clock() - started, n_decode, len(tokens) - n_decode)
+        sampled = [(slot, span.verify) for (slot, _), span in zip(plan, spans) if span.logits]
+        runs = self.verify(logits, sampled)
+        decodes = [(slot, n) for slot, n in plan if slot.state is SlotState.DECODE]
+        n_decode, n_spec = len(decodes), sum(n - 1 for _, n in decodes)
+        n_prompt = len(tokens) - n_decode - n_spec
+        self.last_step = (n_decode, n_prompt)                 # (decode rows, prompt tokens)
+        seconds = self.clock() - started
+        self.pacer.record(seconds, n_decode, n_prompt)
+        if self.spec:
+            self.spec_pacer.record(seconds, n_decode, n_spec, n_prompt)
         for slot, n in plan:
             slot.history += slot.feed[:n]
             del slot.feed[:n]
-        return [self._advance(slot, token, entry) for slot, (token, entry) in zip(sampled, picks)]
+        return [self._advance(slot, run) for (slot, _), run in zip(sampled, runs)]
 
-    def _advance(self, slot: Slot, token: int, logprobs: list | None) -> Output:
+    def verify(self, logits, sampled: list[tuple[Slot, int]]) -> list[list]:
+        """Each sampled slot's run of (token, logprobs): one token, or for a slot with a
+        proposal the tokens its sampler picks at its rows in turn, while each equals the
+        proposed one (worker/spec.py says why this is exact). The rows of every slot still
+        going are sampled together: a round per position."""
+        if not any(slot.proposal for slot, _ in sampled if slot.state is SlotState.DECODE):
+            picks = self.sample(logits, [slot.sampler for slot, _ in sampled]) if sampled else []
+            return [[pick] for pick in picks]
+        starts = np.cumsum([0] + [rows for _, rows in sampled])[:-1].tolist()
+        runs: list[list] = [[] for _ in sampled]
+        going = list(range(len(sampled)))
+        j = 0
+        while going:
+            rows = [starts[i] + j for i in going]
+            picks = self.sample(logits[rows], [sampled[i][0].sampler for i in going])
+            on = []
+            for i, pick in zip(going, picks):
+                runs[i].append(pick)
+                slot, n_rows = sampled[i]
+                if j + 1 < n_rows and pick[0] == slot.proposal[j] and self.goes_on(slot, pick[0]):
+                    on.append(i)
+            going, j = on, j + 1
+        return runs
+
+    @staticmethod
+    def goes_on(slot: Slot, token: int) -> bool:
+        """Whether a run may continue past `token` (no stop, no grammar end or failure)."""
+        req, sampler = slot.request, slot.sampler
+        if token in req.stop_ids or sampler.failed is not None:
+            return False
+        if req.constraint is not None:
+            try:
+                return not req.constraint.finished()
+            except Exception:
+                return False                   # _advance asks again and fails the request
+        return True
+
+    def _advance(self, slot: Slot, run: list) -> Output:
         req = slot.request
+        proposed = len(slot.proposal) if slot.state is SlotState.DECODE else 0
+        accepted = len(run) - 1
+        if proposed:
+            # the KV holds the last token and every proposal: keep those accepted
+            del slot.history[len(slot.history) - (proposed - accepted):]
+            slot.adaptive.record(accepted + (accepted < proposed), accepted)
+            totals = self.spec_totals
+            totals[0], totals[1], totals[2] = totals[0] + 1, totals[1] + proposed, \
+                totals[2] + accepted
+        elif slot.shadow is not None:
+            slot.adaptive.record(1, int(run[0][0] == slot.shadow))
+        slot.proposal, slot.shadow = [], None
+        out = self._emit(slot, run)
+        out.proposed, out.accepted = proposed, accepted
+        return out
+
+    def _emit(self, slot: Slot, run: list) -> Output:
+        req = slot.request
+        done = False
         if slot.sampler.failed is None and req.constraint is not None:
             try:
                 done = req.constraint.finished()
@@ -342,18 +439,27 @@ class Scheduler:
             del self.by_id[req.id]
             slot.release()
             return out
-        slot.generated += 1
         slot.state = SlotState.DECODE
         finish = None
-        if token in req.stop_ids or (req.constraint is not None and done):
-            finish = "stop"
-        elif slot.generated >= req.max_tokens or slot.cached + 1 >= self.ctx:
-            finish = "length"
-        logprobs = [logprobs] if logprobs is not None else []
+        tokens, logprobs = [], []
+        # the history a step emitting only run[i] would have held: cached less the rest
+        held = slot.cached - (len(run) - 1)
+        for i, (token, entry) in enumerate(run):
+            slot.generated += 1
+            tokens.append(token)
+            if entry is not None:
+                logprobs.append(entry)
+            if token in req.stop_ids or (req.constraint is not None and done
+                                         and i == len(run) - 1):
+                finish = "stop"
+            elif slot.generated >= req.max_tokens or held + i + 1 >= self.ctx:
+                finish = "length"
+            if finish is not None:
+                break
         if finish is None:
-            slot.feed = [token]
-            return self._output(slot, [token], None, logprobs)
-        out = self._output(slot, [token], finish, logprobs)
+            slot.feed = [tokens[-1]]
+            return self._output(slot, tokens, None, logprobs)
+        out = self._output(slot, tokens, finish, logprobs)
         del self.by_id[req.id]
         slot.release()
         return out

@@ -1,0 +1,169 @@
+"""Speculative decoding: who proposes tokens, and how many each sequence may propose.
+
+A decoding sequence that has a proposal feeds its last token plus the proposed tokens
+as one short chunk of the step's batched forward (worker/scheduler.py), and the rows
+of that chunk are sampled one after another, each with the sequence's own sampler
+state as it stands once the tokens before it are accepted. The emitted token at each
+row is what the request's sampler draws there (greedy: the argmax; sampled: one draw
+of the request's own generator); while it equals the proposed token the next row is
+looked at, and the first that differs ends the run. So:
+
+- greedy: the longest prefix of the proposal the model agrees with, plus one token —
+  the same tokens as without speculation;
+- sampled: a proposal is one token, not a distribution (q = a point mass), and
+  rejection sampling against a point mass accepts d with probability p(d) and, when it
+  rejects, draws from p without d renormalized; drawing t ~ p and accepting when t == d
+  is the same law. Each emitted token costs one draw of the request's generator, as it
+  does without speculation, so a seeded request gives the same output either way (as
+  far as the logits of a chunk equal those of a single-token step).
+
+Rejected positions are rolled back by length: the slot's history is cut, and its
+attention KV past it is overwritten later. A recurrent state (Qwen3.5's DeltaNet)
+cannot be cut: such a model runs without speculation (the load log says so).
+
+Prompt lookup (`NgramProposer`): the last n tokens of the sequence (prompt and output
+so far), for n from `n` down to 1, matched against earlier in the sequence (and
+against a request's predicted output first, when it gave one); the tokens that
+followed the most recent match are proposed.
+
+`Adaptive` tracks each sequence's acceptance (also on steps where it proposes
+nothing, by a free shadow proposal) and `SpecPacer` measures what a verified token
+costs on this die at this batch size; a sequence proposes the tokens whose chance of
+passing beats that price (down to none), so speculation follows the text and shrinks
+as the batch fills or where extra rows are not cheap (the CPU's integer kernels).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..common.speculation import check
+
+
+
+@dataclass(frozen=True, slots=True)
+class SpecConfig:
+    """A replica's speculation: `kind` ("" = none), prompt lookup's longest match `n`,
+    and the longest proposal `k` (1-16)."""
+
+    kind: str = ""
+    n: int = 3
+    k: int = 8
+
+    def __post_init__(self):
+        check(self.kind, self.n, self.k)
+
+    @property
+    def on(self) -> bool:
+        return bool(self.kind)
+
+
+class NgramProposer:
+    """Prompt lookup over one sequence's tokens (numpy, a few µs per 1k tokens)."""
+
+    def __init__(self, n: int, min_n: int = 1):
+        self.n, self.min_n = n, min(min_n, n)
+
+    def propose(self, tokens: list[int], k: int, prediction: list[int] | None = None,
+                done: int = 0) -> list[int]:
+        """Up to k tokens to follow `tokens`. A predicted output (OpenAI's `prediction`)
+        is tried first: where the sequence's last tokens occur in it, what follows there;
+        `done` tokens of output so far are the prediction's natural position."""
+        if k < 1 or not tokens:
+            return []
+        if prediction:
+            found = self.lookup(np.asarray(prediction, dtype=np.int64),
+                                np.asarray(tokens[-self.n:], dtype=np.int64), k, own=False)
+            if found:
+                return found
+        return self.lookup(np.asarray(tokens, dtype=np.int64), None, k, own=True)
+
+    def lookup(self, seq: np.ndarray, tail: np.ndarray | None, k: int, own: bool) -> list[int]:
+        """Continuation, in `seq`, of the most recent earlier occurrence of its own last
+        n tokens (own), or of `tail` (another sequence's last tokens)."""
+        for n in range(self.n, self.min_n - 1, -1):
+            if own:
+                if len(seq) <= n:
+                    continue
+                key, hay = seq[-n:], seq[:-1]          # a match must end before the end
+            else:
+                if tail is None or len(tail) < n:
+                    continue
+                key, hay = tail[-n:], seq
+            if len(hay) < n:
+                continue
+            windows = np.lib.stride_tricks.sliding_window_view(hay, n)
+            hits = np.flatnonzero((windows == key).all(axis=1))
+            for start in hits[::-1]:                   # the most recent match first
+                follow = seq[start + n:start + n + k]
+                if len(follow):
+                    return follow.tolist()
+        return []
+
+
+class Adaptive:
+    """One sequence's acceptance: the chance `a` that a proposed token passes, given the
+    ones before it did (an average over recent steps). Measured on every step, also
+    those where the sequence proposes nothing: then the first token prompt lookup would
+    have proposed is compared with the token that came (a shadow proposal, free)."""
+
+    ALPHA = 0.3
+
+    def __init__(self, prior: float = 0.5):
+        self.a = prior
+
+    def record(self, tries: int, accepted: int) -> None:
+        if tries:
+            self.a += self.ALPHA * (accepted / tries - self.a)
+
+    def length(self, price: float | None, most: int) -> int:
+        """The proposal length that maximizes the tokens gained, sum of a^j for j <= k,
+        less k times the price of a verified token (SpecPacer.price): each further token
+        is worth proposing while a^j > price. Price unknown: `most`, which measures it."""
+        if price is None:
+            return most
+        if self.a <= price or self.a <= 0.0:
+            return 0
+        if self.a >= 1.0 or price <= 0.0:
+            return most
+        return max(0, min(most, int(np.log(price) / np.log(self.a))))
+
+
+class SpecPacer:
+    """What a verified proposal token costs, measured as the replica runs (PrefillPacer's
+    twin): running averages of a decode-only step's seconds per batch size, and of the
+    seconds one verified token adds to a step. Its `price` is that cost in tokens the
+    batch would have emitted meanwhile: on a bandwidth-bound die a few extra rows are
+    nearly free (price near 0), where the CPU's integer kernels cost in proportion to
+    the rows (price near the batch size); and it grows with the batch, which is how
+    speculation shrinks as the batch fills."""
+
+    ALPHA = 0.2
+
+    def __init__(self):
+        self.decode_s: dict[int, float] = {}
+        self.token_s: float | None = None
+
+    def record(self, seconds: float, n_decode: int, n_spec: int, n_prompt: int) -> None:
+        if n_prompt or not n_decode:
+            return
+        if n_spec == 0:
+            old = self.decode_s.get(n_decode)
+            self.decode_s[n_decode] = seconds if old is None else \
+                (1 - self.ALPHA) * old + self.ALPHA * seconds
+        elif n_decode in self.decode_s:
+            extra = max(seconds - self.decode_s[n_decode], 0.0) / n_spec
+            self.token_s = extra if self.token_s is None else \
+                (1 - self.ALPHA) * self.token_s + self.ALPHA * extra
+
+    def measured(self, batch: int) -> bool:
+        """Whether a decode-only step of this batch size has been timed (until then steps
+        of it verify nothing: the base every price is taken against)."""
+        return batch in self.decode_s
+
+    def price(self, batch: int) -> float | None:
+        base = self.decode_s.get(batch)
+        if base is None or self.token_s is None:
+            return None
+        return batch * self.token_s / max(base, 1e-9)

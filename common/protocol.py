@@ -141,6 +141,7 @@ class Loaded:
     weight_bytes: int
     kv_bytes: int
     load_s: float
+    spec: str = ""           # the speculation it runs ("" none: off, or refused by its layers)
 
 
 @dataclass(slots=True)
@@ -224,11 +225,13 @@ class Stopping:
 @dataclass(slots=True)
 class Speculation:
     """A replica's speculative decoding (worker/spec.py): `kind` "" (none) or "ngram"
-    (prompt lookup), the longest n-gram matched `n`, the longest proposal `k` (1-16)."""
+    (prompt lookup) or "draft" (a small model's greedy tokens, `draft` its path), the
+    longest n-gram matched `n`, the longest proposal `k` (1-16)."""
 
     kind: str = bounded(16, default="")
     n: int = 3
     k: int = 8
+    draft: str = bounded(lim.MAX_TEXT_CHARS, default="")   # kind "draft": its model's path
 
 
 @dataclass(slots=True)

@@ -28,7 +28,7 @@ from ..common import settings, speculation
 from ..common.key_set import KeySet
 from ..common.keys import KeyPair, curve_server
 from ..common.model_file import ModelFileError
-from ..common.weight_format import QUANTIZE_MODES
+from ..common.weight_format import QUANTIZE_MODES, weight_bytes
 from .admission import Admission
 from .dies import DieTable, PlacementError
 from .placement import Placer
@@ -178,6 +178,15 @@ class Admin:
                 field_name = str(exc).split(" ", 1)[0]
                 raise AdminError(400, str(exc), field_name if field_name.startswith("spec")
                                  else "spec") from None
+            if spec.draft:
+                if not Path(spec.draft).is_absolute():
+                    raise AdminError(400, f"spec.draft must be an absolute path, got "
+                                          f"{spec.draft!r}", "spec.draft")
+                if self.model_dirs is not None and not self.model_dirs.allows(spec.draft):
+                    raise AdminError(403, "spec.draft is outside the folders loads may open "
+                                          "(--model-dir)", "spec.draft")
+                if not Path(spec.draft).exists():
+                    raise AdminError(404, f"draft model not found: {spec.draft}", "spec.draft")
         if dies is not None:
             dies = [str(d) for d in dies]
         # phase 1: reserve the name
@@ -224,9 +233,21 @@ class Admin:
                                   "model", "name")
         # phase 2: place and admit, before any upload
         try:
+            runs = speculation.effective(spec, self.placer.spec)
+            draft = None
+            if runs is not None and runs.kind == "draft":
+                target = await asyncio.to_thread(weight_bytes, model.path,
+                                                 quantize or self.placer.quantize)
+                size = await asyncio.to_thread(weight_bytes, runs.draft,
+                                               quantize or self.placer.quantize)
+                draft = runs.draft, await asyncio.to_thread(
+                    speculation.check_draft, model.config, runs.draft, target, size)
+        except ValueError as exc:
+            raise AdminError(400, str(exc), "spec.draft") from exc
+        try:
             die, need = self.die_table.choose(model.path, model.config, dies,
                                               slots or self.placer.slots, ctx or self.placer.ctx,
-                                              quantize or self.placer.quantize)
+                                              quantize or self.placer.quantize, draft)
         except PlacementError as exc:
             raise AdminError(exc.status, str(exc), "dies") from exc
         worker = next(w for w in self.pool.live() if w.die == die)

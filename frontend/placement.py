@@ -15,7 +15,7 @@ import asyncio
 import logging
 
 from ..common import protocol as p
-from ..common import settings
+from ..common import settings, speculation
 from .dies import DieTable, PlacementError
 from .registry import Registry, Replica, ReplicaState, ServedModel, same_model
 from .workers import LoadError, WorkerInfo, WorkerLost, WorkerPool
@@ -109,13 +109,21 @@ class Placer:
             try:
                 replica.die, replica.reserved = self.dies.choose(
                     model.path, model.config, None, replica.want_slots or self.slots,
-                    replica.want_ctx or self.ctx, replica.want_quantize or self.quantize)
-            except PlacementError as exc:
+                    replica.want_ctx or self.ctx, replica.want_quantize or self.quantize,
+                    self.draft_of(model, replica))
+            except (PlacementError, ValueError) as exc:     # ValueError: its draft
                 replica.state, replica.error = ReplicaState.FAILED, str(exc)
                 log.error("cannot place %s: %s", model.name, exc)
                 self.change.set()
                 continue
             self.start_load(model, replica, live[replica.die])
+
+    def draft_of(self, model: ServedModel, replica: Replica):
+        """(path, config) of the draft model the replica's speculation loads, or None."""
+        spec = speculation.effective(replica.want_spec, self.spec)
+        if spec is None or spec.kind != "draft":
+            return None
+        return spec.draft, speculation.check_draft(model.config, spec.draft, 0, 0)
 
     def start_load(self, model: ServedModel, replica: Replica, worker: WorkerInfo) -> None:
         replica.state = ReplicaState.LOADING      # now, so nobody starts the same load twice
@@ -151,6 +159,7 @@ class Placer:
         replica.loads += 1
         replica.reserved = loaded.weight_bytes + loaded.kv_bytes     # the real figure now
         replica.slots, replica.ctx, replica.error = loaded.slots, loaded.ctx, ""
+        replica.spec = loaded.spec
         self.pool.changed()                       # queued requests may start now
         self.change.set()
         log.info("%s ready on die %s: %d slots x %d ctx, loaded in %.1f s", model.name,

@@ -58,6 +58,7 @@ class Replica:
     want_ctx: int = 0
     want_quantize: str = ""        # "" : the server's --quantize
     want_spec: object = None       # protocol.Speculation (kind "": none); None: the server's
+    spec: str = ""                 # the speculation its worker runs (as loaded)
     reserved: int = 0              # bytes admitted on its die
     progress: tuple[int, int] = (0, 0)
     served: int = 0                # requests routed here, for the record
@@ -73,7 +74,7 @@ class Replica:
                 "slots": self.slots,
                 "ctx": self.ctx, "reserved_bytes": self.reserved,
                 "progress": {"done": self.progress[0], "total": self.progress[1]},
-                "error": self.error or None}
+                "error": self.error or None, "spec": self.spec or None}
 
 
 @dataclass

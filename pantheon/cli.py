@@ -72,6 +72,11 @@ def cmd_bench(args) -> int:
     if args.bench == "router":
         from pantheon.bench.router import main
         return main(args)
+    if args.bench == "spec":
+        from pantheon.bench.spec import main
+        args.model = model_path(args.model)
+        args.progress = sys.stderr
+        return main(args)
     from pantheon.bench.serve import main
     return main(args)
 
@@ -266,7 +271,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--spec", default="", metavar="KIND",
                        help="speculative decoding of every --model: ngram (prompt lookup: "
                             "the sequence's last tokens matched earlier in its prompt and "
-                            "output propose what followed; exact, greedy and sampled)")
+                            "output propose what followed) or draft (--draft-model); exact, "
+                            "greedy and sampled")
+    serve.add_argument("--draft-model", metavar="PATH",
+                       help="--spec draft: a small model of the same tokenizer, on the same "
+                            "die, proposing its greedy tokens")
     serve.add_argument("--spec-n", type=int, default=3, metavar="N",
                        help="prompt lookup's longest n-gram (1-64, default 3)")
     serve.add_argument("--spec-k", type=int, default=8, metavar="K",
@@ -392,6 +401,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pantheon.bench import prefix
     prefix.add_arguments(bench_sub.add_parser(
         "prefix", help="second-turn TTFT with and without the session cache, as JSON"))
+    from pantheon.bench import spec
+    spec.add_arguments(bench_sub.add_parser(
+        "spec", help="decode speed with and without speculation (edit and chat), as JSON"))
     from pantheon.bench import join
     join.add_arguments(bench_sub.add_parser(
         "join", help="inter-token latency of running streams while a long prompt joins"))

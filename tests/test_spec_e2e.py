@@ -3,8 +3,12 @@ same file again without (an admin load with "spec": null), and real clients comp
 import subprocess
 import sys
 
+from pathlib import Path
+
 import httpx
 import pytest
+
+import tiny_models as tm
 
 from cluster import Server, Stream
 from pantheon.common.default_model import cached_path
@@ -19,11 +23,21 @@ EDIT = [{"role": "user", "content": "Rename width to w in this file and return t
 
 
 @pytest.fixture(scope="module")
-def srv():
-    with Server("--spec", "ngram", "--spec-k", "8", "--slots", "4", "--ctx", "1024") as srv:
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("drafts")
+    return {"f32": str(tm.write_gguf("llama", folder / "f32.gguf")),
+            "f16": str(tm.write_gguf("llama", folder / "f16.gguf", "F16"))}
+
+
+@pytest.fixture(scope="module")
+def srv(tiny):
+    with Server("--spec", "ngram", "--spec-k", "8", "--slots", "4", "--ctx", "1024",
+                "--model-dir", str(Path(SMOL).parent),
+                "--model-dir", str(Path(tiny["f32"]).parent)) as srv:
         r = httpx.post(f"{srv.url}/admin/models/load", timeout=120,
                        json={"path": SMOL, "name": "plain", "spec": None})
         assert r.status_code == 200, r.text
+        assert r.json()["loaded"]["spec"] is None
         yield srv
 
 
@@ -60,14 +74,52 @@ def test_the_same_replies_with_and_without_speculation(srv):
                if line.startswith(f'vllm:spec_decode_num_accepted_tokens_total{{model_name="{SPEC}"}}')]
     assert drafted and float(drafted[0].split()[-1]) > 10
     assert 'vllm:spec_decode_num_drafts_total{model_name="plain"}' not in metrics
+    listed = httpx.get(f"{srv.url}/admin/models").json()["models"]
+    assert {m["name"]: m["replicas"][0]["spec"] for m in listed} == {SPEC: "ngram", "plain": None}
 
 
-@pytest.mark.parametrize("spec, field", [("draft", "spec.kind"), ({"kind": "ngram", "k": 17},
+@pytest.mark.parametrize("spec, field", [("eagle", "spec.kind"), ({"kind": "ngram", "k": 17},
                                                                    "spec.k")])
 def test_a_bad_spec_in_a_load_is_a_400_naming_it(srv, spec, field):
     r = httpx.post(f"{srv.url}/admin/models/load", timeout=60,
                    json={"path": SMOL, "name": "other", "spec": spec})
     assert r.status_code == 400 and r.json()["error"]["param"] == field
+
+
+def test_a_draft_model_loads_beside_its_target(srv):
+    """SmolLM2 drafting for itself: every proposal passes, the replies are the plain
+    replica's, and its reservation holds both models."""
+    r = httpx.post(f"{srv.url}/admin/models/load", timeout=120, json={
+        "path": SMOL, "name": "drafted", "spec": {"kind": "draft", "draft": SMOL, "k": 4}})
+    assert r.status_code == 200, r.text
+    assert r.json()["loaded"]["spec"] == "draft"
+    client = srv.client()
+    ask = dict(messages=[{"role": "user", "content": "Name three rivers."}], temperature=0,
+               max_tokens=30)
+    drafted = client.chat.completions.create(model="drafted", **ask)
+    plain = client.chat.completions.create(model="plain", **ask)
+    assert drafted.choices[0].message.content == plain.choices[0].message.content
+    details = drafted.usage.completion_tokens_details
+    # (a draft as big as its target costs as much as it saves: the pacer tries it sparingly)
+    assert details.accepted_prediction_tokens > 0 and details.rejected_prediction_tokens == 0
+    listed = {m["name"]: m["replicas"][0] for m in
+              httpx.get(f"{srv.url}/admin/models").json()["models"]}
+    assert listed["drafted"]["reserved_bytes"] > 1.5 * listed["plain"]["reserved_bytes"]
+    r = httpx.post(f"{srv.url}/admin/models/unload", json={"name": "drafted"}, timeout=60)
+    assert r.status_code == 200
+
+
+def test_a_draft_that_cannot_serve_is_refused(srv, tiny):
+    def load(path, draft):
+        return httpx.post(f"{srv.url}/admin/models/load", timeout=60, json={
+            "path": path, "name": "bad", "spec": {"kind": "draft", "draft": draft}})
+    outside = load(SMOL, "/nonexistent/draft.gguf")
+    assert outside.status_code == 403 and outside.json()["error"]["param"] == "spec.draft"
+    other = load(SMOL, tiny["f32"])                       # another vocabulary
+    assert other.status_code == 400 and "vocabulary" in other.json()["error"]["message"]
+    bigger = load(tiny["f16"], tiny["f32"])
+    assert bigger.status_code == 400 and "bigger" in bigger.json()["error"]["message"]
+    assert bigger.json()["error"]["param"] == "spec.draft"
 
 
 def test_a_bad_prediction_is_a_400(srv):

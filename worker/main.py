@@ -189,8 +189,8 @@ class Worker:
     def hello(self) -> p.Hello:
         total, free = self.device.memory()
         resident = [p.Resident(r.model_id, r.path, len(r.engine.scheduler.slots),
-                               r.engine.model.ctx, r.engine.model.w.nbytes(),
-                               r.engine.model.state.nbytes) for r in self.replicas.values()]
+                               r.engine.model.ctx, r.engine.weight_bytes,
+                               r.engine.state_bytes) for r in self.replicas.values()]
         return p.Hello(self.die, self.device.kind, self.device.name, total, free, self.slots,
                        os.getpid(), list(self.replicas), self.budget or total, resident,
                        list(self.owner), self.proof)
@@ -541,7 +541,8 @@ class Worker:
     def loaded_message(replica: Replica) -> p.Loaded:
         e = replica.engine
         return p.Loaded(replica.model_id, replica.name, len(e.scheduler.slots), e.model.ctx,
-                        e.cfg.vocab_size, e.model.w.nbytes(), e.model.state.nbytes, e.load_seconds)
+                        e.cfg.vocab_size, e.weight_bytes, e.state_bytes, e.load_seconds,
+                        e.scheduler.spec.kind if e.scheduler.spec else "")
 
     # -- generation ---------------------------------------------------------------------
     def admit(self, replica: Replica) -> None:
@@ -609,7 +610,7 @@ def spec_config(spec: p.Speculation | None) -> SpecConfig | None:
     """A Load's speculation, checked (a ValueError fails the load with its message)."""
     if spec is None or not spec.kind:
         return None
-    return SpecConfig(spec.kind, spec.n, spec.k)
+    return SpecConfig(spec.kind, spec.n, spec.k, spec.draft)
 
 
 def replica_load(replica: Replica) -> p.ReplicaLoad:

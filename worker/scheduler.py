@@ -113,6 +113,7 @@ class Slot:
     proposal: list[int] = field(default_factory=list)   # speculated tokens in this step's feed
     adaptive: Adaptive | None = None
     shadow: int | None = None        # the token prompt lookup would have proposed, unverified
+    idle: int = 0                    # steps since it last proposed
 
     @property
     def cached(self) -> int:
@@ -163,7 +164,7 @@ class Scheduler:
     def __init__(self, forward: Callable, n_slots: int, ctx: int, prefill_chunk: int = 128,
                  kv=None, cache: PrefixCache | None = None, pacer: PrefillPacer | None = None,
                  clock: Callable[[], float] = time.perf_counter, sample: Callable | None = None,
-                 spec: SpecConfig | None = None):
+                 spec: SpecConfig | None = None, proposer=None):
         if prefill_chunk < 1:
             raise ValueError("prefill_chunk must be >= 1")
         self.forward, self.ctx, self.prefill_chunk = forward, ctx, prefill_chunk
@@ -178,8 +179,10 @@ class Scheduler:
         self.last_step = (0, 0)
         # speculation (worker/spec.py) needs a state that can be cut back by length
         self.spec = spec if spec is not None and spec.on and not self.exact else None
-        self.proposer = NgramProposer(self.spec.n) if self.spec else None
+        # NgramProposer, or a DraftProposer the engine built
+        self.proposer = (proposer or NgramProposer(self.spec.n)) if self.spec else None
         self.spec_pacer = SpecPacer()
+        self.propose_s = 0.0             # this step's proposing (a draft's forwards)
         self.spec_totals = [0, 0, 0]          # steps that verified proposals, proposed, accepted
 
     # -- the owner's operations ------------------------------------------------
@@ -217,6 +220,7 @@ class Scheduler:
         slot.history = list(req.prompt[:reuse])
         slot.feed, slot.generated, slot.reused = list(req.prompt[reuse:]), 0, reuse
         slot.adaptive = Adaptive() if self.spec else None
+        slot.idle, slot.shadow, slot.proposal = 0, None, []
         self.by_id[req.id] = slot
         source, shared = self.fork_source(slot, prompt)
         if source is not None and shared > reuse:   # n > 1, retries: prefill once, copy
@@ -293,13 +297,7 @@ class Scheduler:
         self.resolve_forks()
         decoding = [s for s in self.slots if s.state is SlotState.DECODE]
         if self.spec:
-            measured = self.spec_pacer.measured(len(decoding))
-            price = self.spec_pacer.price(len(decoding))
-            for s in decoding:
-                found = self.propose(s)
-                k = s.adaptive.length(price, len(found)) if measured else 0
-                s.proposal, s.shadow = found[:k], (found[0] if found and not k else None)
-                s.feed = s.feed[:1] + s.proposal
+            self.speculate(decoding)
         plan = [(s, len(s.feed)) for s in decoding]
         # a prompt that fits one chunk goes whole (one stall); a longer one is paced
         long_prompt = any(s.state is SlotState.PREFILL and len(s.feed) > self.prefill_chunk
@@ -313,16 +311,42 @@ class Scheduler:
                 budget -= take
         return plan
 
-    def propose(self, slot: Slot) -> list[int]:
-        """Tokens that might follow `slot`'s last one: no more than the replica's longest
-        proposal, its remaining budget (less the token every step emits anyway) or its
-        context allow."""
-        req = slot.request
-        room = min(self.spec.k, req.max_tokens - slot.generated - 1, self.ctx - slot.cached - 2)
-        if room < 1:
-            return []
-        tokens = slot.history + slot.feed[:1]
-        return self.proposer.propose(tokens, room, req.prediction, slot.generated)
+    PROBE = 8    # a sequence proposing nothing tries one token every PROBE steps (a
+                 # draft: a shadow proposal would cost a forward)
+
+    def speculate(self, decoding: list[Slot]) -> None:
+        """Each decoding slot's proposal for this step, put in its feed after its last
+        token: as long as its acceptance is worth the measured price (worker/spec.py)."""
+        started = self.clock()
+        measured = self.spec_pacer.measured(len(decoding))
+        price = self.spec_pacer.price(len(decoding))
+        free = self.proposer.free
+        asks, shadows = [], []
+        for s in decoding:
+            req = s.request
+            # no more than the replica's longest proposal, its budget (less the token every
+            # step emits anyway) or its context allow
+            room = min(self.spec.k, req.max_tokens - s.generated - 1, self.ctx - s.cached - 2)
+            k = s.adaptive.length(price, room) if measured and room > 0 else 0
+            if k == 0 and room > 0 and measured:
+                s.idle += 1
+                if free:
+                    shadows.append(s)
+                elif s.idle >= self.PROBE:
+                    k, s.idle = 1, 0
+            if k:
+                s.idle = 0
+                asks.append((s, k))
+        found = self.proposer.propose_many(
+            [(s.index, s.history + s.feed[:1], k, s.request.prediction) for s, k in asks]
+            + [(s.index, s.history + s.feed[:1], 1, s.request.prediction) for s in shadows])
+        for (s, k), tokens in zip(asks, found):
+            s.proposal = tokens[:k]
+        for s, tokens in zip(shadows, found[len(asks):]):
+            s.shadow = tokens[0] if tokens else None
+        for s in decoding:
+            s.feed = s.feed[:1] + s.proposal
+        self.propose_s = self.clock() - started
 
     def fork_stops(self) -> dict[int, int]:
         """Exact states: how far each fork source may prefill this step (to its nearest
@@ -363,8 +387,9 @@ class Scheduler:
         self.last_step = (n_decode, n_prompt)                 # (decode rows, prompt tokens)
         seconds = self.clock() - started
         self.pacer.record(seconds, n_decode, n_prompt)
-        if self.spec:
-            self.spec_pacer.record(seconds, n_decode, n_spec, n_prompt)
+        if self.spec:       # a draft's forwards are part of what its proposals cost
+            self.spec_pacer.record(seconds + self.propose_s, n_decode, n_spec, n_prompt)
+            self.propose_s = 0.0
         for slot, n in plan:
             slot.history += slot.feed[:n]
             del slot.feed[:n]

@@ -50,9 +50,10 @@ class SpecConfig:
     kind: str = ""
     n: int = 3
     k: int = 8
+    draft: str = ""           # kind "draft": the draft model's path
 
     def __post_init__(self):
-        check(self.kind, self.n, self.k)
+        check(self.kind, self.n, self.k, self.draft)
 
     @property
     def on(self) -> bool:
@@ -62,8 +63,15 @@ class SpecConfig:
 class NgramProposer:
     """Prompt lookup over one sequence's tokens (numpy, a few µs per 1k tokens)."""
 
+    free = True               # proposing costs nothing worth counting: shadow proposals too
+
     def __init__(self, n: int, min_n: int = 1):
         self.n, self.min_n = n, min(min_n, n)
+
+    def propose_many(self, asks: list[tuple[int, list[int], int, list[int] | None]]
+                     ) -> list[list[int]]:
+        """For each (slot, tokens, k, prediction): up to k tokens to follow `tokens`."""
+        return [self.propose(tokens, k, prediction) for _, tokens, k, prediction in asks]
 
     def propose(self, tokens: list[int], k: int, prediction: list[int] | None = None,
                 done: int = 0) -> list[int]:
@@ -100,6 +108,67 @@ class NgramProposer:
                 if len(follow):
                     return follow.tolist()
         return []
+
+
+class DraftProposer:
+    """A small model of the same vocabulary, on the same die, with its own sequence state
+    in the same slot numbers, proposing its greedy continuation (a point mass, so the
+    verification above stays exact for sampled requests too).
+
+    It tracks the tokens each slot's state holds; asked for a slot's proposal it keeps the
+    prefix those share with the sequence (rolled back by length, as the target's KV),
+    feeds the rest as one chunk, and then its own picks one token at a time. Every slot
+    asking in a step shares each of those forwards."""
+
+    free = False
+
+    def __init__(self, model, n_slots: int):
+        if not model.state.truncatable:
+            raise ValueError("spec.draft: a draft model with recurrent layers cannot be "
+                             "rolled back; choose an attention-only model")
+        self.model = model
+        self.held: list[list[int]] = [[] for _ in range(n_slots)]
+        self.host = np.asarray if model.xp is np else model.xp.asnumpy
+
+    def propose_many(self, asks: list[tuple[int, list[int], int, list[int] | None]]
+                     ) -> list[list[int]]:
+        from .model import Span
+        out: list[list[int]] = [[] for _ in asks]
+        live = [i for i, (_, tokens, k, _) in enumerate(asks) if k > 0 and tokens]
+        if not live:
+            return out
+        feed, spans = [], []
+        for i in live:                            # catch up: what the draft lacks, at once
+            slot, tokens = asks[i][0], asks[i][1]
+            held = self.held[slot]
+            keep = 0
+            for a, b in zip(held, tokens):
+                if a != b:
+                    break
+                keep += 1
+            keep = min(keep, len(tokens) - 1)     # the last token is fed: its logits
+            feed += tokens[keep:]
+            spans.append(Span(slot, keep, len(tokens) - keep))
+            self.held[slot] = list(tokens)
+        picks = self.pick(feed, spans)
+        while live:
+            for i, token in zip(live, picks):
+                out[i].append(token)
+            live = [i for i in live if len(out[i]) < asks[i][2]
+                    and len(self.held[asks[i][0]]) + 1 < self.model.ctx]
+            if not live:
+                break
+            spans = []
+            for i in live:
+                slot = asks[i][0]
+                spans.append(Span(slot, len(self.held[slot]), 1))
+                self.held[slot].append(out[i][-1])
+            picks = self.pick([out[i][-1] for i in live], spans)
+        return out
+
+    def pick(self, tokens: list[int], spans) -> list[int]:
+        logits = self.model.forward(np.asarray(tokens, dtype=np.int64), spans)
+        return self.host(self.model.xp.argmax(logits, axis=1)).tolist()
 
 
 class Adaptive:

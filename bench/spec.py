@@ -9,7 +9,8 @@ the model's chat template. Two workloads:
   file" — the output repeats the prompt, what prompt lookup is for;
 - chat: free-form questions, where little repeats.
 
-For each workload, concurrency and mode (off, then `--spec ngram`), the same
+For each workload, concurrency and mode (off, then `--spec ngram` or `--spec draft
+--draft-model PATH`), the same
 requests run on a freshly loaded replica: `decode_tok_s` is a stream's tokens after its
 first over the time since its first (median over streams), `aggregate_tok_s` all
 tokens over the wall time. Rounds alternate the modes; medians are printed, with the
@@ -91,21 +92,23 @@ def main(args) -> int:
     template = ChatTemplate(tok.chat_template, tok.bos_text, tok.eos_text, tok.control_texts)
     concurrency = [int(c) for c in args.concurrency.split(",")]
     kinds = args.workloads.split(",")
-    spec = SpecConfig("ngram", args.spec_n, args.spec_k)
+    spec = SpecConfig(args.spec, args.spec_n, args.spec_k,
+                      str(args.draft_model) if args.spec == "draft" else "")
     slots = max(concurrency)
     engines = {mode: load_engine(args.model, n_slots=slots, ctx=args.ctx,
-                                 spec=spec if mode == "ngram" else None)
-               for mode in ("off", "ngram")}
+                                 spec=spec if mode == "spec" else None)
+               for mode in ("off", "spec")}
     for engine in engines.values():
         engine.warm_up()
     result = {"model": str(args.model), "rounds": args.rounds, "max_tokens": args.max_tokens,
-              "spec": {"kind": spec.kind, "n": spec.n, "k": spec.k}, "runs": []}
+              "spec": {"kind": spec.kind, "n": spec.n, "k": spec.k, "draft": spec.draft},
+              "runs": []}
     for kind in kinds:
         for c in concurrency:
             prompts = [tok.encode(template.render([{"role": "user", "content": text}],
                                                   add_generation_prompt=True))
                        for text in workload(kind, c)]
-            figures = {"off": [], "ngram": []}
+            figures = {"off": [], "spec": []}
             for _ in range(args.rounds):
                 for mode, engine in engines.items():       # alternating: drift hits both
                     figures[mode].append(run_once(engine, prompts, args.max_tokens,
@@ -115,7 +118,7 @@ def main(args) -> int:
             for mode, runs in figures.items():
                 row[mode] = {key: round(statistics.median(r[key] for r in runs), 2)
                              for key in runs[0]}
-            ng = row["ngram"]
+            ng = row["spec"]
             row["acceptance"] = round(ng["accepted"] / ng["proposed"], 3) if ng["proposed"] else None
             row["decode_speedup"] = round(ng["decode_tok_s"] / max(row["off"]["decode_tok_s"], 1e-9), 3)
             row["aggregate_speedup"] = round(
@@ -135,5 +138,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--ctx", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--spec", choices=["ngram", "draft"], default="ngram",
+                        help="the speculation compared with none (default ngram)")
+    parser.add_argument("--draft-model", help="--spec draft: the draft model")
     parser.add_argument("--spec-n", type=int, default=3)
     parser.add_argument("--spec-k", type=int, default=8)

@@ -75,6 +75,8 @@ def cmd_bench(args) -> int:
     if args.bench == "spec":
         from pantheon.bench.spec import main
         args.model = model_path(args.model)
+        if args.spec == "draft" and not args.draft_model:
+            raise ValueError("bench spec --spec draft needs --draft-model")
         args.progress = sys.stderr
         return main(args)
     from pantheon.bench.serve import main

@@ -64,7 +64,8 @@ def run_once(engine, prompts: list[list[int]], max_tokens: int, eot) -> dict:
             for i, ids in enumerate(prompts)]
     first, last, count = {}, {}, {}
     started = time.perf_counter()
-    before = list(sched.spec_totals)
+    counted = sched.speculator.totals if sched.speculator else [0, 0, 0]
+    before = list(counted)
     waiting = list(reqs)
     while waiting or sched.active():
         while waiting and sched.free_slots():
@@ -77,7 +78,7 @@ def run_once(engine, prompts: list[list[int]], max_tokens: int, eot) -> dict:
                 count[out.request_id] = count.get(out.request_id, 0) + len(out.tokens)
     wall = time.perf_counter() - started
     decode = [(count[r] - 1) / (last[r] - first[r]) for r in count if last[r] > first[r]]
-    totals = [a - b for a, b in zip(sched.spec_totals, before)]
+    totals = [a - b for a, b in zip(counted, before)]
     return {"decode_tok_s": statistics.median(decode) if decode else 0.0,
             "aggregate_tok_s": sum(count.values()) / wall, "tokens": sum(count.values()),
             "proposed": totals[1], "accepted": totals[2]}

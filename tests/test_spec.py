@@ -85,8 +85,8 @@ def run(path, reqs, spec, slots=4, ctx=200, pacer=Eager):
     """{request id: (tokens, finish)} and the scheduler's speculation totals."""
     engine = load_engine(path, n_slots=slots, ctx=ctx, spec=spec)
     sched = engine.scheduler
-    if spec is not None:
-        sched.spec_pacer = pacer()
+    if sched.speculator is not None:       # (None: a model whose state cannot be cut)
+        sched.speculator.pacer = pacer()
     got = {r.id: ([], None) for r in reqs}
     waiting = list(reqs)
     while waiting or sched.active():
@@ -95,7 +95,7 @@ def run(path, reqs, spec, slots=4, ctx=200, pacer=Eager):
         for out in sched.step():
             tokens, _ = got[out.request_id]
             got[out.request_id] = (tokens + out.tokens, out.finish)
-    return got, sched.spec_totals
+    return got, sched.speculator.totals if sched.speculator else [0, 0, 0]
 
 
 def repetitive(n: int, seed: int = 0, vocab: int = 300) -> list[int]:
@@ -142,7 +142,7 @@ def test_every_budget_gives_a_prefix_of_the_same_output(paths):
 def test_logprobs_are_those_of_the_plain_run(paths):
     req = Request("a", repetitive(40, 3), SamplingParams(temperature=0), 20, logprobs=2)
     engine = load_engine(paths["gemma3"], n_slots=2, ctx=200, spec=NGRAM)
-    engine.scheduler.spec_pacer = Eager()
+    engine.scheduler.speculator.pacer = Eager()
     plain = load_engine(paths["gemma3"], n_slots=2, ctx=200)
     outs = []
     for e in (engine, plain):
@@ -179,9 +179,9 @@ def test_sampled_output_keeps_its_law(paths, proposer):
     spec = NGRAM if proposer == "contrary" else SpecConfig("draft", 3, 3, str(paths["qwen2"]))
     engine = load_engine(paths["llama"], n_slots=8, ctx=200, spec=spec)
     sched = engine.scheduler
-    sched.spec_pacer = Eager()
+    sched.speculator.pacer = Eager()
     if proposer == "contrary":
-        sched.proposer = Contrary(3)
+        sched.speculator.proposer = Contrary(3)
     spec = {}
     waiting = list(reqs)
     while waiting or sched.active():
@@ -189,7 +189,7 @@ def test_sampled_output_keeps_its_law(paths, proposer):
             sched.add(waiting.pop(0))
         for out in sched.step():
             spec.setdefault(out.request_id, []).extend(out.tokens)
-    proposed, accepted = sched.spec_totals[1:]
+    proposed, accepted = sched.speculator.totals[1:]
     assert proposed > 400 and accepted < proposed / 2           # mostly rejected
     assert accepted > 0 or proposer == "draft"     # the other weights' draft: all of them
     assert {k: v for k, v in spec.items()} == {k: v[0] for k, v in plain.items()}

@@ -53,7 +53,7 @@ import numpy as np
 from .model import Span
 from .prefix_cache import PrefixCache, common_prefix
 from .sampler import Sampler, SamplingParams, SequenceSampler
-from .spec import Adaptive, NgramProposer, SpecConfig, SpecPacer
+from .spec import Adaptive, SpecConfig, Speculator
 
 
 class SlotState(enum.Enum):
@@ -179,11 +179,7 @@ class Scheduler:
         self.last_step = (0, 0)
         # speculation (worker/spec.py) needs a state that can be cut back by length
         self.spec = spec if spec is not None and spec.on and not self.exact else None
-        # NgramProposer, or a DraftProposer the engine built
-        self.proposer = (proposer or NgramProposer(self.spec.n)) if self.spec else None
-        self.spec_pacer = SpecPacer()
-        self.propose_s = 0.0             # this step's proposing (a draft's forwards)
-        self.spec_totals = [0, 0, 0]          # steps that verified proposals, proposed, accepted
+        self.speculator = Speculator(self.spec, proposer, clock) if self.spec else None
 
     # -- the owner's operations ------------------------------------------------
     def free_slots(self) -> int:
@@ -296,8 +292,8 @@ class Scheduler:
         """(slot, tokens to feed) for this step: every decode, then prefill chunks."""
         self.resolve_forks()
         decoding = [s for s in self.slots if s.state is SlotState.DECODE]
-        if self.spec:
-            self.speculate(decoding)
+        if self.speculator:
+            self.speculator.propose(decoding, self.ctx)
         plan = [(s, len(s.feed)) for s in decoding]
         # a prompt that fits one chunk goes whole (one stall); a longer one is paced
         long_prompt = any(s.state is SlotState.PREFILL and len(s.feed) > self.prefill_chunk
@@ -310,43 +306,6 @@ class Scheduler:
                 plan.append((s, take))
                 budget -= take
         return plan
-
-    PROBE = 8    # a sequence proposing nothing tries one token every PROBE steps (a
-                 # draft: a shadow proposal would cost a forward)
-
-    def speculate(self, decoding: list[Slot]) -> None:
-        """Each decoding slot's proposal for this step, put in its feed after its last
-        token: as long as its acceptance is worth the measured price (worker/spec.py)."""
-        started = self.clock()
-        measured = self.spec_pacer.measured(len(decoding))
-        price = self.spec_pacer.price(len(decoding))
-        free = self.proposer.free
-        asks, shadows = [], []
-        for s in decoding:
-            req = s.request
-            # no more than the replica's longest proposal, its budget (less the token every
-            # step emits anyway) or its context allow
-            room = min(self.spec.k, req.max_tokens - s.generated - 1, self.ctx - s.cached - 2)
-            k = s.adaptive.length(price, room) if measured and room > 0 else 0
-            if k == 0 and room > 0 and measured:
-                s.idle += 1
-                if free:
-                    shadows.append(s)
-                elif s.idle >= self.PROBE:
-                    k, s.idle = 1, 0
-            if k:
-                s.idle = 0
-                asks.append((s, k))
-        found = self.proposer.propose_many(
-            [(s.index, s.history + s.feed[:1], k, s.request.prediction) for s, k in asks]
-            + [(s.index, s.history + s.feed[:1], 1, s.request.prediction) for s in shadows])
-        for (s, k), tokens in zip(asks, found):
-            s.proposal = tokens[:k]
-        for s, tokens in zip(shadows, found[len(asks):]):
-            s.shadow = tokens[0] if tokens else None
-        for s in decoding:
-            s.feed = s.feed[:1] + s.proposal
-        self.propose_s = self.clock() - started
 
     def fork_stops(self) -> dict[int, int]:
         """Exact states: how far each fork source may prefill this step (to its nearest
@@ -380,72 +339,26 @@ class Scheduler:
                 slot.history = []
             raise
         sampled = [(slot, span.verify) for (slot, _), span in zip(plan, spans) if span.logits]
-        runs = self.verify(logits, sampled)
+        runs = Speculator.verify(self.sample, logits, sampled)
         decodes = [(slot, n) for slot, n in plan if slot.state is SlotState.DECODE]
         n_decode, n_spec = len(decodes), sum(n - 1 for _, n in decodes)
         n_prompt = len(tokens) - n_decode - n_spec
         self.last_step = (n_decode, n_prompt)                 # (decode rows, prompt tokens)
         seconds = self.clock() - started
         self.pacer.record(seconds, n_decode, n_prompt)
-        if self.spec:       # a draft's forwards are part of what its proposals cost
-            self.spec_pacer.record(seconds + self.propose_s, n_decode, n_spec, n_prompt)
-            self.propose_s = 0.0
+        if self.speculator:
+            self.speculator.record(seconds, n_decode, n_spec, n_prompt)
         for slot, n in plan:
             slot.history += slot.feed[:n]
             del slot.feed[:n]
         return [self._advance(slot, run) for (slot, _), run in zip(sampled, runs)]
 
-    def verify(self, logits, sampled: list[tuple[Slot, int]]) -> list[list]:
-        """Each sampled slot's run of (token, logprobs): one token, or for a slot with a
-        proposal the tokens its sampler picks at its rows in turn, while each equals the
-        proposed one (worker/spec.py says why this is exact). The rows of every slot still
-        going are sampled together: a round per position."""
-        if not any(slot.proposal for slot, _ in sampled if slot.state is SlotState.DECODE):
-            picks = self.sample(logits, [slot.sampler for slot, _ in sampled]) if sampled else []
-            return [[pick] for pick in picks]
-        starts = np.cumsum([0] + [rows for _, rows in sampled])[:-1].tolist()
-        runs: list[list] = [[] for _ in sampled]
-        going = list(range(len(sampled)))
-        j = 0
-        while going:
-            rows = [starts[i] + j for i in going]
-            picks = self.sample(logits[rows], [sampled[i][0].sampler for i in going])
-            on = []
-            for i, pick in zip(going, picks):
-                runs[i].append(pick)
-                slot, n_rows = sampled[i]
-                if j + 1 < n_rows and pick[0] == slot.proposal[j] and self.goes_on(slot, pick[0]):
-                    on.append(i)
-            going, j = on, j + 1
-        return runs
-
-    @staticmethod
-    def goes_on(slot: Slot, token: int) -> bool:
-        """Whether a run may continue past `token` (no stop, no grammar end or failure)."""
-        req, sampler = slot.request, slot.sampler
-        if token in req.stop_ids or sampler.failed is not None:
-            return False
-        if req.constraint is not None:
-            try:
-                return not req.constraint.finished()
-            except Exception:
-                return False                   # _advance asks again and fails the request
-        return True
-
     def _advance(self, slot: Slot, run: list) -> Output:
-        req = slot.request
-        proposed = len(slot.proposal) if slot.state is SlotState.DECODE else 0
-        accepted = len(run) - 1
-        if proposed:
-            # the KV holds the last token and every proposal: keep those accepted
-            del slot.history[len(slot.history) - (proposed - accepted):]
-            slot.adaptive.record(accepted + (accepted < proposed), accepted)
-            totals = self.spec_totals
-            totals[0], totals[1], totals[2] = totals[0] + 1, totals[1] + proposed, \
-                totals[2] + accepted
-        elif slot.shadow is not None:
-            slot.adaptive.record(1, int(run[0][0] == slot.shadow))
-        slot.proposal, slot.shadow = [], None
+        """`slot`'s run of tokens from this step: its speculation settled (the rejected
+        positions rolled back), then emitted."""
+        proposed = accepted = 0
+        if self.speculator and slot.state is SlotState.DECODE:
+            proposed, accepted = self.speculator.settle(slot, run)
         out = self._emit(slot, run)
         out.proposed, out.accepted = proposed, accepted
         return out

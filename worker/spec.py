@@ -34,6 +34,7 @@ as the batch fills or where extra rows are not cheap (the CPU's integer kernels)
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -236,3 +237,110 @@ class SpecPacer:
         if base is None or self.token_s is None:
             return None
         return batch * self.token_s / max(base, 1e-9)
+
+
+class Speculator:
+    """A replica's speculation, as its scheduler runs it: who proposes (prompt lookup or
+    a draft), what a verified token costs (SpecPacer), and the totals /metrics reads.
+    The scheduler calls `propose` before a step's forward, `verify` on its logits and
+    `settle` on each slot's run; slots carry `proposal`, `shadow`, `idle`, `adaptive`."""
+
+    PROBE = 8    # a sequence proposing nothing tries one token every PROBE steps (a
+                 # draft: a shadow proposal would cost a forward)
+
+    def __init__(self, spec: SpecConfig, proposer=None, clock=time.perf_counter):
+        self.spec, self.clock = spec, clock
+        self.proposer = proposer or NgramProposer(spec.n)   # or a DraftProposer
+        self.pacer = SpecPacer()
+        self.propose_s = 0.0              # this step's proposing (a draft's forwards)
+        self.totals = [0, 0, 0]           # steps that verified a proposal, proposed, accepted
+
+    def propose(self, decoding: list, ctx: int) -> None:
+        """Each decoding slot's proposal for this step, put in its feed after its last
+        token: as long as its acceptance is worth the measured price."""
+        started = self.clock()
+        measured = self.pacer.measured(len(decoding))
+        price = self.pacer.price(len(decoding))
+        asks, shadows = [], []
+        for s in decoding:
+            req = s.request
+            # no more than the longest proposal, the request's budget (less the token every
+            # step emits anyway) or its context allow
+            room = min(self.spec.k, req.max_tokens - s.generated - 1, ctx - s.cached - 2)
+            k = s.adaptive.length(price, room) if measured and room > 0 else 0
+            if k == 0 and room > 0 and measured:
+                s.idle += 1
+                if self.proposer.free:
+                    shadows.append(s)
+                elif s.idle >= self.PROBE:
+                    k, s.idle = 1, 0
+            if k:
+                s.idle = 0
+                asks.append((s, k))
+        found = self.proposer.propose_many(
+            [(s.index, s.history + s.feed[:1], k, s.request.prediction) for s, k in asks]
+            + [(s.index, s.history + s.feed[:1], 1, s.request.prediction) for s in shadows])
+        for (s, k), tokens in zip(asks, found):
+            s.proposal = tokens[:k]
+        for s, tokens in zip(shadows, found[len(asks):]):
+            s.shadow = tokens[0] if tokens else None
+        for s in decoding:
+            s.feed = s.feed[:1] + s.proposal
+        self.propose_s = self.clock() - started
+
+    @staticmethod
+    def verify(sample, logits, sampled: list) -> list[list]:
+        """Each sampled (slot, rows)'s run of (token, logprobs): one token, or for a slot
+        with a proposal the tokens its sampler picks at its rows in turn, while each equals
+        the proposed one (the module's docstring says why this is exact). The rows of every
+        slot still going are sampled together: a round per position."""
+        if not any(rows > 1 for _, rows in sampled):
+            picks = sample(logits, [slot.sampler for slot, _ in sampled]) if sampled else []
+            return [[pick] for pick in picks]
+        starts = np.cumsum([0] + [rows for _, rows in sampled])[:-1].tolist()
+        runs: list[list] = [[] for _ in sampled]
+        going, j = list(range(len(sampled))), 0
+        while going:
+            picks = sample(logits[[starts[i] + j for i in going]],
+                           [sampled[i][0].sampler for i in going])
+            on = []
+            for i, pick in zip(going, picks):
+                runs[i].append(pick)
+                slot, rows = sampled[i]
+                if j + 1 < rows and pick[0] == slot.proposal[j] and goes_on(slot, pick[0]):
+                    on.append(i)
+            going, j = on, j + 1
+        return runs
+
+    def settle(self, slot, run: list) -> tuple[int, int]:
+        """(proposed, accepted) of a decoding slot's step: the rejected positions cut from
+        its history (the KV holds its last token and every proposal), its acceptance
+        recorded (a shadow proposal's too)."""
+        proposed, accepted = len(slot.proposal), len(run) - 1
+        if proposed:
+            del slot.history[len(slot.history) - (proposed - accepted):]
+            slot.adaptive.record(accepted + (accepted < proposed), accepted)
+            t = self.totals
+            t[0], t[1], t[2] = t[0] + 1, t[1] + proposed, t[2] + accepted
+        elif slot.shadow is not None:
+            slot.adaptive.record(1, int(run[0][0] == slot.shadow))
+        slot.proposal, slot.shadow = [], None
+        return proposed, accepted
+
+    def record(self, seconds: float, n_decode: int, n_spec: int, n_prompt: int) -> None:
+        """A step's time: a draft's forwards are part of what its proposals cost."""
+        self.pacer.record(seconds + self.propose_s, n_decode, n_spec, n_prompt)
+        self.propose_s = 0.0
+
+
+def goes_on(slot, token: int) -> bool:
+    """Whether a run may continue past `token` (no stop, no grammar end or failure)."""
+    req, sampler = slot.request, slot.sampler
+    if token in req.stop_ids or sampler.failed is not None:
+        return False
+    if req.constraint is not None:
+        try:
+            return not req.constraint.finished()
+        except Exception:
+            return False                   # the scheduler asks again and fails the request
+    return True

@@ -231,3 +231,44 @@ def test_a_draft_that_cannot_serve_is_refused_at_load(paths, tmp_path):
     with pytest.raises(ModelFileError, match="vocabulary .49152 tokens. is not the target's"):
         load_engine(paths["llama"], n_slots=1, ctx=32,
                     spec=SpecConfig("draft", 3, 4, str(paths["smollm2"])))
+
+
+class Mute(NgramProposer):
+    def propose(self, tokens, k, prediction=None, done=0):
+        return []
+
+
+def test_a_grammar_checks_proposals_and_forces_some(paths):
+    """A JSON schema's fixed keys are proposed for free (with a proposer that proposes
+    nothing, they are all that is verified) and pass; prompt lookup's proposals are cut
+    where the grammar refuses them. The same output as without, either way."""
+    from pantheon.common.grammar import grammar_for_response_format
+    from pantheon.common.tokenizer import open_tokenizer
+    from pantheon.worker.constraint import ConstraintFactory
+    tok = open_tokenizer(paths["smollm2"])
+    factory = ConstraintFactory(tok)
+    schema = {"type": "object", "additionalProperties": False, "required": ["city", "country"],
+              "properties": {"city": {"type": "string"}, "country": {"type": "string"}}}
+    grammar = grammar_for_response_format({"type": "json_schema", "json_schema": {
+        "name": "place", "schema": schema}})
+    prompt = tok.encode("<|im_start|>user\nWhere is the Eiffel tower? Answer in JSON with "
+                        "city and country.<|im_end|>\n<|im_start|>assistant\n")
+    outs, totals = [], []
+    for spec, proposer in ((None, None), (NGRAM, None), (NGRAM, Mute(3))):
+        engine = load_engine(paths["smollm2"], n_slots=1, ctx=256, spec=spec)
+        sched = engine.scheduler
+        if proposer is not None:
+            sched.speculator.proposer = proposer
+        if sched.speculator is not None:
+            sched.speculator.pacer = Eager()
+        sched.add(Request("g", prompt, SamplingParams(temperature=0), 40, frozenset({2}),
+                          constraint=factory.make(grammar)))
+        got = []
+        while sched.active():
+            for out in sched.step():
+                got += out.tokens
+        outs.append(got)
+        totals.append(sched.speculator.totals if sched.speculator else None)
+    assert outs[0] == outs[1] == outs[2]
+    assert "country" in tok.decode(outs[0])
+    assert totals[2][2] == totals[2][1] == 2           # "city", "country": forced, passed

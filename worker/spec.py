@@ -281,7 +281,14 @@ class Speculator:
             [(s.index, s.history + s.feed[:1], k, s.request.prediction) for s, k in asks]
             + [(s.index, s.history + s.feed[:1], 1, s.request.prediction) for s in shadows])
         for (s, k), tokens in zip(asks, found):
-            s.proposal = tokens[:k]
+            s.proposal = grammatical(s.request.constraint, tokens[:k])
+        if price is None or price < 1.0:     # a forced token passes for sure: worth a row
+            for s in decoding:
+                forced = forced_tokens(s.request.constraint)
+                room = min(self.spec.k, s.request.max_tokens - s.generated - 1,
+                           ctx - s.cached - 2)
+                if forced and room > 0 and len(forced) > len(s.proposal) and measured:
+                    s.proposal, s.shadow = forced[:room], None
         for s, tokens in zip(shadows, found[len(asks):]):
             s.shadow = tokens[0] if tokens else None
         for s in decoding:
@@ -331,6 +338,26 @@ class Speculator:
         """A step's time: a draft's forwards are part of what its proposals cost."""
         self.pacer.record(seconds + self.propose_s, n_decode, n_spec, n_prompt)
         self.propose_s = 0.0
+
+
+def grammatical(constraint, tokens: list[int]) -> list[int]:
+    """The prefix of a proposal its request's grammar allows (a grammar that fails here
+    fails its request in the step, as without speculation: nothing is proposed)."""
+    if constraint is None or not tokens:
+        return tokens
+    try:
+        return tokens[:constraint.allows(tokens)]
+    except Exception:
+        return []
+
+
+def forced_tokens(constraint) -> list[int]:
+    if constraint is None:
+        return []
+    try:
+        return constraint.forced()
+    except Exception:
+        return []
 
 
 def goes_on(slot, token: int) -> bool:

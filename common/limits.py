@@ -25,6 +25,7 @@ MAX_TOKEN_ID = 2**31 - 1            # any token id on the wire (a vocabulary is 
 MAX_GRAMMAR_CHARS = 1 << 20         # a constrained request's grammar (llguidance's text)
 MAX_PROMPT_TOKENS = 1 << 21
 MAX_STOP_IDS = 256
+MAX_PREDICTION_CHARS = 1 << 20      # OpenAI's `prediction` (a predicted output's text)
 MAX_TEXT_CHARS = 64 << 10           # paths, names, error messages
 
 

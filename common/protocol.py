@@ -141,6 +141,7 @@ class Loaded:
     weight_bytes: int
     kv_bytes: int
     load_s: float
+    spec: str = ""           # the speculation it runs ("" none: off, or refused by its layers)
 
 
 @dataclass(slots=True)
@@ -184,6 +185,10 @@ class Tokens:
     # an embedding request's pooled hidden state, d_model values (the link carries no
     # raw binary: msgpack floats)
     embedding: list[float] = field(default_factory=list)
+    # speculation in the step(s) this message reports: tokens proposed and verified, and of
+    # those the ones accepted (the rest were rejected and rolled back)
+    proposed: int = 0
+    accepted: int = 0
 
 
 @dataclass(slots=True)
@@ -221,6 +226,18 @@ class Stopping:
 # -- frontend → worker ------------------------------------------------------------
 
 @dataclass(slots=True)
+class Speculation:
+    """A replica's speculative decoding (worker/spec.py): `kind` "" (none) or "ngram"
+    (prompt lookup) or "draft" (a small model's greedy tokens, `draft` its path), the
+    longest n-gram matched `n`, the longest proposal `k` (1-16)."""
+
+    kind: str = bounded(16, default="")
+    n: int = 3
+    k: int = 8
+    draft: str = bounded(lim.MAX_TEXT_CHARS, default="")   # kind "draft": its model's path
+
+
+@dataclass(slots=True)
 class Load:
     model_id: str            # the replica's id, unique in the fleet
     path: str
@@ -229,6 +246,7 @@ class Load:
     ctx: int = 0             # 0: the model's trained context, capped by the worker
     prefill_chunk: int = PREFILL_CHUNK
     quantize: str = "auto"   # common/weight_format.QUANTIZE_MODES
+    spec: Speculation | None = None   # None: none
 
 
 @dataclass(slots=True)
@@ -304,6 +322,8 @@ class Generate:
     # "": generate; "mean" / "last": an embedding (the prompt's final hidden states
     # pooled, sent back in Tokens.embedding), prefilled with no decode
     pooling: str = bounded(8, default="")
+    # a predicted output (OpenAI's `prediction`), as token ids: seeds speculation's proposals
+    prediction: list[int] = bounded(lim.MAX_PROMPT_TOKENS, default_factory=list)
 
 
 @dataclass(slots=True)
@@ -355,7 +375,7 @@ MESSAGES: dict[str, type] = {
     "admin_request": AdminRequest, "admin_reply": AdminReply,
 }
 KIND_OF = {cls: kind for kind, cls in MESSAGES.items()}
-NESTED = {Sampling, Resident, Tokens, ReplicaLoad}
+NESTED = {Sampling, Resident, Tokens, ReplicaLoad, Speculation}
 
 
 def encode(msg) -> bytes:

@@ -25,11 +25,11 @@ import zmq.asyncio
 
 from ..common import limits as wire
 from ..common import protocol as p
-from ..common import settings
+from ..common import settings, speculation
 from ..common.key_set import KeySet
 from ..common.keys import KeyPair, curve_server
 from ..common.model_file import ModelFileError
-from ..common.weight_format import QUANTIZE_MODES
+from ..common.weight_format import QUANTIZE_MODES, weight_bytes
 from .admission import Admission
 from .dies import DieTable, PlacementError
 from .placement import Placer
@@ -206,6 +206,23 @@ class Admin:
                                   f"not {quantize!r}", "quantize")
         if ctx < 0 or slots < 0:
             raise AdminError(400, "ctx and slots must be >= 0")
+        spec = None
+        if "spec" in body:                             # absent: the server's --spec
+            try:
+                spec = speculation.parse(body["spec"]) or p.Speculation("")
+            except ValueError as exc:
+                field_name = str(exc).split(" ", 1)[0]
+                raise AdminError(400, str(exc), field_name if field_name.startswith("spec")
+                                 else "spec") from None
+            if spec.draft:
+                if not Path(spec.draft).is_absolute():
+                    raise AdminError(400, f"spec.draft must be an absolute path, got "
+                                          f"{spec.draft!r}", "spec.draft")
+                if self.model_dirs is not None and not self.model_dirs.allows(spec.draft):
+                    raise AdminError(403, "spec.draft is outside the folders loads may open "
+                                          "(--model-dir)", "spec.draft")
+                if not Path(spec.draft).exists():
+                    raise AdminError(404, f"draft model not found: {spec.draft}", "spec.draft")
         if dies is not None:
             dies = [str(d) for d in dies]
         # phase 1: reserve the name
@@ -221,7 +238,7 @@ class Admin:
             raise AdminError(503, "the server is shutting down: no new loads")
         self.loading.add(name)
         task = asyncio.ensure_future(self.place_and_upload(path, name, dies, ctx, slots,
-                                                           on_progress, quantize, reason))
+                                                           on_progress, quantize, reason, spec))
         self.load_tasks.add(task)
         try:
             loaded = await task
@@ -238,7 +255,7 @@ class Admin:
             self.loading.discard(name)
 
     async def place_and_upload(self, path, name, dies, ctx, slots, on_progress,
-                               quantize="", reason="admin") -> dict:
+                               quantize="", reason="admin", spec=None) -> dict:
         if not Path(path).exists():
             raise AdminError(404, f"model file not found: {path}", "path")
         try:
@@ -255,15 +272,28 @@ class Admin:
                                   "model", "name")
         # phase 2: place and admit, before any upload
         try:
+            runs = speculation.effective(spec, self.placer.spec)
+            draft = None
+            if runs is not None and runs.kind == "draft":
+                target = await asyncio.to_thread(weight_bytes, model.path,
+                                                 quantize or self.placer.quantize)
+                size = await asyncio.to_thread(weight_bytes, runs.draft,
+                                               quantize or self.placer.quantize)
+                draft = runs.draft, await asyncio.to_thread(
+                    speculation.check_draft, model.config, runs.draft, target, size)
+        except ValueError as exc:
+            raise AdminError(400, str(exc), "spec.draft") from exc
+        try:
             die, need = self.die_table.choose(model.path, model.config, dies,
                                               slots or self.placer.slots, ctx or self.placer.ctx,
-                                              quantize or self.placer.quantize)
+                                              quantize or self.placer.quantize, draft)
         except PlacementError as exc:
             raise AdminError(exc.status, str(exc), "dies") from exc
         worker = next(w for w in self.pool.live() if w.die == die)
         replica = self.registry.add(model, die)
         replica.reserved, replica.want_slots, replica.want_ctx = need, slots, ctx
         replica.want_quantize, replica.reason = quantize, reason
+        replica.want_spec = spec
         replica.state = ReplicaState.LOADING
         # phase 3: upload (the placer holds the fleet-wide upload lock); phase 4: publish
         sent = [None]

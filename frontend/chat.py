@@ -153,13 +153,17 @@ class ChatService:
         grammar, prompt, text, capped = await self.preparer.run(
             deadline, self.shape, req, model, ctx, size=size)
         room = ctx - len(prompt)
+        prediction = await self.preparer.run(deadline, model.tokenizer.encode, req.prediction,
+                                             False, size=len(req.prediction)) \
+            if req.prediction else None
         max_tokens = min(req.max_tokens, room) if req.max_tokens else None   # None: fill
         think = text.rstrip().endswith("<think>")           # the template opened reasoning
         use_tools = bool(req.tools) and req.tool_choice != "none"
         choices = [Choice(prompt, seeded(req.sampling, req.sampling.seed, i), max_tokens,
                           Emitter(req.stop, think=think, tools=use_tools,
                                   max_calls=None if req.parallel_tool_calls else 1), grammar,
-                          req.top_logprobs if req.logprobs else -1) for i in range(req.n)]
+                          req.top_logprobs if req.logprobs else -1, prediction)
+                   for i in range(req.n)]
         renderer = ChatRenderer(completion_id(), int(time.time()), model.name,
                                 model.tokenizer, req, req.n, capped) if renderer is None \
             else renderer(model, req, capped)

@@ -60,13 +60,16 @@ class CompletionService:
         ctx = model.context()
         prompts = await self.preparer.run(deadline, tokenize, model, req.prompts, ctx,
                                           size=len(body))
+        prediction = await self.preparer.run(deadline, model.tokenizer.encode, req.prediction,
+                                             False, size=len(req.prediction)) \
+            if req.prediction else None
         choices, echoes = [], []
         for k in range(len(prompts) * req.n):
             ids, source = prompts[k // req.n], req.prompts[k // req.n]
             choices.append(Choice(ids, seeded(req.sampling, req.sampling.seed, k),
                                   min(req.max_tokens, ctx - len(ids)),
                                   Emitter(req.stop, tools=False, reasoning=False), grammar,
-                                  req.logprobs if req.logprobs is not None else -1))
+                                  req.logprobs if req.logprobs is not None else -1, prediction))
             echoes.append((source if isinstance(source, str) else model.tokenizer.decode(ids))
                           if req.echo else "")
         renderer = CompletionRenderer(completion_id("cmpl"), int(time.time()), model.name,

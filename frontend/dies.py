@@ -112,7 +112,8 @@ class DieTable:
         return sorted(dies.values(), key=lambda d: d.die)
 
     def choose(self, path: str, cfg: ModelConfig, pinned: list[str] | None, slots: int,
-               ctx: int, quantize: str = "auto") -> tuple[str, int]:
+               ctx: int, quantize: str = "auto",
+               draft: tuple[str, ModelConfig] | None = None) -> tuple[str, int]:
         """(die, bytes to reserve) for a new replica; PlacementError if none fits."""
         if pinned is not None and len(pinned) != 1:
             raise PlacementError(400, "a replica lives on one die: give exactly one die "
@@ -126,6 +127,9 @@ class DieTable:
         if not live:
             raise PlacementError(507, "no worker is connected")
         need = {d.die: replica_bytes(path, cfg, d.kind, slots or self.slots, ctx, quantize)
+                + (replica_bytes(draft[0], draft[1], d.kind, slots or self.slots,
+                                 ctx or min(cfg.context_length, ADMIT_CTX_GUESS), quantize)
+                   if draft else 0)     # speculation's draft: its weights and its own KV
                 for d in live}
         fits = [d for d in live if need[d.die] <= d.free_budget]
         if not fits:

@@ -31,17 +31,19 @@ class Generation:
                  replica: Replica, prompt: list[int], sampling: p.Sampling, max_tokens: int,
                  emitter: Emitter, session_id: str | None = None, grammar: str | None = None,
                  logprobs: int = -1, figures=None, arrived: float | None = None,
-                 trace: str = "", salt: str = "", pooling: str = ""):
+                 trace: str = "", salt: str = "", pooling: str = "",
+                 prediction: list[int] | None = None):
         self.pool, self.admission, self.model, self.replica = pool, admission, model, replica
         self.prompt, self.max_tokens, self.emitter = prompt, max_tokens, emitter
         self.request_id = pool.new_request_id()
         self.msg = p.Generate(self.request_id, replica.model_id if replica else "", prompt,
                               sampling, max_tokens, sorted(model.tokenizer.eot_ids),
                               session_id, grammar, logprobs, trace[:wire.MAX_ID_CHARS], salt,
-                              pooling)
+                              pooling, prediction or [])
         self.detok = model.tokenizer.detokenizer()
         self.cached_tokens = 0
         self.embedding: list[float] = []     # an embedding request's pooled state
+        self.proposed = self.accepted = 0      # speculation's tokens: verified, accepted
         self.token_ids: list[int] = []     # every id the worker generated, end token included
         self.finish_reason: str | None = None
         self.logprobs: list[TokenLogprob] = []
@@ -109,6 +111,11 @@ class Generation:
             self.cached_tokens = msg.cached_tokens
             if msg.embedding:
                 self.embedding = msg.embedding
+            if msg.proposed:
+                self.proposed += msg.proposed
+                self.accepted += msg.accepted
+                if self.figures is not None:
+                    self.figures.speculated(msg.proposed, msg.accepted)
             if msg.tokens and self.figures is not None:
                 self.timed(len(msg.tokens))
             for i, token in enumerate(msg.tokens):

@@ -48,6 +48,7 @@ class Choice:
     grammar: str | None = None
     logprobs: int = -1
     pooling: str = ""                  # an embedding: "mean" or "last" (Generate.pooling)
+    prediction: list[int] | None = None   # OpenAI's predicted output, as token ids
 
 
 @dataclass
@@ -120,7 +121,7 @@ class Lifecycle:
                                        c.max_tokens or replica.ctx - len(c.prompt), c.emitter,
                                        job.session if i == 0 else None, c.grammar, c.logprobs,
                                        figures, arrived if i == 0 else None,
-                                       info.get("request_id", ""), job.salt, c.pooling))
+                                       info.get("request_id", ""), job.salt, c.pooling, c.prediction))
             self.generations.update(gens)
             for gen in gens[:k]:
                 await gen.start()
@@ -180,7 +181,7 @@ def report(figures: ModelMetrics, info: dict, job: Job, gens: list[Generation],
     """A request is over: its figures, for /metrics and for the access log."""
     now = time.monotonic()
     figures.e2e.observe(now - arrived)
-    prompt, completion, cached = counts(gens) if gens else (0, 0, 0)
+    prompt, completion, cached, _ = counts(gens) if gens else (0, 0, 0, None)
     info.update(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached)
     if gens and gens[0].first_at is not None:
         info["ttft_s"] = round(gens[0].first_at - arrived, 4)

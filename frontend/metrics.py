@@ -149,6 +149,17 @@ class Metrics:
         self.load_seconds = histogram("pantheon:model_load_seconds",
                                       "Seconds a successful replica load took on its worker.",
                                       LOAD_BUCKETS)
+        # speculative decoding, by vLLM's names: steps that verified a proposal, tokens
+        # proposed, tokens accepted; and how many were accepted per such step
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts",
+                                   "Speculative proposals verified (one a sequence a step).")
+        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens",
+                                         "Tokens proposed by speculation and verified.")
+        self.spec_accepted = counter("vllm:spec_decode_num_accepted_tokens",
+                                     "Proposed tokens the model accepted.")
+        self.spec_per_step = histogram("pantheon:spec_decode_accepted_per_step",
+                                       "Proposed tokens accepted in one verification step.",
+                                       tuple(range(17)))
         self.window = Window()
 
     def watch(self, registry, pool, admission, lifecycle, drain=None) -> None:
@@ -165,18 +176,32 @@ class Metrics:
 class ModelMetrics:
     """One model's children of the request figures, looked up once per request."""
 
-    __slots__ = ("name", "ttft", "itl", "e2e", "queue", "generated", "window", "root")
+    __slots__ = ("name", "ttft", "itl", "e2e", "queue", "generated", "window", "root", "spec")
 
     def __init__(self, metrics: Metrics, name: str):
         self.root, self.name, self.window = metrics, name, metrics.window
         self.ttft, self.itl = metrics.ttft.labels(name), metrics.itl.labels(name)
         self.e2e, self.queue = metrics.e2e.labels(name), metrics.queue.labels(name)
         self.generated = metrics.generation_tokens.labels(name)
+        self.spec = None                 # its speculation children, on its first proposal
 
     def tokens(self, n: int, now: float) -> None:
         """`n` tokens of a sequence arrived (one worker message)."""
         self.generated.inc(n)
         self.window.tokens(self.name, n, now)
+
+    def speculated(self, proposed: int, accepted: int) -> None:
+        """One step verified `proposed` tokens of a sequence, `accepted` of them passed."""
+        if self.spec is None:
+            root = self.root
+            self.spec = (root.spec_drafts.labels(self.name),
+                         root.spec_draft_tokens.labels(self.name),
+                         root.spec_accepted.labels(self.name), root.spec_per_step.labels(self.name))
+        drafts, tokens, passed, per_step = self.spec
+        drafts.inc()
+        tokens.inc(proposed)
+        passed.inc(accepted)
+        per_step.observe(accepted)
 
     def first_token(self, ttft: float, now: float) -> None:
         self.ttft.observe(ttft)

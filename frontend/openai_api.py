@@ -47,6 +47,7 @@ class GenerationRequest:
     response_format: dict | None = None
     return_token_ids: bool = False      # vLLM's: token_ids per choice, prompt_token_ids
     cache_salt: str | None = None       # vLLM's: a prefix-cache scope of the client's own
+    prediction: str | None = None       # OpenAI's predicted output: seeds speculation
     keep_alive: float | None = None     # Ollama's: seconds the model stays loaded after
 
 
@@ -252,6 +253,7 @@ def _common(data: dict, session_header: str | None) -> dict:
                                  f"characters, got {len(cache_salt)}", code="limit_exceeded")
     response_format = _optional(data, "response_format", dict, "an object")
     return_token_ids = _optional(data, "return_token_ids", bool, "a boolean") or False
+    prediction = _prediction(data.get("prediction"))
     return dict(model=_optional(data, "model", str, "a string"),
                 sampling=Sampling(logit_bias=_logit_bias(data.get("logit_bias")), **sampling),
                 stop=_stop(data.get("stop")),
@@ -259,7 +261,31 @@ def _common(data: dict, session_header: str | None) -> dict:
                 user=_optional(data, "user", str, "a string"),
                 session_id=session_id, cache_salt=cache_salt,
                 response_format=response_format, return_token_ids=return_token_ids,
-                keep_alive=parse_keep_alive(data.get("keep_alive"))), numbers
+                keep_alive=parse_keep_alive(data.get("keep_alive")),
+                prediction=prediction), numbers
+
+
+
+def _prediction(value) -> str | None:
+    """OpenAI's `prediction`: {"type": "content", "content": text or [text parts]}."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") != "content":
+        raise _bad("prediction", 'prediction must be {"type": "content", "content": ...}')
+    content = value.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(part, dict) and part.get("type") == "text"
+                   and isinstance(part.get("text"), str) for part in content):
+            raise _bad("prediction", "prediction.content parts must be "
+                                     '{"type": "text", "text": "..."}')
+        content = "".join(part["text"] for part in content)
+    if not isinstance(content, str):
+        raise _bad("prediction", "prediction.content must be a string or a list of text parts")
+    if len(content) > wire.MAX_PREDICTION_CHARS:
+        raise _bad("prediction", f"prediction.content may have at most "
+                                 f"{wire.MAX_PREDICTION_CHARS} characters, got {len(content)}",
+                   code="limit_exceeded")
+    return content or None
 
 
 DEFAULT_LIMITS = RequestLimits()
@@ -351,10 +377,18 @@ def context_exceeded(ctx: int, tokens: int, what: str, reply: str, param: str,
                     param=param, code="context_length_exceeded")
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+          speculation: tuple[int, int] | None = None) -> dict:
+    """OpenAI's usage; with `speculation` (tokens proposed, accepted: only when the request
+    was speculated on) its completion_tokens_details' prediction counts."""
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens,
+           "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    if speculation is not None:
+        proposed, accepted = speculation
+        out["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                            "rejected_prediction_tokens": proposed - accepted}
+    return out
 
 
 def chat_choice(index: int, content: str | None, finish_reason, reasoning: str = "",
@@ -441,15 +475,18 @@ def legacy_logprobs(tok, items, offset: int) -> dict:
             "text_offset": offsets}
 
 
-def counts(gens) -> tuple[int, int, int]:
-    """(prompt, completion, cached) tokens of a request's choices together: each prompt
-    counted once (the `n` choices of a prompt share it, prefilled once), with the cached
-    tokens of its first choice, so cached never exceeds prompt."""
+def counts(gens) -> tuple[int, int, int, tuple[int, int] | None]:
+    """(prompt, completion, cached, speculation) tokens of a request's choices together:
+    each prompt counted once (the `n` choices of a prompt share it, prefilled once), with
+    the cached tokens of its first choice, so cached never exceeds prompt; speculation:
+    (proposed, accepted) over the choices, None when nothing was proposed."""
     first: dict[int, object] = {}
     for g in gens:
         first.setdefault(id(g.prompt), g)
+    proposed = sum(getattr(g, "proposed", 0) for g in gens)
+    spec = (proposed, sum(getattr(g, "accepted", 0) for g in gens)) if proposed else None
     return (sum(len(g.prompt) for g in first.values()), sum(g.completion_tokens for g in gens),
-            sum(g.cached_tokens for g in first.values()))
+            sum(g.cached_tokens for g in first.values()), spec)
 
 
 class Renderer:

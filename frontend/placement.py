@@ -15,7 +15,7 @@ import asyncio
 import logging
 
 from ..common import protocol as p
-from ..common import settings
+from ..common import settings, speculation
 from .dies import DieTable, PlacementError
 from .registry import Registry, Replica, ReplicaState, ServedModel, same_model
 from .workers import LoadError, WorkerInfo, WorkerLost, WorkerPool
@@ -26,11 +26,13 @@ log = logging.getLogger("pantheon.frontend.placement")
 class Placer:
     def __init__(self, registry: Registry, pool: WorkerPool, dies: DieTable, slots: int = 0,
                  ctx: int = 0, prefill_chunk: int = settings.PREFILL_CHUNK, expected_dies: list[str] | None = None,
-                 grace_s: float = 60.0, quantize: str = "auto", metrics=None):
+                 grace_s: float = 60.0, quantize: str = "auto", metrics=None,
+                 spec: p.Speculation | None = None):
         self.registry, self.pool, self.dies = registry, pool, dies
         self.metrics = metrics                # metrics.Metrics: loads by outcome, seconds
         self.slots, self.ctx, self.prefill_chunk = slots, ctx, prefill_chunk
         self.quantize = quantize
+        self.spec = spec                      # serve --spec: every replica's unless its load says
         # auto-placement waits (up to grace_s) for every die we spawned, to spread models
         self.expected = set(expected_dies or [])
         self.grace = asyncio.get_running_loop().call_later(grace_s, self.stop_waiting)
@@ -108,13 +110,21 @@ class Placer:
             try:
                 replica.die, replica.reserved = self.dies.choose(
                     model.path, model.config, None, replica.want_slots or self.slots,
-                    replica.want_ctx or self.ctx, replica.want_quantize or self.quantize)
-            except PlacementError as exc:
+                    replica.want_ctx or self.ctx, replica.want_quantize or self.quantize,
+                    self.draft_of(model, replica))
+            except (PlacementError, ValueError) as exc:     # ValueError: its draft
                 replica.state, replica.error = ReplicaState.FAILED, str(exc)
                 log.error("cannot place %s: %s", model.name, exc)
                 self.change.set()
                 continue
             self.start_load(model, replica, live[replica.die])
+
+    def draft_of(self, model: ServedModel, replica: Replica):
+        """(path, config) of the draft model the replica's speculation loads, or None."""
+        spec = speculation.effective(replica.want_spec, self.spec)
+        if spec is None or spec.kind != "draft":
+            return None
+        return spec.draft, speculation.check_draft(model.config, spec.draft, 0, 0)
 
     def start_load(self, model: ServedModel, replica: Replica, worker: WorkerInfo) -> None:
         replica.state = ReplicaState.LOADING      # now, so nobody starts the same load twice
@@ -131,7 +141,8 @@ class Placer:
                     replica.model_id, replica.path or model.path, model.name,
                     replica.want_slots or self.slots,
                     replica.want_ctx or self.ctx, self.prefill_chunk,
-                    replica.want_quantize or self.quantize))
+                    replica.want_quantize or self.quantize,
+                    replica.want_spec if replica.want_spec is not None else self.spec))
         except LoadError as exc:
             replica.state, replica.error = ReplicaState.FAILED, str(exc)
             replica.error_code = exc.code
@@ -151,6 +162,7 @@ class Placer:
         replica.reserved = loaded.weight_bytes + loaded.kv_bytes     # the real figure now
         replica.weight_bytes = loaded.weight_bytes
         replica.slots, replica.ctx, replica.error = loaded.slots, loaded.ctx, ""
+        replica.spec = loaded.spec
         self.pool.changed()                       # queued requests may start now
         self.change.set()
         log.info("%s ready on die %s: %d slots x %d ctx, loaded in %.1f s", model.name,

@@ -57,6 +57,8 @@ class Replica:
     want_slots: int = 0            # as asked (0: the server's default)
     want_ctx: int = 0
     want_quantize: str = ""        # "" : the server's --quantize
+    want_spec: object = None       # protocol.Speculation (kind "": none); None: the server's
+    spec: str = ""                 # the speculation its worker runs (as loaded)
     reserved: int = 0              # bytes admitted on its die
     weight_bytes: int = 0          # of which its weights (the worker's figure, once loaded)
     progress: tuple[int, int] = (0, 0)
@@ -75,7 +77,7 @@ class Replica:
                 "slots": self.slots,
                 "ctx": self.ctx, "reserved_bytes": self.reserved,
                 "progress": {"done": self.progress[0], "total": self.progress[1]},
-                "error": self.error or None}
+                "error": self.error or None, "spec": self.spec or None}
 
 
 @dataclass

@@ -13,8 +13,10 @@ import uvicorn
 import zmq
 import zmq.asyncio
 
-from ..common import settings
+from ..common import protocol as p
+from ..common import settings, speculation
 from ..common.key_set import KeySet
+from ..common.weight_format import weight_bytes
 from .admission import Admission
 from .admin import Admin, AdminSocket
 from .app import build_app
@@ -62,6 +64,10 @@ class ServeConfig:
     context_cap: bool = True
     worker_lost_after_s: float = settings.WORKER_LOST_AFTER_S   # unanswered silence: lost
     quantize: str = "auto"
+    spec: str = ""                        # speculative decoding of every --model: "" or a kind
+    spec_n: int = speculation.DEFAULT_N   # prompt lookup's longest n-gram
+    spec_k: int = speculation.DEFAULT_K   # the longest proposal
+    draft_model: str = ""                 # --spec draft: the draft model's path
     shutdown_timeout_s: float = settings.SHUTDOWN_TIMEOUT_S
     metrics_auth: bool = False                 # /metrics takes the API key
     log_format: str = "text"
@@ -110,6 +116,16 @@ class ServeConfig:
             raise ValueError("--worker-lost-after must be at least --worker-timeout")
         if self.worker_lost_after_s < 2.0:       # probes start after 1 s of silence
             raise ValueError("--worker-lost-after must be at least 2 seconds")
+        if self.spec or self.spec_n != speculation.DEFAULT_N \
+                or self.spec_k != speculation.DEFAULT_K:
+            try:
+                speculation.check(self.spec or "ngram", self.spec_n, self.spec_k,
+                                  self.draft_model)
+            except ValueError as exc:
+                raise ValueError("--" + str(exc).replace(".", "-", 1).replace(
+                    "spec-kind", "spec", 1).replace("spec-draft", "draft-model", 1)) from None
+        elif self.draft_model:
+            raise ValueError("--draft-model goes with --spec draft")
         if self.shutdown_timeout_s < 0:
             raise ValueError("--shutdown-timeout must be >= 0")
         if self.metrics_auth and not self.api_key:
@@ -127,10 +143,15 @@ async def serve(cfg: ServeConfig) -> int:
         model = await asyncio.to_thread(open_model, path, name, created)
         if cfg.lifecycle.preload:        # else loaded on its first request
             registry.add(model, die=None)
+        if cfg.spec == "draft":          # a draft that cannot serve this model: exit 1 now
+            target = weight_bytes(path, cfg.quantize)
+            speculation.check_draft(model.config, cfg.draft_model, target,
+                                    weight_bytes(cfg.draft_model, cfg.quantize))
     catalog = await asyncio.to_thread(cfg.lifecycle.catalog, cfg.models, cfg.model_dirs)
     policy = cfg.lifecycle.policy(catalog, [name or Path(path).stem for path, name in cfg.models])
     model_dirs = ModelDirs(cfg.model_dirs) if cfg.model_dirs else \
-        ModelDirs.default(settings.cache_dir(), [path for path, _ in cfg.models])
+        ModelDirs.default(settings.cache_dir(), [path for path, _ in cfg.models]
+                          + ([cfg.draft_model] if cfg.draft_model else []))
     link = LinkAuth(cfg.keys_dir) if cfg.keys_dir else None
     if link is not None:                 # ZAP answers before any socket can be reached
         link.start(zmq.asyncio.Context.instance())
@@ -150,7 +171,10 @@ async def serve(cfg: ServeConfig) -> int:
     die_table = DieTable(registry, pool, cfg.slots)
     metrics = Metrics()
     placer = Placer(registry, pool, die_table, cfg.slots, cfg.ctx, cfg.prefill_chunk,
-                    expected_dies=dies, quantize=cfg.quantize, metrics=metrics)
+                    expected_dies=dies, quantize=cfg.quantize, metrics=metrics,
+                    spec=p.Speculation(cfg.spec, cfg.spec_n, cfg.spec_k,
+                                       str(Path(cfg.draft_model).resolve())
+                                       if cfg.draft_model else "") if cfg.spec else None)
     admission = Admission(cfg.queue_depth, cfg.queue_timeout_s,
                           max_request_slots=cfg.max_request_slots)
     pool.on_change.append(admission.wake_all)
@@ -324,6 +348,7 @@ def main(args) -> int:
         max_models=args.max_models,
         context_cap=not args.no_context_cap, worker_lost_after_s=args.worker_lost_after,
         quantize=args.quantize, shutdown_timeout_s=args.shutdown_timeout,
+        spec=args.spec, spec_n=args.spec_n, spec_k=args.spec_k, draft_model=args.draft_model or "",
         metrics_auth=args.metrics_auth, log_format=args.log_format or settings.log_format(),
         log_prompts=args.log_prompts, keys_dir=args.keys, insecure=args.insecure,
         http_admin=not args.no_http_admin, dashboard=args.dashboard, model_dirs=args.model_dir,

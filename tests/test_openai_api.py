@@ -306,8 +306,9 @@ def test_usage_counts_each_prompt_once_and_its_cached_tokens_with_it():
             SimpleNamespace(prompt=a, completion_tokens=4, cached_tokens=30),
             SimpleNamespace(prompt=b, completion_tokens=1, cached_tokens=0),
             SimpleNamespace(prompt=b, completion_tokens=2, cached_tokens=10)]
-    assert counts(gens) == (40, 10, 29)
-    assert counts(gens[:2]) == (30, 7, 29)
+    assert counts(gens) == (40, 10, 29, None)
+    assert counts(gens[:2]) == (30, 7, 29, None)
+
 
 
 def test_parallel_tool_calls_is_a_boolean_defaulting_to_true():

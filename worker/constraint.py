@@ -74,6 +74,16 @@ class Constraint:
             raise ValueError(f"token {token} rejected by the grammar: "
                              f"{summary(self._matcher.get_error() or 'not allowed here')}")
 
+    def forced(self) -> list[int]:
+        """The tokens the grammar allows alone from here on, one after another (none if the
+        next has a choice): speculation proposes them for free."""
+        return list(self._matcher.compute_ff_tokens())
+
+    def allows(self, tokens: list[int]) -> int:
+        """How many of `tokens`, in order from the current state, the grammar allows (the
+        state does not move)."""
+        return int(self._matcher.validate_tokens(tokens)) if tokens else 0
+
     def finished(self) -> bool:
         """The grammar is complete and nothing but end-of-sequence may follow: generation
         must stop here (the EOS need not be sampled). True also once an EOS was accepted."""

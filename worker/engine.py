@@ -15,6 +15,7 @@ from .model import Model, Span
 from .prefix_cache import PrefixCache
 from .sampler import Sampler, SamplingParams, SequenceSampler
 from .scheduler import Scheduler
+from .spec import DraftProposer, SpecConfig
 from .weights import load_weights
 
 log = logging.getLogger(__name__)
@@ -30,6 +31,15 @@ class Engine:
     scheduler: Scheduler
     load_seconds: float
     sampler: Sampler | None = None
+    draft: Model | None = None       # speculation's draft model, on the same die
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.model.w.nbytes() + (self.draft.w.nbytes() if self.draft else 0)
+
+    @property
+    def state_bytes(self) -> int:
+        return self.model.state.nbytes + (self.draft.state.nbytes if self.draft else 0)
 
     def forward(self, tokens, spans: list[Span]) -> np.ndarray:
         """Host logits [n_sampled, V] float32, for tests and benchmarks: the scheduler's
@@ -69,6 +79,25 @@ class Engine:
         self.sample(self.device.xp.repeat(logits, len(rows), axis=0), rows)
 
 
+def load_draft(path: str, target: ModelConfig, device: Device, n_slots: int, ctx: int,
+               quantize: str) -> Model:
+    """Speculation's draft model: same vocabulary as the target, attention only (its
+    state is rolled back by length), its own state in the same slot numbers."""
+    cfg, reader = open_model_file(path)
+    if cfg.vocab_size != target.vocab_size:
+        raise ModelFileError(f"spec.draft: the draft's vocabulary ({cfg.vocab_size} tokens) "
+                             f"is not the target's ({target.vocab_size}): a draft must share "
+                             "its tokenizer")
+    weights = load_weights(path, cfg, device, quantize=quantize, reader=reader)
+    del reader
+    kv_dtype = np.float16 if kv_itemsize(path, device.kind, quantize) == 2 else np.float32
+    draft = Model(cfg, weights, device.xp, n_slots, ctx, kv_dtype)
+    if not draft.state.truncatable:
+        raise ModelFileError("spec.draft: a draft model with recurrent layers cannot be "
+                             "rolled back; choose an attention-only model")
+    return draft
+
+
 class OpenGrammar:
     """A grammar that allows every token (warm-up only)."""
 
@@ -84,7 +113,8 @@ class OpenGrammar:
 
 def load_engine(path: str | Path, die: str | Device = "cpu", n_slots: int = 8,
                 ctx: int | None = None, prefill_chunk: int = 128, progress=None,
-                prefix_cache_bytes: int = 0, quantize: str = "auto") -> Engine:
+                prefix_cache_bytes: int = 0, quantize: str = "auto",
+                spec: SpecConfig | None = None) -> Engine:
     """Load the model at `path` onto a die with `n_slots` KV slots of `ctx` positions."""
     started = time.perf_counter()
     device = die if isinstance(die, Device) else open_device(die)
@@ -102,12 +132,29 @@ def load_engine(path: str | Path, die: str | Device = "cpu", n_slots: int = 8,
     model = Model(cfg, weights, device.xp, n_slots, ctx, kv_dtype=kv_dtype)
     engine = Engine(cfg, device, model, None, 0.0, Sampler(device.xp, device.settle))
     cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
+    proposer = None
+    if spec is not None and spec.kind == "draft" and model.state.truncatable:
+        engine.draft = load_draft(spec.draft, cfg, device, n_slots, ctx, quantize)
+        proposer = DraftProposer(engine.draft, n_slots)
     engine.scheduler = Scheduler(engine.logits, n_slots, ctx, prefill_chunk, model.state, cache,
-                                 sample=engine.sample, pooled=engine.pooled)
+                                 sample=engine.sample, pooled=engine.pooled, spec=spec,
+                                 proposer=proposer)
     engine.load_seconds = time.perf_counter() - started
     log.info("loaded %s (%s, %d layers) on die %s in %.1f s: %.0f MB weights (%s), "
              "%.0f MB KV", Path(path).name, cfg.arch, cfg.n_layers, device.die_id,
              engine.load_seconds, weights.nbytes() / 1e6,
              ", ".join(f"{n} {k}" for k, n in sorted(weights.formats().items())),
              model.state.nbytes / 1e6)
+    if spec is not None and spec.on:
+        if engine.scheduler.spec is None:
+            log.info("speculation (%s) is off for %s: its recurrent layers' state cannot be "
+                     "rolled back to a rejected position (a copy per verified position costs "
+                     "more than speculation saves), so it decodes one token a step",
+                     spec.kind, Path(path).name)
+        else:
+            log.info("speculation on for %s: %s, %s, proposals up to %d tokens",
+                     Path(path).name, spec.kind,
+                     f"n-grams up to {spec.n}" if spec.kind == "ngram" else
+                     f"draft {Path(spec.draft).name} ({engine.draft.w.nbytes() / 1e6:.0f} MB "
+                     f"weights, {engine.draft.state.nbytes / 1e6:.0f} MB KV)", spec.k)
     return engine

@@ -47,6 +47,7 @@ from .constraint import summary
 from .engine import Engine, load_engine
 from .qmatrix import FormatError
 from .scheduler import Request
+from .spec import SpecConfig
 
 log = logging.getLogger("pantheon.worker")
 
@@ -188,8 +189,8 @@ class Worker:
     def hello(self) -> p.Hello:
         total, free = self.device.memory()
         resident = [p.Resident(r.model_id, r.path, len(r.engine.scheduler.slots),
-                               r.engine.model.ctx, r.engine.model.w.nbytes(),
-                               r.engine.model.state.nbytes) for r in self.replicas.values()]
+                               r.engine.model.ctx, r.engine.weight_bytes,
+                               r.engine.state_bytes) for r in self.replicas.values()]
         return p.Hello(self.die, self.device.kind, self.device.name, total, free, self.slots,
                        os.getpid(), list(self.replicas), self.budget or total, resident,
                        list(self.owner), self.proof)
@@ -383,7 +384,7 @@ class Worker:
                              "max_tokens %d", msg.model_id, len(msg.prompt), msg.max_tokens)
         request = Request(msg.request_id, msg.prompt, params, msg.max_tokens,
                           frozenset(msg.stop_ids), msg.session_id, None, min(msg.logprobs, 20),
-                          msg.cache_salt, msg.pooling)
+                          msg.cache_salt, msg.pooling, msg.prediction or None)
         self.owner[msg.request_id] = replica
         self.send(p.Accepted(msg.request_id))         # taken: the frontend's first answer
         if msg.grammar:         # its matcher is made in the preparation thread
@@ -505,7 +506,7 @@ class Worker:
             engine = load_engine(msg.path, self.device, n_slots=msg.slots or self.slots,
                                  ctx=msg.ctx or None, prefill_chunk=msg.prefill_chunk,
                                  prefix_cache_bytes=self.prefix_cache_bytes, progress=progress,
-                                 quantize=msg.quantize)
+                                 quantize=msg.quantize, spec=spec_config(msg.spec))
             engine.warm_up()              # ready means warm: the first request pays nothing
             self.loads.put((msg, engine))
         except (ModelFileError, FormatError) as exc:      # the file's fault: one line
@@ -543,7 +544,8 @@ class Worker:
     def loaded_message(replica: Replica) -> p.Loaded:
         e = replica.engine
         return p.Loaded(replica.model_id, replica.name, len(e.scheduler.slots), e.model.ctx,
-                        e.cfg.vocab_size, e.model.w.nbytes(), e.model.state.nbytes, e.load_seconds)
+                        e.cfg.vocab_size, e.weight_bytes, e.state_bytes, e.load_seconds,
+                        e.scheduler.spec.kind if e.scheduler.spec else "")
 
     # -- generation ---------------------------------------------------------------------
     def admit(self, replica: Replica) -> None:
@@ -603,8 +605,15 @@ class Worker:
         if outputs:             # one message per step, whatever the batch size
             self.send(p.Outputs([p.Tokens(o.request_id, o.tokens, o.finish, o.prompt_tokens,
                                           o.completion_tokens, o.cached_tokens, o.logprobs,
-                                          o.embedding)
+                                          o.embedding, o.proposed, o.accepted)
                                  for o in outputs]))
+
+
+def spec_config(spec: p.Speculation | None) -> SpecConfig | None:
+    """A Load's speculation, checked (a ValueError fails the load with its message)."""
+    if spec is None or not spec.kind:
+        return None
+    return SpecConfig(spec.kind, spec.n, spec.k, spec.draft)
 
 
 def replica_load(replica: Replica) -> p.ReplicaLoad:

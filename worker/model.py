@@ -47,6 +47,8 @@ class Span:
     logits: bool = True  # whether the last of those positions needs logits
     pool: str = ""       # "mean": the sum of these positions' final hidden states is
                          # wanted; "last": the last one's (an embedding request)
+    verify: int = 1      # with logits: how many of its last positions need them (a
+                         # speculative chunk's last token and its proposals: all of them)
 
 
 class RopeTable:
@@ -148,7 +150,8 @@ class Model:
             self.decode_c = DecodeLayers(self.blocks, cfg.d_model)   # decodes: a layer per call
 
     def forward(self, tokens, spans: list[Span]):
-        """Run one mixed batch; returns logits [n_sampled, V] float32 (on the die).
+        """Run one mixed batch; returns logits [n_sampled, V] float32 (on the die): for each
+        span that asks, rows of its last `verify` positions, in order.
 
         tokens: the spans' new token ids, concatenated in span order.
         """
@@ -170,7 +173,8 @@ class Model:
                 block(x, batch)
         assert x.dtype == F32, f"activations drifted to {x.dtype}"
         self.pooled = [(i, self.pool(x, batch, i, s.pool)) for i, s in enumerate(spans) if s.pool]
-        rows = [int(batch.rows[i + 1]) - 1 for i, s in enumerate(spans) if s.logits]
+        rows = [r for i, s in enumerate(spans) if s.logits
+                for r in range(int(batch.rows[i + 1]) - min(s.verify, s.n), int(batch.rows[i + 1]))]
         if not rows:
             return xp.empty((0, cfg.vocab_size), dtype=F32)
         h = rms_norm(x[rows], w.out_norm, cfg.rms_eps)

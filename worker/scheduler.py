@@ -53,6 +53,7 @@ import numpy as np
 from .model import Span
 from .prefix_cache import PrefixCache, common_prefix
 from .sampler import Sampler, SamplingParams, SequenceSampler
+from .spec import Adaptive, SpecConfig, Speculator
 
 
 class SlotState(enum.Enum):
@@ -76,6 +77,7 @@ class Request:
     logprobs: int = -1               # -1: none; N: the chosen token's logprob and the top N
     salt: str = ""                   # its prefix-cache scope (Generate.cache_salt)
     pooling: str = ""                # "mean" / "last": an embedding, no decode (Generate)
+    prediction: list[int] | None = None   # a predicted output: seeds speculation's proposals
 
 
 @dataclass
@@ -91,6 +93,8 @@ class Output:
     logprobs: list = field(default_factory=list)   # [logprob, [[id, logprob], ...]] per token
     error: str | None = None         # finish "error": why, short, of this request alone
     embedding: list = field(default_factory=list)  # an embedding request's pooled state
+    proposed: int = 0                # speculation this step: tokens proposed and verified,
+    accepted: int = 0                # and of those, the ones the model agreed with
 
 
 @dataclass
@@ -109,6 +113,10 @@ class Slot:
     fork_from: "Slot | None" = None  # WAIT: the slot whose prefix this one will copy
     fork_len: int = 0
     pooled: object = None            # an embedding request's running sum (or last state)
+    proposal: list[int] = field(default_factory=list)   # speculated tokens in this step's feed
+    adaptive: Adaptive | None = None
+    shadow: int | None = None        # the token prompt lookup would have proposed, unverified
+    idle: int = 0                    # steps since it last proposed
 
     @property
     def cached(self) -> int:
@@ -159,7 +167,8 @@ class Scheduler:
     def __init__(self, forward: Callable, n_slots: int, ctx: int, prefill_chunk: int = 128,
                  kv=None, cache: PrefixCache | None = None, pacer: PrefillPacer | None = None,
                  clock: Callable[[], float] = time.perf_counter, sample: Callable | None = None,
-                 pooled: Callable | None = None):
+                 pooled: Callable | None = None, spec: SpecConfig | None = None,
+                 proposer=None):
         if prefill_chunk < 1:
             raise ValueError("prefill_chunk must be >= 1")
         self.forward, self.ctx, self.prefill_chunk = forward, ctx, prefill_chunk
@@ -174,6 +183,9 @@ class Scheduler:
         self.by_id: dict[str, Slot] = {}
         self.uses = itertools.count(1)
         self.last_step = (0, 0)
+        # speculation (worker/spec.py) needs a state that can be cut back by length
+        self.spec = spec if spec is not None and spec.on and not self.exact else None
+        self.speculator = Speculator(self.spec, proposer, clock) if self.spec else None
 
     # -- the owner's operations ------------------------------------------------
     def free_slots(self) -> int:
@@ -213,6 +225,8 @@ class Scheduler:
         slot.sampler = SequenceSampler(req.params, req.prompt, req.constraint, req.logprobs)
         slot.history = list(req.prompt[:reuse])
         slot.feed, slot.generated, slot.reused = list(req.prompt[reuse:]), 0, reuse
+        slot.adaptive = Adaptive() if self.spec else None
+        slot.idle, slot.shadow, slot.proposal = 0, None, []
         self.by_id[req.id] = slot
         source, shared = self.fork_source(slot, prompt)
         if source is not None and shared > reuse and req.pooling != "mean":
@@ -288,7 +302,10 @@ class Scheduler:
     def plan(self) -> list[tuple[Slot, int]]:
         """(slot, tokens to feed) for this step: every decode, then prefill chunks."""
         self.resolve_forks()
-        plan = [(s, 1) for s in self.slots if s.state is SlotState.DECODE]
+        decoding = [s for s in self.slots if s.state is SlotState.DECODE]
+        if self.speculator:
+            self.speculator.propose(decoding, self.ctx)
+        plan = [(s, len(s.feed)) for s in decoding]
         # a prompt that fits one chunk goes whole (one stall); a longer one is paced
         long_prompt = any(s.state is SlotState.PREFILL and len(s.feed) > self.prefill_chunk
                           for s in self.slots)
@@ -322,7 +339,9 @@ class Scheduler:
             tokens += slot.feed[:n]
             pool = slot.request.pooling
             spans.append(Span(slot.index, slot.cached, n, logits=(n == len(slot.feed)) and not pool,
-                              pool=pool if pool == "mean" or n == len(slot.feed) else ""))
+                              pool=pool if pool == "mean" or n == len(slot.feed) else "",
+                              verify=1 + len(slot.proposal) if slot.state is SlotState.DECODE
+                              else 1))
         started = self.clock()
         try:
             logits = self.forward(np.asarray(tokens, dtype=np.int64), spans)
@@ -332,16 +351,21 @@ class Scheduler:
             for slot, _ in plan:
                 slot.history = []
             raise
+        sampled = [(slot, span.verify) for (slot, _), span in zip(plan, spans) if span.logits]
         pooled = self.pooled() if any(span.pool for span in spans) else []
-        sampled = [slot for (slot, _), span in zip(plan, spans) if span.logits]
-        picks = self.sample(logits, [slot.sampler for slot in sampled]) if sampled else []
-        n_decode = sum(slot.state is SlotState.DECODE for slot, _ in plan)
-        self.last_step = (n_decode, len(tokens) - n_decode)   # (decode rows, prompt tokens)
-        self.pacer.record(self.clock() - started, n_decode, len(tokens) - n_decode)
+        runs = Speculator.verify(self.sample, logits, sampled) if sampled else []
+        decodes = [(slot, n) for slot, n in plan if slot.state is SlotState.DECODE]
+        n_decode, n_spec = len(decodes), sum(n - 1 for _, n in decodes)
+        n_prompt = len(tokens) - n_decode - n_spec
+        self.last_step = (n_decode, n_prompt)                 # (decode rows, prompt tokens)
+        seconds = self.clock() - started
+        self.pacer.record(seconds, n_decode, n_prompt)
+        if self.speculator:
+            self.speculator.record(seconds, n_decode, n_spec, n_prompt)
         for slot, n in plan:
             slot.history += slot.feed[:n]
             del slot.feed[:n]
-        return [self._advance(slot, token, entry) for slot, (token, entry) in zip(sampled, picks)] \
+        return [self._advance(slot, run) for (slot, _), run in zip(sampled, runs)] \
             + [out for i, vector in pooled if (out := self._pool(plan[i][0], vector))]
 
     def _pool(self, slot: Slot, vector) -> Output | None:
@@ -357,8 +381,19 @@ class Scheduler:
         slot.release()
         return out
 
-    def _advance(self, slot: Slot, token: int, logprobs: list | None) -> Output:
+    def _advance(self, slot: Slot, run: list) -> Output:
+        """`slot`'s run of tokens from this step: its speculation settled (the rejected
+        positions rolled back), then emitted."""
+        proposed = accepted = 0
+        if self.speculator and slot.state is SlotState.DECODE:
+            proposed, accepted = self.speculator.settle(slot, run)
+        out = self._emit(slot, run)
+        out.proposed, out.accepted = proposed, accepted
+        return out
+
+    def _emit(self, slot: Slot, run: list) -> Output:
         req = slot.request
+        done = False
         if slot.sampler.failed is None and req.constraint is not None:
             try:
                 done = req.constraint.finished()
@@ -370,18 +405,27 @@ class Scheduler:
             del self.by_id[req.id]
             slot.release()
             return out
-        slot.generated += 1
         slot.state = SlotState.DECODE
         finish = None
-        if token in req.stop_ids or (req.constraint is not None and done):
-            finish = "stop"
-        elif slot.generated >= req.max_tokens or slot.cached + 1 >= self.ctx:
-            finish = "length"
-        logprobs = [logprobs] if logprobs is not None else []
+        tokens, logprobs = [], []
+        # the history a step emitting only run[i] would have held: cached less the rest
+        held = slot.cached - (len(run) - 1)
+        for i, (token, entry) in enumerate(run):
+            slot.generated += 1
+            tokens.append(token)
+            if entry is not None:
+                logprobs.append(entry)
+            if token in req.stop_ids or (req.constraint is not None and done
+                                         and i == len(run) - 1):
+                finish = "stop"
+            elif slot.generated >= req.max_tokens or held + i + 1 >= self.ctx:
+                finish = "length"
+            if finish is not None:
+                break
         if finish is None:
-            slot.feed = [token]
-            return self._output(slot, [token], None, logprobs)
-        out = self._output(slot, [token], finish, logprobs)
+            slot.feed = [tokens[-1]]
+            return self._output(slot, tokens, None, logprobs)
+        out = self._output(slot, tokens, finish, logprobs)
         del self.by_id[req.id]
         slot.release()
         return out

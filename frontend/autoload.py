@@ -94,6 +94,8 @@ class AutoLoader:
         """The ready model `name` names, loading it first when it is in the catalog and
         not loaded (this request waits for the load, as in the admission queue)."""
         entry = self.catalog.lookup(name)
+        if entry is not None and entry.name != name and name in self.registry.models:
+            entry = None        # loaded under this name itself (its own settings): serve that
         if entry is None:
             model = self.unknown(name)
             self.claim(model.name)

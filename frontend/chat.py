@@ -162,7 +162,7 @@ class ChatService:
         choices = [Choice(prompt, seeded(req.sampling, req.sampling.seed, i), max_tokens,
                           Emitter(req.stop, think=think, tools=use_tools,
                                   max_calls=None if req.parallel_tool_calls else 1), grammar,
-                          req.top_logprobs if req.logprobs else -1, prediction)
+                          req.top_logprobs if req.logprobs else -1, prediction=prediction)
                    for i in range(req.n)]
         renderer = ChatRenderer(completion_id(), int(time.time()), model.name,
                                 model.tokenizer, req, req.n, capped) if renderer is None \

@@ -69,7 +69,8 @@ class CompletionService:
             choices.append(Choice(ids, seeded(req.sampling, req.sampling.seed, k),
                                   min(req.max_tokens, ctx - len(ids)),
                                   Emitter(req.stop, tools=False, reasoning=False), grammar,
-                                  req.logprobs if req.logprobs is not None else -1, prediction))
+                                  req.logprobs if req.logprobs is not None else -1,
+                                  prediction=prediction))
             echoes.append((source if isinstance(source, str) else model.tokenizer.decode(ids))
                           if req.echo else "")
         renderer = CompletionRenderer(completion_id("cmpl"), int(time.time()), model.name,

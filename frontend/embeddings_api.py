@@ -92,7 +92,7 @@ class EmbeddingsRenderer:
         if any(not g.embedding for g in gens):
             raise APIError(500, "a worker answered an embedding request without one",
                            type="server_error", code="no_embedding")
-        prompt, _, _ = counts(gens)
+        prompt = counts(gens)[0]
         return {"object": "list", "model": self.model,
                 "data": [{"object": "embedding", "index": i, "embedding": self.vector(g.embedding)}
                          for i, g in enumerate(gens)],

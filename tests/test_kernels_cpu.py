@@ -6,7 +6,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from pantheon.worker import kernels_cpu as kc
-from pantheon.worker import qmatrix as qm
+from pantheon.worker import matrices as qm
 from test_qmatrix import K_QUANTS, random_tensor
 
 

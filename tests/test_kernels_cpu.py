@@ -14,7 +14,8 @@ def matrices():
     rng = np.random.default_rng(3)
     out = {}
     for qtype, blocks in ((QT.Q4_1, 6), (QT.Q4_K, 1), (QT.Q8_0, 6), (QT.Q5_1, 6),
-                          (QT.Q5_K, 2), (QT.Q6_K, 1), (QT.Q3_K, 2), (QT.Q2_K, 3)):
+                          (QT.Q5_K, 2), (QT.Q6_K, 1), (QT.Q3_K, 2), (QT.Q2_K, 3),
+                          (QT.IQ4_NL, 6), (QT.IQ4_XS, 1)):
         raw, shape = random_tensor(qtype, 40, blocks)
         out[qtype.name] = qm.from_gguf(raw, qtype, shape)
     w = rng.standard_normal((40, 192)).astype(np.float32)
@@ -45,7 +46,7 @@ def test_matmul_equals_numpy(name, batch, path):
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
 
 
-@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", K_QUANTS + [QT.IQ4_XS], ids=lambda t: t.name)
 def test_k_quant_products_of_many_rows_cross_every_split(qtype, no_amx):
     """More rows of W than a sub-piece (64) and of the pool's pieces, and rows of x in
     groups of 8 with a remainder: every output element is the same row-by-row product
@@ -61,7 +62,7 @@ def test_k_quant_products_of_many_rows_cross_every_split(qtype, no_amx):
                                    atol=1e-6 * np.abs(got[b]).max())
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q8_0, QT.Q5_1])
+@pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q8_0, QT.Q5_1, QT.IQ4_NL])
 @pytest.mark.parametrize("blocks", [1, 37])
 def test_blocked_products_with_an_odd_block_and_more_than_a_scale_load(qtype, blocks):
     """Blocks are met in pairs, 16 scales at a time: an odd last block and a row of 37
@@ -81,7 +82,8 @@ AMX = pytest.mark.skipif(not (kc.library() and kc.HAS_AMX[0]),
 def _amx_matrices():
     out = dict(MATS)
     for qtype, rows, blocks in ((QT.Q4_K, 200, 2), (QT.Q5_K, 70, 2), (QT.Q6_K, 145, 3),
-                                (QT.Q3_K, 70, 2), (QT.Q4_1, 300, 37)):
+                                (QT.Q3_K, 70, 2), (QT.Q4_1, 300, 37), (QT.IQ4_XS, 70, 2),
+                                (QT.IQ4_NL, 70, 9)):
         raw, shape = random_tensor(qtype, rows, blocks)
         out[f"{qtype.name}x{rows}"] = qm.from_gguf(raw, qtype, shape)
     return out

@@ -13,6 +13,8 @@
  *   q8:   qs[N][K] int8; scale (and min, or none) [N][K/bs], bs 32 or 16
  *   f16:  qs[N][K] half bits;  bf16: qs[N][K] bfloat16 bits
  *   q2k .. q6k: the file's K-quant super-blocks of 256, as stored (see below)
+ *   iq4nl: as q4 (nibbles, a scale per 32, no min), w = scale * IQ4_LEVELS[nibble]
+ *   iq4xs: the file's IQ4_XS super-blocks of 256, as stored (see below)
  */
 #include <omp.h>
 #include <stdint.h>
@@ -42,7 +44,12 @@ static inline float half_to_float(uint16_t h) {
 }
 #endif
 
-enum { Q4 = 0, Q8 = 1, Q8M = 2, F16 = 3, BF16 = 4, Q4K = 5, Q6K = 6, Q5K = 7, Q3K = 8, Q2K = 9 };
+enum { Q4 = 0, Q8 = 1, Q8M = 2, F16 = 3, BF16 = 4, Q4K = 5, Q6K = 6, Q5K = 7, Q3K = 8, Q2K = 9,
+       IQ4XS = 10, IQ4NL = 11 };   /* worker/kernels_cpu.py CODES */
+
+/* IQ4_NL and IQ4_XS: a nibble picks one of 16 int8 levels (common/block_decode.py) */
+static const int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                      1, 13, 25, 38, 53, 69, 89, 113};
 
 /* -- the kernels' thread pool ----------------------------------------------------------
  * Work is split into chunks (rows of W) that threads claim one at a time from a shared
@@ -233,6 +240,18 @@ static inline void dequant_block(int code, const uint8_t *restrict qs,
         }
         return;
     }
+    if (code == IQ4NL) {                /* the levels looked up 16 at a time */
+        const uint8_t *q = qs + n * (K / 2) + blk * 16;
+        __m256 s = _mm256_set1_ps(half_to_float(sc[n * nb + blk]));
+        __m128i raw = _mm_loadu_si128((const __m128i *)q), low4 = _mm_set1_epi8(15);
+        __m128i lut = _mm_loadu_si128((const __m128i *)IQ4_LEVELS);
+        __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(raw, low4));
+        __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(raw, 4), low4));
+        __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+        for (int j = 0; j < 4; j++)
+            _mm256_storeu_ps(w + 8 * j, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[j])), s));
+        return;
+    }
     if (code == Q8 || code == Q8M) {
         const int8_t *q = (const int8_t *)qs + n * K + blk * bs;
         __m256 s = _mm256_set1_ps(half_to_float(sc[n * nb + blk]));
@@ -251,6 +270,13 @@ static inline void dequant_block(int code, const uint8_t *restrict qs,
         for (int i = 0; i < 16; i++) {
             w[i] = (float)(q[i] & 15) * s + m;
             w[i + 16] = (float)(q[i] >> 4) * s + m;
+        }
+    } else if (code == IQ4NL) {
+        const uint8_t *q = qs + n * (K / 2) + blk * 16;
+        float s = half_to_float(sc[n * nb + blk]);
+        for (int i = 0; i < 16; i++) {
+            w[i] = s * (float)IQ4_LEVELS[q[i] & 15];
+            w[i + 16] = s * (float)IQ4_LEVELS[q[i] >> 4];
         }
     } else if (code == Q8 || code == Q8M) {
         const int8_t *q = (const int8_t *)qs + n * K + blk * bs;
@@ -286,8 +312,12 @@ static inline void dequant_block(int code, const uint8_t *restrict qs,
  *         element 128h + 32j + l (j < 4, l < 32) is bits 2j, 2j + 1 of qs[32h + l] with
  *         bit 4h + j of hmask[l] as its 4; w = d * (sc[e / 16] - 32) * (q - 4).
  *   Q2_K: 16 bytes of 4-bit scale (low) and min (high) per 16 values, 64 of 2-bit values
- *         (Q3_K's order), d, dmin (fp16): w = d * sc[e / 16] * q - dmin * m[e / 16]. */
+ *         (Q3_K's order), d, dmin (fp16): w = d * sc[e / 16] * q - dmin * m[e / 16].
+ *   IQ4_XS: d (fp16), 2 bytes of high scale bits, 4 of low ones (iq4xs_scales), then 8
+ *         runs of 16 bytes: byte 16j + i holds element 32j + i (low nibble) and
+ *         32j + 16 + i (high); w = d * (sc[j] - 32) * IQ4_LEVELS[nibble]. */
 #define Q2K_BYTES 84
+#define IQ4XS_BYTES 136
 #define Q3K_BYTES 110
 #define Q4K_BYTES 144
 #define Q5K_BYTES 176
@@ -309,6 +339,15 @@ static inline uint16_t load_u16(const uint8_t *p) {
     return v;
 }
 
+/* IQ4_XS's 8 sub-block scales, 6 bits each (the -32 not taken off): sub-block j's low 4
+ * bits are nibble j % 2 of byte 4 + j / 2, its top 2 bits bits 2j, 2j + 1 of the uint16
+ * at byte 2. */
+static inline void iq4xs_scales(const uint8_t *b, uint8_t out[8]) {
+    const uint16_t h = load_u16(b + 2);
+    for (int j = 0; j < 8; j++)
+        out[j] = (uint8_t)(((b[4 + j / 2] >> (4 * (j & 1))) & 15) | (((h >> (2 * j)) & 3) << 4));
+}
+
 /* Q3_K's 12 bytes → its 16 6-bit scales (before the -32): scales i, 4 + i are the low
  * nibbles of bytes i, 4 + i, scales 8 + i, 12 + i their high nibbles; bits 0-1, 2-3,
  * 4-5, 6-7 of byte 8 + i are the top two bits of each. */
@@ -327,6 +366,20 @@ static inline void q3k_scales(const uint8_t *s, uint8_t out[16]) {
 #if !defined(__AVX2__)
 /* 256 weights of one super-block as floats (the portable decoding). */
 static void dequant_superblock(int code, const uint8_t *restrict b, float *restrict w) {
+    if (code == IQ4XS) {
+        const float d = half_to_float(load_u16(b));
+        uint8_t ls[8];
+        iq4xs_scales(b, ls);
+        for (int j = 0; j < 8; j++) {
+            const float s = d * (float)((int)ls[j] - 32);
+            const uint8_t *q = b + 8 + 16 * j;
+            for (int i = 0; i < 16; i++) {
+                w[32 * j + i] = s * (float)IQ4_LEVELS[q[i] & 15];
+                w[32 * j + 16 + i] = s * (float)IQ4_LEVELS[q[i] >> 4];
+            }
+        }
+        return;
+    }
     if (code == Q4K || code == Q5K) {
         float d = half_to_float(load_u16(b)), dmin = half_to_float(load_u16(b + 2));
         uint8_t sc[8], mn[8];
@@ -378,10 +431,11 @@ static void dequant_superblock(int code, const uint8_t *restrict b, float *restr
 }
 #endif
 
-static inline int is_k(int code) { return code >= Q4K && code <= Q2K; }   /* super-blocks of 256 */
+/* super-blocks of 256 read as the file has them */
+static inline int is_k(int code) { return (code >= Q4K && code <= Q2K) || code == IQ4XS; }
 static inline int64_t k_bytes(int code) {
     return code == Q4K ? Q4K_BYTES : code == Q5K ? Q5K_BYTES : code == Q6K ? Q6K_BYTES
-         : code == Q3K ? Q3K_BYTES : Q2K_BYTES;
+         : code == Q3K ? Q3K_BYTES : code == IQ4XS ? IQ4XS_BYTES : Q2K_BYTES;
 }
 /* x's sums per super-block that the mins meet: per 32 (8), Q2_K's per 16 (16) */
 static inline int64_t xs_per(int code) { return code == Q2K ? 16 : 8; }
@@ -824,6 +878,13 @@ static inline void load_block(int code, const uint8_t *restrict row, int64_t blk
         *w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low4));
         return;
     }
+    if (code == IQ4NL) {        /* q4's nibbles, each looked up among the levels */
+        __m128i raw = _mm_loadu_si128((const __m128i *)(row + blk * 16));
+        __m128i low4 = _mm_set1_epi8(15), lut = _mm_loadu_si128((const __m128i *)IQ4_LEVELS);
+        *w0 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(lut, _mm_and_si128(raw, low4)));
+        *w1 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(raw, 4), low4)));
+        return;
+    }
     const int8_t *q = (const int8_t *)row + blk * 32;
     *w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)q));
     *w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 16)));
@@ -886,7 +947,7 @@ static void gemv_i8_rows(int code, const uint8_t *restrict qs, const uint16_t *r
                          const int16_t *restrict xq, const float *restrict xd,
                          const float *restrict xs, int64_t B, float *restrict out,
                          int64_t n0, int64_t n1) {
-    const int64_t nx = K / 32, ns = K / bs, row_bytes = code == Q4 ? K / 2 : K;
+    const int64_t nx = K / 32, ns = K / bs, row_bytes = code == Q4 || code == IQ4NL ? K / 2 : K;
     const int with_min = code == Q4 || code == Q8M;
     float sf[MAX_RUNS], mf[MAX_RUNS];
     for (int64_t n = n0; n < n1; n++) {
@@ -1043,6 +1104,14 @@ static inline void load_pair(int code, const uint8_t *restrict row, int64_t k,
         *hi = _mm512_srli_epi16(raw, 4);
         return;
     }
+    if (code == IQ4NL) {        /* q4's layout; the levels (twice: 32 int16) looked up */
+        const __m512i lut = _mm512_cvtepi8_epi16(_mm256_broadcastsi128_si256(
+            _mm_loadu_si128((const __m128i *)IQ4_LEVELS)));
+        __m512i raw = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(row + 32 * k)));
+        *lo = _mm512_permutexvar_epi16(_mm512_and_si512(raw, _mm512_set1_epi16(15)), lut);
+        *hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(raw, 4), lut);
+        return;
+    }
     __m256i a = _mm256_loadu_si256((const __m256i *)(row + 64 * k));
     __m256i b = _mm256_loadu_si256((const __m256i *)(row + 64 * k + 32));
     *lo = _mm512_cvtepi8_epi16(_mm256_permute2x128_si256(a, b, 0x20));
@@ -1100,7 +1169,7 @@ static void gemv_i8_rows512(int code, const uint8_t *restrict qs, const uint16_t
                             const int16_t *restrict xq, const float *restrict xd,
                             const float *restrict xs, int64_t B, float *restrict out,
                             int64_t n0, int64_t n1) {
-    const int64_t nx = K / 32, row_bytes = code == Q4 ? K / 2 : K;
+    const int64_t nx = K / 32, row_bytes = code == Q4 || code == IQ4NL ? K / 2 : K;
     const int with_min = code == Q4 || code == Q8M;
     float sf[MAX_RUNS], mf[MAX_RUNS];
     for (int64_t n = n0; n < n1; n++) {
@@ -1126,7 +1195,7 @@ static void gemv_i8_rows512(int code, const uint8_t *restrict qs, const uint16_t
  * 1.58 / 1.13 with 256-bit vectors). */
 int pn_pairs_x(int code, int64_t bs, int64_t B) {
     (void)B;
-    return (code == Q4 || code == Q8 || code == Q8M) && bs == 32;
+    return (code == Q4 || code == Q8 || code == Q8M || code == IQ4NL) && bs == 32;
 }
 #else
 int pn_pairs_x(int code, int64_t bs, int64_t B) { return 0; }
@@ -1305,6 +1374,22 @@ static inline void load_super(int code, const uint8_t *restrict b, Super *S) {
         return;
     }
     S->mf = _mm256_setzero_ps();
+    if (code == IQ4XS) {                /* run j: bytes 16j.., low nibbles then high */
+        uint8_t ls[8];
+        iq4xs_scales(b, ls);
+        S->d = half_to_float(load_u16(b));
+        S->off_d = 0.0f;
+        const __m128i low4 = _mm_set1_epi8(15), lut = _mm_loadu_si128((const __m128i *)IQ4_LEVELS);
+        for (int j = 0; j < 8; j++) {
+            const __m128i raw = _mm_loadu_si128((const __m128i *)(b + 8 + 16 * j));
+            const __m256i s = _mm256_set1_epi16((int16_t)(ls[j] - 32));
+            S->w[2 * j] = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(
+                _mm_shuffle_epi8(lut, _mm_and_si128(raw, low4))), s);
+            S->w[2 * j + 1] = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(
+                _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(raw, 4), low4))), s);
+        }
+        return;
+    }
     if (code == Q3K || code == Q2K) {   /* run 4h + j of 32 values, a scale per 16 */
         const int three = code == Q3K;
         const __m256i hm = _mm256_loadu_si256((const __m256i *)b), three2 = _mm256_set1_epi8(3);
@@ -1419,6 +1504,23 @@ static inline void load_super512(int code, const uint8_t *restrict b, Super512 *
                                           0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
     S->mf = _mm256_setzero_ps();
     S->mf16 = _mm512_setzero_ps();
+    if (code == IQ4XS) {    /* sub-block j: 16 bytes, low nibbles (elements 0..15), high */
+        uint8_t ls[8];
+        iq4xs_scales(b, ls);
+        S->d = half_to_float(load_u16(b));
+        S->off_d = 0.0f;
+        const __m512i lut = _mm512_cvtepi8_epi16(_mm256_broadcastsi128_si256(
+            _mm_loadu_si128((const __m128i *)IQ4_LEVELS)));
+        const __m256i low4w = _mm256_set1_epi16(15);
+        for (int j = 0; j < 8; j++) {
+            const __m256i raw = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(b + 8 + 16 * j)));
+            const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(raw, low4w)),
+                                                   _mm256_srli_epi16(raw, 4), 1);
+            S->w[j] = _mm512_mullo_epi16(_mm512_permutexvar_epi16(idx, lut),
+                                         _mm512_set1_epi16((int16_t)(ls[j] - 32)));
+        }
+        return;
+    }
     if (code == Q3K || code == Q2K) {   /* vector 4h + j: run j of half h, a scale per 16 */
         const int three = code == Q3K;
         uint8_t sc[16];
@@ -1520,6 +1622,19 @@ static inline __attribute__((always_inline)) void k_quad(
         }
         return;
     }
+    if (code == IQ4XS) {    /* runs 2t, 2t + 1: bytes 32t.., each run's low nibbles then high */
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + 8 + 32 * t));
+        const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_LEVELS));
+        const __m256i lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(raw, low4));
+        const __m256i hi = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4));
+        const __m256i s0 = _mm256_set1_epi16((int16_t)(sm[2 * t] - 32));
+        const __m256i s1 = _mm256_set1_epi16((int16_t)(sm[2 * t + 1] - 32));
+        w[0] = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(lo)), s0);
+        w[1] = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(hi)), s0);
+        w[2] = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(lo, 1)), s1);
+        w[3] = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(hi, 1)), s1);
+        return;
+    }
     /* Q6_K: quad t is runs 2t, 2t + 1 (values 64t ..), from half h = t / 2 of the block:
      * low nibbles of ql (t even) or high ones (t odd), 2 bits of qh each */
     const int h = t >> 1, up = t & 1;
@@ -1574,6 +1689,9 @@ static inline __attribute__((always_inline)) void k_row_avx2(
         } else if (code == Q3K) {
             q3k_scales(p + 96, sm);
             d = half_to_float(load_u16(p + 108));
+        } else if (code == IQ4XS) {
+            iq4xs_scales(p, sm);
+            d = half_to_float(load_u16(p));
         } else if (code == Q2K) {
             memcpy(sm, p, 16);
             d = half_to_float(load_u16(p + 80));
@@ -1937,6 +2055,15 @@ static void btile_chunk(const void *p, int64_t c) {
                     _mm256_store_si256((__m256i *)(w + 32 * blk + 16),
                                        _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low4)));
                 }
+            } else if (m->code == IQ4NL) {  /* q4's layout, the levels looked up */
+                const __m128i low4 = _mm_set1_epi8(15), lut = _mm_loadu_si128((const __m128i *)IQ4_LEVELS);
+                for (int64_t blk = 0; blk < nb; blk++) {
+                    const __m128i raw = _mm_loadu_si128((const __m128i *)(m->qs + row * (K / 2) + 16 * blk));
+                    _mm256_store_si256((__m256i *)(w + 32 * blk), _mm256_cvtepi8_epi16(
+                        _mm_shuffle_epi8(lut, _mm_and_si128(raw, low4))));
+                    _mm256_store_si256((__m256i *)(w + 32 * blk + 16), _mm256_cvtepi8_epi16(
+                        _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(raw, 4), low4))));
+                }
             } else {
                 for (int64_t k = 0; k < K; k += 32)
                     _mm512_store_si512((void *)(w + k), _mm512_cvtepi8_epi16(
@@ -2285,7 +2412,7 @@ void pn_set_digits(int on) { DIGITS[0] = on; }
 /* The leading part of m's arrays (what the first rows need), as fetch spans. */
 static void next_spans(const PnMat *m, Span_ out[3]) {
     const int64_t row = is_k(m->code) ? m->K / 256 * k_bytes(m->code)
-                      : m->code == Q4 ? m->K / 2 : m->code == F16 || m->code == BF16 ? 2 * m->K : m->K;
+                      : m->code == Q4 || m->code == IQ4NL ? m->K / 2 : m->code == F16 || m->code == BF16 ? 2 * m->K : m->K;
     int64_t rows = NEXT_BYTES / (row > 0 ? row : 1);
     rows = rows < m->N ? rows : m->N;
     const int64_t scales = is_k(m->code) || m->sc == NULL ? 0 : rows * (m->K / m->bs) * 2;
@@ -2541,6 +2668,12 @@ static void amx_codes_chunk(const void *p, int64_t c) {
 }
 #endif
 
+/* the kinds of runs with an fp16 scale (and maybe a min) each: q4, iq4nl, q8 */
+static inline int i8_kind(int code) {
+    return code == Q4 || code == Q8 || code == Q8M || code == IQ4NL;
+}
+static inline int blocks32(const PnMat *m) { return i8_kind(m->code) && m->bs == 32; }
+
 /* out[B, N] = x @ W.T through the integer products; 0 where they do not apply (the
  * caller then takes another path): K-quants at any B, q4 / q8 up to MAXB rows. */
 int pn_matmul_int(const PnMat *m, const float *x, int64_t B, const PnScratch *s, float *out) {
@@ -2586,14 +2719,12 @@ int pn_matmul_int(const PnMat *m, const float *x, int64_t B, const PnScratch *s,
         return 1;
     }
 #if defined(PN_ZMM)
-    if ((m->code == Q4 || m->code == Q8 || m->code == Q8M) && m->bs == 32
-            && KTILE_MIN[1] > 0 && B >= KTILE_MIN[1]) {
+    if (blocks32(m) && KTILE_MIN[1] > 0 && B >= KTILE_MIN[1]) {
         gemm_b_tiled(m, x, B, s, out);
         return 1;
     }
 #endif
-    if ((m->code == Q4 || m->code == Q8 || m->code == Q8M) && B <= MAXB
-            && m->K / m->bs <= MAX_RUNS) {
+    if (i8_kind(m->code) && B <= MAXB && m->K / m->bs <= MAX_RUNS) {
         pn_quantize_x(x, B, m->K, s->xq, s->xd, s->xs, pn_pairs_x(m->code, m->bs, B));
         pn_gemv_i8(m->code, m->qs, m->sc, m->mn, m->N, m->K, m->bs, s->xq, s->xd, s->xs, B, out);
         return 1;
@@ -2609,12 +2740,10 @@ int pn_int_ok(const PnMat *m, int64_t B) {
 #endif
     if (is_k(m->code)) return 1;
 #if defined(PN_ZMM)
-    if ((m->code == Q4 || m->code == Q8 || m->code == Q8M) && m->bs == 32
-            && KTILE_MIN[1] > 0 && B >= KTILE_MIN[1])
+    if (blocks32(m) && KTILE_MIN[1] > 0 && B >= KTILE_MIN[1])
         return 1;                   /* the token lanes */
 #endif
-    return (m->code == Q4 || m->code == Q8 || m->code == Q8M) && B <= MAXB
-           && m->K / m->bs <= MAX_RUNS;
+    return i8_kind(m->code) && B <= MAXB && m->K / m->bs <= MAX_RUNS;
 }
 
 int pn_has_i8(void) { return 1; }

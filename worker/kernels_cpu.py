@@ -88,11 +88,30 @@ def _cpu_key() -> str:
     return flags
 
 
+# what each PANTHEON_ISA compiles for (settings.isa): avx2 is llama.cpp's AVX2 build's set
+# (AVX2, FMA, F16C, BMI2), tuned for this CPU; generic leaves every vector extension out
+ISA_FLAGS = {"native": ["-march=native"],
+             "avx2": ["-march=haswell", "-mtune=native"],
+             "generic": ["-march=x86-64", "-mtune=native"]}
+
+
+def isa_flags() -> list[str]:
+    """The compiler's target flags for PANTHEON_ISA; an error where this CPU cannot run
+    what they build (avx2 on a CPU without AVX2)."""
+    isa = settings.isa()
+    if isa == "avx2" and " avx2" not in _cpu_key():
+        raise KernelBuildError("PANTHEON_ISA=avx2: this CPU has no AVX2")
+    return ISA_FLAGS[isa]
+
+
 def build(force: bool = False) -> Path:
-    """Compile kernels.c for this CPU (once; cached by source and CPU flags)."""
+    """Compile kernels.c for this CPU (once; cached by source, CPU flags, compiler and
+    target)."""
     source = SOURCE.read_bytes()
     cc = settings.c_compiler()
-    key = hashlib.sha256(source + _cpu_key().encode() + cc.encode()).hexdigest()[:16]
+    flags = isa_flags()
+    key = hashlib.sha256(source + _cpu_key().encode() + cc.encode()
+                         + " ".join(flags).encode()).hexdigest()[:16]
     out = settings.cache_dir() / "kernels" / f"pantheon-kernels-{key}.so"
     if out.exists() and not force:
         return out
@@ -102,14 +121,14 @@ def build(force: bool = False) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so")
     os.close(fd)
-    cmd = [cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11",
+    cmd = [cc, "-O3", *flags, "-fopenmp", "-shared", "-fPIC", "-std=c11",
            "-o", tmp, str(SOURCE), "-lm"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         os.unlink(tmp)
         raise KernelBuildError(f"compiling {SOURCE.name} failed:\n{done.stderr[-2000:]}")
     os.replace(tmp, out)            # atomic: a concurrent builder sees all or nothing
-    log.info("compiled the CPU kernels: %s", out)
+    log.info("compiled the CPU kernels (%s): %s", settings.isa(), out)
     return out
 
 

@@ -2668,6 +2668,99 @@ static void amx_codes_chunk(const void *p, int64_t c) {
 }
 #endif
 
+#if !defined(PN_ZMM)
+/* -- Q4_K and Q5_K at batch 1 on 256-bit vectors (AVX2 hosts): x's int16 steps q (|q| <=
+ * 16000, pn_quantize_xk) as two int8 digits, q = 128 h + l (h in -125 .. 124, l in
+ * 0 .. 127), which meet the weights' bytes (0 .. 15, Q5_K 0 .. 31) in `vpmaddubsw`; the
+ * two digits' pair sums (at most 2 x 31 x 127) take the sub-scale (times 128 for h) in
+ * `vpmaddwd`. The same integer sums as the int16 row kernel (k_row_avx2) without its
+ * widening: no byte is unpacked to int16, no sub-scale multiplied into the weights, so
+ * a super-block costs 16 multiplies, 8 loads of x and no lane shuffles. Each int32 lane
+ * sums 32 values per super-block (32 x 31 x 63 x 16000 < 2^31). */
+static __thread int8_t *dg2_buf;
+static __thread int64_t dg2_cap;
+
+/* int16 steps → digits: hi[i] = q >> 7, lo[i] = q & 127 (K a multiple of 16) */
+static void split_digits(const int16_t *q, int64_t K, int8_t *hi, int8_t *lo) {
+    const __m256i low7 = _mm256_set1_epi16(127);
+    for (int64_t i = 0; i < K; i += 16) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(q + i));
+        const __m256i h = _mm256_srai_epi16(v, 7), l = _mm256_and_si256(v, low7);
+        _mm_storeu_si128((__m128i *)(hi + i), _mm_packs_epi16(_mm256_castsi256_si128(h),
+                                                             _mm256_extracti128_si256(h, 1)));
+        _mm_storeu_si128((__m128i *)(lo + i), _mm_packs_epi16(_mm256_castsi256_si128(l),
+                                                             _mm256_extracti128_si256(l, 1)));
+    }
+}
+
+typedef struct {
+    int code; const uint8_t *qs; int64_t N, K; const int8_t *xh, *xl; const float *xd, *xs;
+    float *out; int64_t rows;
+} Dg2Args;
+
+static inline __m256i digit_pair(__m256i w, const int8_t *xh, const int8_t *xl, int s) {
+    const __m256i a = _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)xh)),
+                                        _mm256_set1_epi16((int16_t)(s << 7)));
+    const __m256i b = _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)xl)),
+                                        _mm256_set1_epi16((int16_t)s));
+    return _mm256_add_epi32(a, b);
+}
+
+static void k45_digits2_chunk(const void *p, int64_t c) {
+    const Dg2Args *a = p;
+    const int64_t nb = a->K / 256, bytes = k_bytes(a->code);
+    const int64_t n0 = c * a->rows, n1 = n0 + a->rows < a->N ? n0 + a->rows : a->N;
+    const int five = a->code == Q5K;
+    const __m256i low4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = a->qs + n * nb * bytes;
+        __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+        for (int64_t blk = 0; blk < nb; blk++) {
+            const uint8_t *b = row + blk * bytes;
+            for (int64_t l = 0; l < bytes; l += 64)
+                _mm_prefetch((const char *)b + PF_AHEAD + l, _MM_HINT_T0);
+            uint8_t sm[16];
+            k_scales_fast(b + 4, sm);
+            const __m256 mf = _mm256_mul_ps(_mm256_set1_ps(-half_to_float(load_u16(b + 2))),
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + 8)))));
+            const int8_t *xh = a->xh + blk * 256, *xl = a->xl + blk * 256;
+            const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
+            __m256i ci = _mm256_setzero_si256();
+            for (int t = 0; t < 4; t++) {   /* bytes 32t..: low nibbles 64t + i, high 64t + 32 + i */
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + (five ? Q5K_QS : 16) + 32 * t));
+                __m256i lo = _mm256_and_si256(raw, low4);
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                if (five) {                 /* bits 2t, 2t + 1 of qh[i] are the 16s */
+                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), one), 4));
+                    hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * t + 1), one), 4));
+                }
+                ci = _mm256_add_epi32(ci, _mm256_add_epi32(
+                    digit_pair(lo, xh + 64 * t, xl + 64 * t, sm[2 * t]),
+                    digit_pair(hi, xh + 64 * t + 32, xl + 64 * t + 32, sm[2 * t + 1])));
+            }
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ci), _mm256_set1_ps(half_to_float(load_u16(b)) * a->xd[blk]), acc);
+            accm = _mm256_fmadd_ps(mf, _mm256_loadu_ps(a->xs + blk * 8), accm);
+        }
+        a->out[n] = hsum(_mm256_add_ps(acc, accm));
+    }
+}
+
+/* Q4_K / Q5_K at batch 1 through the digits; 0 where the buffer cannot be had */
+static int k45_digits2(const PnMat *m, const float *x, const PnScratch *s, float *out) {
+    if (2 * m->K > dg2_cap) {
+        int8_t *nbuf = aligned_alloc(64, (size_t)(2 * m->K + 63) / 64 * 64);
+        if (!nbuf) return 0;
+        free(dg2_buf), dg2_buf = nbuf, dg2_cap = 2 * m->K;
+    }
+    pn_quantize_xk(x, 1, m->K, s->xq, s->xd, s->xs);
+    split_digits(s->xq, m->K, dg2_buf, dg2_buf + m->K);
+    Dg2Args a = {m->code, m->qs, m->N, m->K, dg2_buf, dg2_buf + m->K, s->xd, s->xs, out,
+                 piece_rows(m->N)};
+    pool_run(k45_digits2_chunk, &a, (m->N + a.rows - 1) / a.rows);
+    return 1;
+}
+#endif
+
 /* the kinds of runs with an fp16 scale (and maybe a min) each: q4, iq4nl, q8 */
 static inline int i8_kind(int code) {
     return code == Q4 || code == Q8 || code == Q8M || code == IQ4NL;
@@ -2706,6 +2799,9 @@ int pn_matmul_int(const PnMat *m, const float *x, int64_t B, const PnScratch *s,
             return 1;
         }
     }
+#else
+    if ((m->code == Q4K || m->code == Q5K) && B == 1 && DIGITS[0] && k45_digits2(m, x, s, out))
+        return 1;
 #endif
     if (is_k(m->code)) {
         pn_quantize_xk(x, B, m->K, s->xq, s->xd, s->xs);

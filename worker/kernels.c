@@ -2698,12 +2698,17 @@ typedef struct {
     float *out; int64_t rows;
 } Dg2Args;
 
-static inline __m256i digit_pair(__m256i w, const int8_t *xh, const int8_t *xl, int s) {
+/* w's 32 values (u8) against 32 digits of x, all under one int16 scale (in every lane of sl) */
+static inline __m256i digit_pair(__m256i w, const int8_t *xh, const int8_t *xl, __m256i sl) {
     const __m256i a = _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)xh)),
-                                        _mm256_set1_epi16((int16_t)(s << 7)));
-    const __m256i b = _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)xl)),
-                                        _mm256_set1_epi16((int16_t)s));
+                                        _mm256_slli_epi16(sl, 7));
+    const __m256i b = _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)xl)), sl);
     return _mm256_add_epi32(a, b);
+}
+
+/* scale j of S (8 int16 scales in each lane) in every lane: one byte shuffle */
+static inline __m256i one_scale(__m256i S, int j) {
+    return _mm256_shuffle_epi8(S, _mm256_set1_epi16((int16_t)((2 * j) | ((2 * j + 1) << 8))));
 }
 
 static void k45_digits2_chunk(const void *p, int64_t c) {
@@ -2725,7 +2730,9 @@ static void k45_digits2_chunk(const void *p, int64_t c) {
                 _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + 8)))));
             const int8_t *xh = a->xh + blk * 256, *xl = a->xl + blk * 256;
             const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
+            const __m256i S = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sm)));
             __m256i ci = _mm256_setzero_si256();
+#pragma GCC unroll 4
             for (int t = 0; t < 4; t++) {   /* bytes 32t..: low nibbles 64t + i, high 64t + 32 + i */
                 const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + (five ? Q5K_QS : 16) + 32 * t));
                 __m256i lo = _mm256_and_si256(raw, low4);
@@ -2735,14 +2742,122 @@ static void k45_digits2_chunk(const void *p, int64_t c) {
                     hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * t + 1), one), 4));
                 }
                 ci = _mm256_add_epi32(ci, _mm256_add_epi32(
-                    digit_pair(lo, xh + 64 * t, xl + 64 * t, sm[2 * t]),
-                    digit_pair(hi, xh + 64 * t + 32, xl + 64 * t + 32, sm[2 * t + 1])));
+                    digit_pair(lo, xh + 64 * t, xl + 64 * t, one_scale(S, 2 * t)),
+                    digit_pair(hi, xh + 64 * t + 32, xl + 64 * t + 32, one_scale(S, 2 * t + 1))));
             }
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ci), _mm256_set1_ps(half_to_float(load_u16(b)) * a->xd[blk]), acc);
             accm = _mm256_fmadd_ps(mf, _mm256_loadu_ps(a->xs + blk * 8), accm);
         }
         a->out[n] = hsum(_mm256_add_ps(acc, accm));
     }
+}
+
+/* Q6_K at batch 1 the same way: its 6-bit values (0 .. 63, the -32 not taken off) meet
+ * the digits in `vpmaddubsw` (pairs at most 2 x 63 x 125), each run of 16 its int8
+ * scale (times 128 for h) in `vpmaddwd`; the file's -32 comes off once per run through
+ * x's sums per 16 (xs16: -32 times the run's sum, as a float). Each half of the
+ * super-block's int32 sums is flushed to floats on its own: a lane then sums 16 values
+ * (16 x 63 x 128 x 16000 < 2^31). */
+static __thread float *xs16_dg;
+static __thread int64_t xs16_dg_cap;
+
+typedef struct {
+    const uint8_t *qs; int64_t N, K; const int8_t *xh, *xl; const float *xd, *xs16;
+    float *out; int64_t rows;
+} Dg6Args;
+
+/* r's 32 values (u8) against 32 digits of x: sl holds each half's int16 scale (16 lanes) */
+static inline __m256i digit_pair2(__m256i w, const int8_t *xh, const int8_t *xl, __m256i sl) {
+    const __m256i a = _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)xh)),
+                                        _mm256_slli_epi16(sl, 7));
+    const __m256i b = _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)xl)), sl);
+    return _mm256_add_epi32(a, b);
+}
+
+/* vector v (values 32v ..) of a Q6_K super-block wants scales 2v (its first 16) and 2v + 1:
+ * from S (the 16 scales as int16, both lanes holding scales 8 (v / 4) .. + 7), one byte
+ * shuffle picks element 2v % 8 for the low lane and 2v % 8 + 1 for the high one */
+static inline __m256i run_scales(__m256i S, int v) {
+    const int e0 = (2 * v) & 7, e1 = e0 + 1;
+    const __m256i ctrl = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_set1_epi16((int16_t)((2 * e0) | ((2 * e0 + 1) << 8)))),
+        _mm_set1_epi16((int16_t)((2 * e1) | ((2 * e1 + 1) << 8))), 1);
+    return _mm256_shuffle_epi8(S, ctrl);
+}
+
+static void q6k_digits2_chunk(const void *p, int64_t c) {
+    const Dg6Args *a = p;
+    const int64_t nb = a->K / 256;
+    const int64_t n0 = c * a->rows, n1 = n0 + a->rows < a->N ? n0 + a->rows : a->N;
+    const __m256i low4 = _mm256_set1_epi8(15), two = _mm256_set1_epi8(3);
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = a->qs + n * nb * Q6K_BYTES;
+        __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+        for (int64_t blk = 0; blk < nb; blk++) {
+            const uint8_t *b = row + blk * Q6K_BYTES;
+            for (int64_t l = 0; l < Q6K_BYTES; l += 64)
+                _mm_prefetch((const char *)b + PF_AHEAD + l, _MM_HINT_T0);
+            const int8_t *sc = (const int8_t *)(b + 192);
+            const float d = half_to_float(load_u16(b + 208));
+            const int8_t *xh = a->xh + blk * 256, *xl = a->xl + blk * 256;
+            const __m128i s8 = _mm_loadu_si128((const __m128i *)sc);
+            const __m256i S16 = _mm256_cvtepi8_epi16(s8);
+            const __m256i Sh[2] = {_mm256_permute2x128_si256(S16, S16, 0x00),
+                                   _mm256_permute2x128_si256(S16, S16, 0x11)};
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) {   /* values 128h..: quads t = 2h (low nibbles), 2h + 1 */
+                const __m256i q0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
+                const __m256i q1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
+                const __m256i qb = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+                __m256i ci = _mm256_setzero_si256();
+#pragma GCC unroll 2
+                for (int up = 0; up < 2; up++) {
+                    const int t = 2 * h + up;
+                    const __m256i l0 = up ? _mm256_srli_epi16(q0, 4) : q0;
+                    const __m256i l1 = up ? _mm256_srli_epi16(q1, 4) : q1;
+                    const __m256i bits = up ? _mm256_srli_epi16(qb, 4) : qb;
+                    const __m256i r0 = _mm256_or_si256(_mm256_and_si256(l0, low4),
+                                                       _mm256_slli_epi16(_mm256_and_si256(bits, two), 4));
+                    const __m256i r1 = _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_slli_epi16(
+                        _mm256_and_si256(_mm256_srli_epi16(bits, 2), two), 4));
+                    ci = _mm256_add_epi32(ci, _mm256_add_epi32(
+                        digit_pair2(r0, xh + 64 * t, xl + 64 * t, run_scales(Sh[h], 2 * t)),
+                        digit_pair2(r1, xh + 64 * t + 32, xl + 64 * t + 32, run_scales(Sh[h], 2 * t + 1))));
+                }
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ci), _mm256_set1_ps(d * a->xd[blk]), acc);
+            }
+            const __m256 dv = _mm256_set1_ps(d);
+            accm = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s8)), dv),
+                                   _mm256_loadu_ps(a->xs16 + blk * 16), accm);
+            accm = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s8, 8))), dv),
+                                   _mm256_loadu_ps(a->xs16 + blk * 16 + 8), accm);
+        }
+        a->out[n] = hsum(_mm256_add_ps(acc, accm));
+    }
+}
+
+static int q6k_digits2(const PnMat *m, const float *x, const PnScratch *s, float *out) {
+    const int64_t K = m->K;
+    if (2 * K > dg2_cap) {
+        int8_t *nbuf = aligned_alloc(64, (size_t)(2 * K + 63) / 64 * 64);
+        if (!nbuf) return 0;
+        free(dg2_buf), dg2_buf = nbuf, dg2_cap = 2 * K;
+    }
+    if (K / 16 > xs16_dg_cap) {
+        float *nbuf = aligned_alloc(64, (size_t)(K / 16 + 15) / 16 * 16 * sizeof(float));
+        if (!nbuf) return 0;
+        free(xs16_dg), xs16_dg = nbuf, xs16_dg_cap = K / 16;
+    }
+    pn_quantize_xk(x, 1, K, s->xq, s->xd, s->xs);
+    split_digits(s->xq, K, dg2_buf, dg2_buf + K);
+    for (int64_t r = 0; r < K / 16; r++) {          /* -32 x each run's sum, in x's steps */
+        int32_t t = 0;
+        for (int i = 0; i < 16; i++) t += s->xq[16 * r + i];
+        xs16_dg[r] = -32.0f * (float)t * s->xd[r / 16];
+    }
+    Dg6Args a = {m->qs, m->N, K, dg2_buf, dg2_buf + K, s->xd, xs16_dg, out, piece_rows(m->N)};
+    pool_run(q6k_digits2_chunk, &a, (m->N + a.rows - 1) / a.rows);
+    return 1;
 }
 
 /* Q4_K / Q5_K at batch 1 through the digits; 0 where the buffer cannot be had */
@@ -2801,6 +2916,8 @@ int pn_matmul_int(const PnMat *m, const float *x, int64_t B, const PnScratch *s,
     }
 #else
     if ((m->code == Q4K || m->code == Q5K) && B == 1 && DIGITS[0] && k45_digits2(m, x, s, out))
+        return 1;
+    if (m->code == Q6K && B == 1 && DIGITS[0] && q6k_digits2(m, x, s, out))
         return 1;
 #endif
     if (is_k(m->code)) {

@@ -10,6 +10,7 @@ Prints one JSON object:
   decode_1_at_context_tok_s  with --contexts 256,4096: batch-1 decode tokens/s after a
                   prompt of each length (steps alternating between them, median), and
                   longest_vs_shortest_context their ratio
+  isa             on a CPU die, the kernels' build target (PANTHEON_ISA: native, avx2, generic)
   peak_rss_bytes  the process's peak resident memory
   weight_bytes, kv_bytes, file_bytes and their ratios (weights / file, RSS / (file + KV))
 --synthetic qwen35-wide benchmarks a random-weight model of that shape (bench/synthetic.py)
@@ -35,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..common import settings
 from ..worker.engine import load_engine
 from ..worker.model import Span, linear
 from ..worker.qmatrix import QMatrix
@@ -186,6 +188,7 @@ def run_bench(model_path, die: str = "cpu", steps: int = 32, batches=(1, 4, 8),
         "die": engine.device.die_id,
         "quantize": quantize,
         "threads": len(os.sched_getaffinity(0)),
+        "isa": settings.isa() if die == "cpu" else None,     # the CPU kernels' build target
         "load_s": round(engine.load_seconds, 2),
     }
     each = []

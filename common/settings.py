@@ -325,6 +325,20 @@ def amx() -> str:
     return raw
 
 
+ISAS = ("native", "avx2", "generic")
+
+
+def isa() -> str:
+    """The instruction set the CPU kernels are compiled for (`PANTHEON_ISA`): native (the
+    default: everything this CPU has), avx2 (AVX2, FMA, F16C: the 256-bit paths an AVX2-
+    only host such as a Haswell or Zen 3 runs, on any host that has AVX2) or generic
+    (x86-64 without AVX: the portable paths)."""
+    raw = os.environ.get("PANTHEON_ISA", "").strip().lower() or "native"
+    if raw not in ISAS:
+        raise ValueError(f"PANTHEON_ISA must be one of {', '.join(ISAS)}, not {raw!r}")
+    return raw
+
+
 def c_compiler() -> str:
     """The C compiler that builds the CPU kernels on first use (`CC`, default `cc`)."""
     return os.environ.get("CC") or "cc"

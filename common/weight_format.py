@@ -1,6 +1,6 @@
-"""How each stored tensor type is held in memory, and what that costs: shared by the
-worker (which repacks, worker/qmatrix.py) and the frontend (which admits a replica
-on a die before any upload, from the file's tensor list alone).
+"""What a model file's weights cost on a die, from its tensor list alone (the frontend
+admits a replica on a die before any upload); the cost of each stored type is its
+record in common/formats.py.
 """
 from __future__ import annotations
 
@@ -8,52 +8,28 @@ import json
 from pathlib import Path
 
 from . import settings
+from .formats import FORMATS, QUANTIZED_AT_LOAD, kind_bytes
 from .regular_file import require_regular
 
 QUANTIZE_MODES = ("auto", "none", "q8_0", "q4")   # `auto`: as stored (the default)
 
-# GGUF / safetensors type → (in-memory kind, block size, has a per-block min)
-IN_MEMORY = {
-    "Q8_0": ("q8", 32, False), "Q4_0": ("q4", 32, True), "Q4_1": ("q4", 32, True),
-    "Q5_0": ("q8", 32, False), "Q5_1": ("q8", 32, True), "Q4_K": ("q4k", 256, False),
-    "Q5_K": ("q5k", 256, False), "Q6_K": ("q6k", 256, False), "Q3_K": ("q3k", 256, False),
-    "Q2_K": ("q2k", 256, False),
-    "F16": ("f16", 32, False), "BF16": ("bf16", 32, False),
-}
-QUANTIZED_AT_LOAD = {"q8_0": ("q8", 32, False), "q4": ("q4", 32, True)}
-# what a GPU holds instead of the CPU's file-layout kinds (worker/qmatrix.py QMatrix.to)
-ON_GPU = {"Q4_K": ("q4", 32, True), "Q5_K": ("q8", 32, True), "Q6_K": ("q8", 16, False),
-          "Q3_K": ("q8", 16, False), "Q2_K": ("q8", 16, True)}
-# a super-block of 256 as the file has it
-K_BYTES = {"q2k": 84, "q3k": 110, "q4k": 144, "q5k": 176, "q6k": 210}
-
-
-def kind_bytes(kind: str, bs: int, has_min: bool, elements: int) -> int:
-    """Bytes of a matrix of `elements` weights held as `kind` (fp16 scales, mins)."""
-    if kind in K_BYTES:
-        return elements // 256 * K_BYTES[kind]
-    per = {"q4": 0.5, "q8": 1.0, "f16": 2.0, "bf16": 2.0, "f32": 4.0}[kind]
-    scales = 0 if kind in ("f16", "bf16", "f32") else (2 + 2 * has_min) * elements // bs
-    return int(elements * per) + scales
-
 
 def held_as(type_name: str, shape: tuple[int, ...], quantize: str,
             dense_itemsize: int = 4) -> int:
-    """Bytes a tensor of `type_name` and `shape` takes on the die under `quantize`."""
+    """Bytes a tensor of `type_name` and `shape` takes on the die under `quantize`
+    (`dense_itemsize` 2: a GPU die, whose dense weights are fp16)."""
     elements = 1
     for n in shape:
         elements *= int(n)
     if len(shape) != 2 or quantize == "none" or shape[-1] % 32:
         return elements * (4 if len(shape) != 2 else dense_itemsize)
     if type_name in ("F32", "F16", "BF16") and quantize in QUANTIZED_AT_LOAD:
-        return kind_bytes(*QUANTIZED_AT_LOAD[quantize], elements)
+        return kind_bytes(QUANTIZED_AT_LOAD[quantize], elements)
     if type_name == "F32":
         return elements * 4
-    if type_name not in IN_MEMORY:
+    if type_name not in FORMATS:
         return elements * 4           # the load will refuse it; never under-count
-    if dense_itemsize != 4 and type_name in ON_GPU:  # a GPU die (dense weights in fp16)
-        return kind_bytes(*ON_GPU[type_name], elements)
-    return kind_bytes(*IN_MEMORY[type_name], elements)
+    return FORMATS[type_name].held_bytes(elements, gpu=dense_itemsize != 4)
 
 
 def tensor_list(path: str | Path) -> list[tuple[str, str, tuple[int, ...]]]:
@@ -114,7 +90,7 @@ def kv_itemsize(path: str | Path, die_kind: str, quantize: str = "auto") -> int:
     return 2 if any(kind != "F32" for kind in held) else 4
 
 
-READABLE = frozenset(IN_MEMORY) | {"F32"}
+READABLE = frozenset(FORMATS)
 
 
 def unreadable(path: str | Path) -> tuple[str, str] | None:

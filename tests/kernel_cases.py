@@ -1,7 +1,7 @@
 """QMatrix cases for the kernel tests: every kind, block size and min/no-min variant.
 
 Each GGUF quant type is made of random blocks with sane fp16 scales and repacked
-by qmatrix.from_gguf, so the cases hold exactly what a model file would give a GPU
+by matrices.from_gguf, so the cases hold exactly what a model file would give a GPU
 (the K-quants in their repacked kinds, as QMatrix.to gives them to a device).
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
-from pantheon.worker import qmatrix as qm
+from pantheon.worker import matrices as qm
 
 # byte offsets of each type's fp16 scale fields
 SCALE_FIELDS = {QT.Q8_0: [0], QT.Q4_0: [0], QT.Q4_1: [0, 2], QT.Q5_0: [0], QT.Q5_1: [0, 2],
@@ -23,7 +23,7 @@ def from_blocks(qtype, rows: int, cols: int, seed: int) -> qm.QMatrix:
     b = rng.integers(0, 256, (n, size), dtype=np.uint8)
     for off in SCALE_FIELDS[qtype]:
         b[:, off:off + 2] = rng.uniform(1e-3, 0.1, n).astype(np.float16).view(np.uint8).reshape(n, 2)
-    return qm.from_gguf(b.reshape(-1), qtype, (rows, cols), native=False)
+    return qm.from_gguf(b.reshape(-1), qtype, (rows, cols), gpu=True)
 
 
 def from_floats(kind: str, rows: int, cols: int, seed: int) -> qm.QMatrix:

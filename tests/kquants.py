@@ -1,4 +1,4 @@
-"""Q2_K, Q3_K, Q4_K, Q5_K and Q6_K writers for tests (gguf-py decodes these types but cannot encode them).
+"""Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS writers for tests (gguf-py decodes these types but cannot encode them).
 
 Plain round-to-nearest quantizers in ggml's block layouts (not llama.cpp's
 error-minimizing search): what matters here is that the bytes are valid blocks,
@@ -141,8 +141,58 @@ def quantize_q2_k(w: np.ndarray) -> np.ndarray:
     return out.reshape(rows, -1)
 
 
+IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+                      dtype=np.float32)
+
+
+def _iq4_codes(w: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """Each value of w [..., 32] as the nearest level times its run's step [..., 1]."""
+    inv = np.divide(1.0, step, out=np.zeros_like(step), where=step != 0)
+    return np.abs((w * inv)[..., None] - IQ4_LEVELS).argmin(-1).astype(np.uint8)
+
+
+def _iq4_pack(q: np.ndarray) -> np.ndarray:
+    """[..., 32] codes → [..., 16] bytes: element i low, i + 16 high (Q4_0's order)."""
+    return q[..., :16] | (q[..., 16:] << 4)
+
+
+def quantize_iq4_nl(w: np.ndarray) -> np.ndarray:
+    """float32 [rows, cols] (cols % 32 == 0) → IQ4_NL blocks uint8 [rows, cols/32*18]: per
+    32, d (fp16) puts the largest |w| on the level -127; each value the nearest level."""
+    rows, cols = w.shape
+    blk = w.reshape(rows, cols // 32, 32).astype(np.float32)
+    big = np.take_along_axis(blk, np.abs(blk).argmax(-1)[..., None], -1)        # signed
+    d = _f16(big / -127.0).astype(np.float32)
+    out = np.zeros((rows, cols // 32, 18), dtype=np.uint8)
+    out[..., 0:2] = _f16(d).view(np.uint8).reshape(rows, cols // 32, 2)
+    out[..., 2:] = _iq4_pack(_iq4_codes(blk, d))
+    return out.reshape(rows, -1)
+
+
+def quantize_iq4_xs(w: np.ndarray) -> np.ndarray:
+    """float32 [rows, cols] (cols % 256 == 0) → IQ4_XS super-blocks uint8 [rows,
+    cols/256*136]: each run of 32 wants the step that puts its largest |w| on -127; d
+    (fp16) makes the largest of those 31 steps, every run's a 6-bit signed multiple."""
+    rows, cols = w.shape
+    n = rows * cols // 256
+    sub = w.reshape(n, 8, 32).astype(np.float32)
+    big = np.take_along_axis(sub, np.abs(sub).argmax(-1)[..., None], -1)[..., 0] / -127.0
+    d = _f16(np.abs(big).max(-1) / 31.0).astype(np.float32)                      # (n,)
+    inv = np.divide(1.0, d, out=np.zeros_like(d), where=d > 0)
+    ls = (np.clip(np.rint(big * inv[:, None]), -32, 31) + 32).astype(np.uint8)   # (n, 8)
+    q = _iq4_codes(sub, (d[:, None] * (ls.astype(np.float32) - 32))[..., None])
+    out = np.zeros((n, 136), dtype=np.uint8)
+    out[:, 0:2] = _f16(d).view(np.uint8).reshape(n, 2)
+    high = ((ls >> 4).astype(np.uint16) << (2 * np.arange(8, dtype=np.uint16))).sum(-1)
+    out[:, 2:4] = high.astype(np.uint16).view(np.uint8).reshape(n, 2)
+    out[:, 4:8] = (ls[:, 0::2] & 15) | ((ls[:, 1::2] & 15) << 4)
+    out[:, 8:] = _iq4_pack(q).reshape(n, 128)
+    return out.reshape(rows, -1)
+
+
 QUANTIZERS = {QT.Q2_K: quantize_q2_k, QT.Q3_K: quantize_q3_k, QT.Q4_K: quantize_q4_k,
-              QT.Q5_K: quantize_q5_k, QT.Q6_K: quantize_q6_k}
+              QT.Q5_K: quantize_q5_k, QT.Q6_K: quantize_q6_k, QT.IQ4_NL: quantize_iq4_nl,
+              QT.IQ4_XS: quantize_iq4_xs}
 
 
 def rewrite_as_k_quants(src: Path, dst: Path, pick) -> Path:

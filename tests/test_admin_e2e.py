@@ -189,11 +189,11 @@ def test_quantize_is_honoured_and_reserved_bytes_are_the_workers(fleet):
 
 
 def test_unreadable_tensor_types_and_unknown_quantize_modes_are_400(fleet):
-    iq = tm.write_gguf("qwen2", Path(fleet.tiny).parent / "iq.gguf", tensor_type="IQ4_NL")
+    iq = tm.write_gguf("qwen2", Path(fleet.tiny).parent / "iq.gguf", tensor_type="MXFP4")
     r = admin(fleet, "load", {"path": str(iq), "name": "iq"})
     assert r.status_code == 400, r.text
     message = r.json()["error"]["message"]
-    assert "type IQ4_NL" in message and "tensor blk.0." in message or "token_embd" in message
+    assert "type MXFP4" in message and "tensor blk.0." in message or "token_embd" in message
     bad = admin(fleet, "load", {"path": SMOL, "name": "q", "quantize": "q3"})
     assert bad.status_code == 400 and "auto, none, q8_0, q4" in bad.json()["error"]["message"]
 

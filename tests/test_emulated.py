@@ -14,7 +14,7 @@ from pantheon.common.default_model import cached_path
 from pantheon.common.die_spec import parse_die
 from pantheon.worker import emulated as cp
 from pantheon.worker import kernels_cuda as kc
-from pantheon.worker import qmatrix as qm
+from pantheon.worker import matrices as qm
 from pantheon.worker.device import emulated_device
 
 
@@ -40,8 +40,8 @@ def test_host_arrays_are_refused_where_cupy_refuses_them():
 
 def test_raw_kernels_refuse_host_arrays_dtypes_and_strides():
     emulated_device(0)
-    m = qm.quantize(np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32),
-                    "q8_0").to(cp)
+    m = qm.to_die(qm.quantize(np.random.default_rng(0).standard_normal((64, 64))
+                              .astype(np.float32), "q8_0"), cp)
     f = cp.RawModule(code=kc.SOURCE).get_function("rows_q8")
     out = cp.empty((64, 64), dtype=cp.float32)
     args = [m.qs, m.scale, m.scale, np.int32(0), out, np.int32(0), np.int32(64),

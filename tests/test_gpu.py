@@ -205,13 +205,13 @@ def test_settle_waits_for_queued_work_by_polling(die):
     """PN_ASYNC_POLL_US: the step's kernels are done when settle() returns (on the emulated
     die a launch keeps the die busy for a few polls: the sleeps between them run)."""
     from pantheon.worker import kernels_cuda as kc
-    from pantheon.worker import qmatrix as qm
+    from pantheon.worker import matrices as qm
     dev = die()
     cp = dev.xp
     host = qm.quantize(np.random.default_rng(1).standard_normal((256, 512)).astype(np.float32),
                        "q8_0")
     x = cp.asarray(np.ones((1, 512), np.float32))
-    y = kc.matmul(x, host.to(cp))                       # queued, not waited for
+    y = kc.matmul(x, qm.to_die(host, cp))                       # queued, not waited for
     after = cp.cuda.Event(block=False, disable_timing=True)
     after.record()
     polls = dev.settle()

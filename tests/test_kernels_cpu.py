@@ -6,7 +6,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from pantheon.worker import kernels_cpu as kc
-from pantheon.worker import qmatrix as qm
+from pantheon.worker import matrices as qm
 from test_qmatrix import K_QUANTS, random_tensor
 
 
@@ -14,7 +14,8 @@ def matrices():
     rng = np.random.default_rng(3)
     out = {}
     for qtype, blocks in ((QT.Q4_1, 6), (QT.Q4_K, 1), (QT.Q8_0, 6), (QT.Q5_1, 6),
-                          (QT.Q5_K, 2), (QT.Q6_K, 1), (QT.Q3_K, 2), (QT.Q2_K, 3)):
+                          (QT.Q5_K, 2), (QT.Q6_K, 1), (QT.Q3_K, 2), (QT.Q2_K, 3),
+                          (QT.IQ4_NL, 6), (QT.IQ4_XS, 1)):
         raw, shape = random_tensor(qtype, 40, blocks)
         out[qtype.name] = qm.from_gguf(raw, qtype, shape)
     w = rng.standard_normal((40, 192)).astype(np.float32)
@@ -45,7 +46,7 @@ def test_matmul_equals_numpy(name, batch, path):
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
 
 
-@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", K_QUANTS + [QT.IQ4_XS], ids=lambda t: t.name)
 def test_k_quant_products_of_many_rows_cross_every_split(qtype, no_amx):
     """More rows of W than a sub-piece (64) and of the pool's pieces, and rows of x in
     groups of 8 with a remainder: every output element is the same row-by-row product
@@ -61,7 +62,7 @@ def test_k_quant_products_of_many_rows_cross_every_split(qtype, no_amx):
                                    atol=1e-6 * np.abs(got[b]).max())
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q8_0, QT.Q5_1])
+@pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q8_0, QT.Q5_1, QT.IQ4_NL])
 @pytest.mark.parametrize("blocks", [1, 37])
 def test_blocked_products_with_an_odd_block_and_more_than_a_scale_load(qtype, blocks):
     """Blocks are met in pairs, 16 scales at a time: an odd last block and a row of 37
@@ -81,7 +82,8 @@ AMX = pytest.mark.skipif(not (kc.library() and kc.HAS_AMX[0]),
 def _amx_matrices():
     out = dict(MATS)
     for qtype, rows, blocks in ((QT.Q4_K, 200, 2), (QT.Q5_K, 70, 2), (QT.Q6_K, 145, 3),
-                                (QT.Q3_K, 70, 2), (QT.Q4_1, 300, 37)):
+                                (QT.Q3_K, 70, 2), (QT.Q4_1, 300, 37), (QT.IQ4_XS, 70, 2),
+                                (QT.IQ4_NL, 70, 9)):
         raw, shape = random_tensor(qtype, rows, blocks)
         out[f"{qtype.name}x{rows}"] = qm.from_gguf(raw, qtype, shape)
     return out
@@ -349,23 +351,17 @@ def test_a_chain_of_matrices_fetches_ahead_without_changing_a_product():
         np.testing.assert_array_equal(kc.matmul(x, m), want)
 
 
-@pytest.mark.parametrize("flags", ["-mno-avx512f", "-mno-avx512f -mno-avx2 -mno-fma -mno-f16c -mno-avx"],
-                         ids=["avx2", "no-avx"])
-def test_the_kernels_built_without_avx512_pass_these_tests(flags, tmp_path):
+@pytest.mark.parametrize("isa", ["avx2", "generic"])
+def test_the_kernels_built_without_avx512_pass_these_tests(isa, tmp_path):
     """Hosts without AVX-512 (the Xeons beside K80s) or without AVX run the 256-bit and the
     portable paths: this file's tests (and the C decode layers') pass against a build
-    that leaves those out."""
+    for those (PANTHEON_ISA), which leaves the wider paths out."""
     import os
-    import shutil
     import subprocess
     import sys
-    with open("/proc/cpuinfo") as fh:
-        if " avx512f" not in fh.read() and "avx2" in flags:
-            pytest.skip("this host builds the 256-bit paths by default")
-    cc = tmp_path / "cc"
-    cc.write_text(f'#!/bin/sh\nexec {shutil.which(os.environ.get("CC", "cc"))} "$@" {flags}\n')
-    cc.chmod(0o755)
-    env = dict(os.environ, CC=str(cc), PANTHEON_CACHE_DIR=str(tmp_path / "cache"))
+    if isa == "avx2" and " avx2" not in kc._cpu_key():
+        pytest.skip("this host has no AVX2")
+    env = dict(os.environ, PANTHEON_ISA=isa, PANTHEON_CACHE_DIR=str(tmp_path / "cache"))
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            __file__, str(Path(__file__).with_name("test_decode_cpu.py")),
                            "-k", "not built_without_avx512"],
@@ -373,6 +369,14 @@ def test_the_kernels_built_without_avx512_pass_these_tests(flags, tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert " passed" in done.stdout
     assert list((tmp_path / "cache" / "kernels").glob("*.so")), "the test build was not used"
+
+
+def test_pantheon_isa_picks_the_target_and_a_bad_value_is_refused(monkeypatch):
+    monkeypatch.setenv("PANTHEON_ISA", "avx2")
+    assert kc.isa_flags()[0] == "-march=haswell"
+    monkeypatch.setenv("PANTHEON_ISA", "sse9")
+    with pytest.raises(ValueError, match="PANTHEON_ISA must be one of native, avx2, generic, not 'sse9'"):
+        kc.isa_flags()
 
 
 @pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)

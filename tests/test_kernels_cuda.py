@@ -8,7 +8,7 @@ import pytest
 import kernel_cases
 import nvrtc_check
 from pantheon.worker import kernels_cuda as kc
-from pantheon.worker import qmatrix as qm
+from pantheon.worker import matrices as qm
 
 OPTIONS = ("--std=c++17",)
 ARCHS = ("37", "90")
@@ -84,7 +84,7 @@ CASES = kernel_cases.cases(rows=300, cols=1024, k_cols=1024)
 def test_matmul_matches_numpy(name, path):
     import cupy as cp
     m = CASES[name]
-    dm = m.to(cp)
+    dm = qm.to_die(m, cp)
     rng = np.random.default_rng(11)
     for b in (1, 3, 8, 32, 33, 100):
         x = rng.standard_normal((b, m.cols)).astype(np.float32)
@@ -99,7 +99,7 @@ def test_matmul_matches_numpy(name, path):
 def test_dequantize_and_gather_rows_match_numpy(name):
     import cupy as cp
     m = CASES[name]
-    dm = m.to(cp)
+    dm = qm.to_die(m, cp)
     full = qm.dequantize(m)
     # the device multiplies then adds exactly like NumPy (no fused multiply-add)
     np.testing.assert_array_equal(cp.asnumpy(kc.dequantize_rows(dm, 7, 200)), full[7:200])
@@ -116,5 +116,5 @@ def test_tile_path_splits_tall_matrices(monkeypatch):
     monkeypatch.setattr(kc, "TILE_ELEMS", 64 * m.cols + 5)     # tiles of 64 rows
     x = np.random.default_rng(2).standard_normal((40, m.cols)).astype(np.float32)
     want, bound = kernel_cases.reference(x, m)
-    y = cp.asnumpy(kc.matmul(cp.asarray(x), m.to(cp), path="tile"))
+    y = cp.asnumpy(kc.matmul(cp.asarray(x), qm.to_die(m, cp), path="tile"))
     assert (np.abs(y - want) <= bound).all()

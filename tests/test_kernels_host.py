@@ -7,7 +7,7 @@ import pytest
 
 import kernel_cases
 from pantheon.worker import kernels_cuda as kc
-from pantheon.worker import qmatrix as qm
+from pantheon.worker import matrices as qm
 from pantheon.worker.simt_host import HostKernels
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")

@@ -63,6 +63,14 @@ def q2_k(name: str, shape) -> QT:
     return QT.Q3_K if ".ffn_down." in name or ".attn_v." in name else QT.Q2_K
 
 
+def iq4_nl(name: str, shape) -> QT:
+    return QT.IQ4_NL
+
+
+def iq4_xs(name: str, shape) -> QT:
+    return QT.IQ4_XS
+
+
 @pytest.mark.parametrize("qtype", list(QUANTIZERS), ids=lambda t: t.name)
 def test_the_test_quantizers_write_blocks_gguf_decodes_close_to_the_floats(qtype):
     w = np.random.default_rng(3).standard_normal((8, 512)).astype(np.float32)
@@ -71,7 +79,7 @@ def test_the_test_quantizers_write_blocks_gguf_decodes_close_to_the_floats(qtype
     raw = QUANTIZERS[qtype](w)
     back = gguf.quants.dequantize(raw, qtype).reshape(w.shape)
     step = {QT.Q2_K: 1 / 3, QT.Q3_K: 1 / 7, QT.Q4_K: 1 / 15, QT.Q5_K: 1 / 31,
-            QT.Q6_K: 1 / 31}[qtype]                          # of a sub-block's range
+            QT.Q6_K: 1 / 31, QT.IQ4_NL: 1 / 10, QT.IQ4_XS: 1 / 10}[qtype]   # of a sub-block's range
     assert np.abs(back - w).max() <= 2 * step * np.abs(w).max()
     assert np.abs(back - w).mean() < 0.3 * step * np.abs(w).max()
     assert not back[2].any()
@@ -84,6 +92,20 @@ def test_the_test_quantizers_write_blocks_gguf_decodes_close_to_the_floats(qtype
                          ids=["Q4_K_M", "Q5_K_M", "Q3_K_M", "Q2_K"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_k_quant_files_held_as_stored_match_their_fp32_forward(tmp_path, arch, mix, held):
+    check_file_held_as_stored(tmp_path, arch, mix, held)
+
+
+@pytest.mark.parametrize("mix, held, arch", [(iq4_nl, {"iq4nl/32"}, "llama"),
+                                             (iq4_xs, {"iq4xs/256"}, "qwen2")],
+                         ids=["IQ4_NL", "IQ4_XS"])
+def test_iq4_files_run_at_their_size_and_match_their_fp32_forward(tmp_path, arch, mix, held):
+    """IQ4_NL (a CPU holds its nibbles and scales: 4.5 bits) and IQ4_XS (its super-blocks as
+    stored: 4.25 bits), every matrix of the file in that type, as llama-quantize writes
+    them with --pure."""
+    check_file_held_as_stored(tmp_path, arch, mix, held)
+
+
+def check_file_held_as_stored(tmp_path, arch, mix, held):
     with widened(arch) as name:
         f32 = tm.write_gguf(name, tmp_path / f"{name}.gguf")
     path = rewrite_as_k_quants(f32, tmp_path / f"{name}-{mix.__name__}.gguf", mix)

@@ -3,15 +3,17 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
-from pantheon.worker import qmatrix as qm
+from pantheon.worker import matrices as qm
 from pantheon.worker.quants import dequantize
 
 # byte offsets of each type's fp16 scale fields (set to sane values in random blocks)
 SCALE_FIELDS = {QT.Q8_0: [0], QT.Q4_0: [0], QT.Q4_1: [0, 2], QT.Q5_0: [0], QT.Q5_1: [0, 2],
-                QT.Q4_K: [0, 2], QT.Q5_K: [0, 2], QT.Q6_K: [208], QT.Q3_K: [108], QT.Q2_K: [80, 82]}
+                QT.Q4_K: [0, 2], QT.Q5_K: [0, 2], QT.Q6_K: [208], QT.Q3_K: [108], QT.Q2_K: [80, 82],
+                QT.IQ4_NL: [0], QT.IQ4_XS: [0]}
 KIND = {QT.Q8_0: ("q8", 32), QT.Q4_0: ("q4", 32), QT.Q4_1: ("q4", 32), QT.Q5_0: ("q8", 32),
         QT.Q5_1: ("q8", 32), QT.Q4_K: ("q4", 32), QT.Q5_K: ("q8", 32), QT.Q6_K: ("q8", 16),
-        QT.Q3_K: ("q8", 16), QT.Q2_K: ("q8", 16)}
+        QT.Q3_K: ("q8", 16), QT.Q2_K: ("q8", 16), QT.IQ4_NL: ("q8", 32),
+        QT.IQ4_XS: ("q8", 32)}
 K_QUANTS = [QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K]
 
 
@@ -33,7 +35,7 @@ def test_k_quants_stay_as_the_file_stores_them_and_move_to_a_gpu_repacked(qtype)
     assert (m.kind, m.bs, m.scale, m.minv) == (qtype.name.lower().replace("_", ""), 256, None, None)
     assert m.nbytes() == raw.size and m.qs.tobytes() == raw.tobytes()
     np.testing.assert_array_equal(qm.dequantize(m), dequantize(raw, qtype, shape))
-    moved = m.to(np)                    # what a GPU gets: the repacked kind, same values
+    moved = qm.to_die(m, np)                   # what a GPU gets: the repacked kind, same values
     assert (moved.kind, moved.bs) == KIND[qtype]
     np.testing.assert_allclose(qm.dequantize(moved), qm.dequantize(m), rtol=0,
                                atol=np.abs(qm.dequantize(m)).max() * 2.0 ** -11)
@@ -47,10 +49,10 @@ def test_k_quants_stay_as_the_file_stores_them_and_move_to_a_gpu_repacked(qtype)
 @pytest.mark.parametrize("qtype", list(SCALE_FIELDS), ids=lambda t: t.name)
 def test_repacked_tensors_decode_as_the_file(qtype):
     raw, shape = random_tensor(qtype, 6, 3)
-    m = qm.from_gguf(raw, qtype, shape, native=False)
+    m = qm.from_gguf(raw, qtype, shape, gpu=True)
     assert (m.kind, m.bs) == KIND[qtype] and m.shape == shape
     ref, got = dequantize(raw, qtype, shape), qm.dequantize(m)
-    if qtype in K_QUANTS:
+    if qtype in K_QUANTS + [QT.IQ4_XS]:
         # one rounding: the sub-block scale d * sc held as one fp16
         step = np.abs(ref).max()
         assert np.abs(got - ref).max() <= step * 2.0 ** -11
@@ -63,8 +65,8 @@ def test_repacked_tensors_decode_as_the_file(qtype):
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
 def test_the_c_repack_gives_numpy_s_bits(qtype):
     raw, shape = random_tensor(qtype, 12, 3, seed=5)
-    fast = qm.from_gguf(raw, qtype, shape, native=False)
-    slow = qm.from_gguf(raw, qtype, shape, fast=False, native=False)
+    fast = qm.from_gguf(raw, qtype, shape, gpu=True)
+    slow = qm.from_gguf(raw, qtype, shape, fast=False, gpu=True)
     for name in ("qs", "scale", "minv"):
         a, b = getattr(fast, name), getattr(slow, name)
         assert (a is None) == (b is None)

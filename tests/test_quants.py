@@ -20,7 +20,7 @@ MODEL = cached_path()                      # the settings' cache folder (PANTHEO
 F16_FIELDS = {
     T.Q8_0: (0,), T.Q4_0: (0,), T.Q5_0: (0,),
     T.Q4_1: (0, 2), T.Q5_1: (0, 2), T.Q4_K: (0, 2), T.Q5_K: (0, 2),
-    T.Q6_K: (208,), T.Q3_K: (108,), T.Q2_K: (80, 82),
+    T.Q6_K: (208,), T.Q3_K: (108,), T.Q2_K: (80, 82), T.IQ4_NL: (0,), T.IQ4_XS: (0,),
 }
 QUANTIZED = sorted(F16_FIELDS, key=lambda t: t.value)
 FLOATS = [T.F32, T.F16, T.BF16]

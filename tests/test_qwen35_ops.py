@@ -17,7 +17,7 @@ import pytest
 import tiny_models as tm
 from pantheon.common.gguf_file import open_gguf
 from pantheon.common.model_file import ModelFileError
-from pantheon.worker import qmatrix as qm
+from pantheon.worker import matrices as qm
 from pantheon.common.arch.qwen35 import hf_name
 from pantheon.common.model_file import config_from_gguf, read_config
 from pantheon.worker.layers import gated_deltanet as gdn

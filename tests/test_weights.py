@@ -6,7 +6,10 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from pantheon.common.model_file import ModelFileError
-from pantheon.worker.weights import SCALE_OFFSETS, check_finite
+from pantheon.common.formats import FORMATS
+from pantheon.worker.weights import check_finite
+
+SCALE_OFFSETS = {name: f.fp16_fields for name, f in FORMATS.items() if f.fp16_fields}
 
 
 @pytest.mark.parametrize("kind", sorted(SCALE_OFFSETS))

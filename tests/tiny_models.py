@@ -526,8 +526,8 @@ def gguf_tensors(name: str) -> dict[str, np.ndarray]:
     return out
 
 
-TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL")
-UNREADABLE = ("IQ4_NL",)      # random blocks of a type Pantheon refuses (a load-error test)
+TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4")
+UNREADABLE = ("MXFP4",)       # random blocks of a type Pantheon refuses (a load-error test)
 
 
 def write_gguf(name: str, path: str | Path, tensor_type: str = "F32",

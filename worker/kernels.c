@@ -13,6 +13,8 @@
  *   q8:   qs[N][K] int8; scale (and min, or none) [N][K/bs], bs 32 or 16
  *   f16:  qs[N][K] half bits;  bf16: qs[N][K] bfloat16 bits
  *   q2k .. q6k: the file's K-quant super-blocks of 256, as stored (see below)
+ *   iq4nl: as q4 (nibbles, a scale per 32, no min), w = scale * IQ4_LEVELS[nibble]
+ *   iq4xs: the file's IQ4_XS super-blocks of 256, as stored (see below)
  */
 #include <omp.h>
 #include <stdint.h>
@@ -42,7 +44,12 @@ static inline float half_to_float(uint16_t h) {
 }
 #endif
 
-enum { Q4 = 0, Q8 = 1, Q8M = 2, F16 = 3, BF16 = 4, Q4K = 5, Q6K = 6, Q5K = 7, Q3K = 8, Q2K = 9 };
+enum { Q4 = 0, Q8 = 1, Q8M = 2, F16 = 3, BF16 = 4, Q4K = 5, Q6K = 6, Q5K = 7, Q3K = 8, Q2K = 9,
+       IQ4XS = 10, IQ4NL = 11 };   /* worker/kernels_cpu.py CODES */
+
+/* IQ4_NL and IQ4_XS: a nibble picks one of 16 int8 levels (common/block_decode.py) */
+static const int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                      1, 13, 25, 38, 53, 69, 89, 113};
 
 /* -- the kernels' thread pool ----------------------------------------------------------
  * Work is split into chunks (rows of W) that threads claim one at a time from a shared
@@ -233,6 +240,18 @@ static inline void dequant_block(int code, const uint8_t *restrict qs,
         }
         return;
     }
+    if (code == IQ4NL) {                /* the levels looked up 16 at a time */
+        const uint8_t *q = qs + n * (K / 2) + blk * 16;
+        __m256 s = _mm256_set1_ps(half_to_float(sc[n * nb + blk]));
+        __m128i raw = _mm_loadu_si128((const __m128i *)q), low4 = _mm_set1_epi8(15);
+        __m128i lut = _mm_loadu_si128((const __m128i *)IQ4_LEVELS);
+        __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(raw, low4));
+        __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(raw, 4), low4));
+        __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+        for (int j = 0; j < 4; j++)
+            _mm256_storeu_ps(w + 8 * j, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[j])), s));
+        return;
+    }
     if (code == Q8 || code == Q8M) {
         const int8_t *q = (const int8_t *)qs + n * K + blk * bs;
         __m256 s = _mm256_set1_ps(half_to_float(sc[n * nb + blk]));
@@ -251,6 +270,13 @@ static inline void dequant_block(int code, const uint8_t *restrict qs,
         for (int i = 0; i < 16; i++) {
             w[i] = (float)(q[i] & 15) * s + m;
             w[i + 16] = (float)(q[i] >> 4) * s + m;
+        }
+    } else if (code == IQ4NL) {
+        const uint8_t *q = qs + n * (K / 2) + blk * 16;
+        float s = half_to_float(sc[n * nb + blk]);
+        for (int i = 0; i < 16; i++) {
+            w[i] = s * (float)IQ4_LEVELS[q[i] & 15];
+            w[i + 16] = s * (float)IQ4_LEVELS[q[i] >> 4];
         }
     } else if (code == Q8 || code == Q8M) {
         const int8_t *q = (const int8_t *)qs + n * K + blk * bs;
@@ -286,8 +312,12 @@ static inline void dequant_block(int code, const uint8_t *restrict qs,
  *         element 128h + 32j + l (j < 4, l < 32) is bits 2j, 2j + 1 of qs[32h + l] with
  *         bit 4h + j of hmask[l] as its 4; w = d * (sc[e / 16] - 32) * (q - 4).
  *   Q2_K: 16 bytes of 4-bit scale (low) and min (high) per 16 values, 64 of 2-bit values
- *         (Q3_K's order), d, dmin (fp16): w = d * sc[e / 16] * q - dmin * m[e / 16]. */
+ *         (Q3_K's order), d, dmin (fp16): w = d * sc[e / 16] * q - dmin * m[e / 16].
+ *   IQ4_XS: d (fp16), 2 bytes of high scale bits, 4 of low ones (iq4xs_scales), then 8
+ *         runs of 16 bytes: byte 16j + i holds element 32j + i (low nibble) and
+ *         32j + 16 + i (high); w = d * (sc[j] - 32) * IQ4_LEVELS[nibble]. */
 #define Q2K_BYTES 84
+#define IQ4XS_BYTES 136
 #define Q3K_BYTES 110
 #define Q4K_BYTES 144
 #define Q5K_BYTES 176
@@ -309,6 +339,15 @@ static inline uint16_t load_u16(const uint8_t *p) {
     return v;
 }
 
+/* IQ4_XS's 8 sub-block scales, 6 bits each (the -32 not taken off): sub-block j's low 4
+ * bits are nibble j % 2 of byte 4 + j / 2, its top 2 bits bits 2j, 2j + 1 of the uint16
+ * at byte 2. */
+static inline void iq4xs_scales(const uint8_t *b, uint8_t out[8]) {
+    const uint16_t h = load_u16(b + 2);
+    for (int j = 0; j < 8; j++)
+        out[j] = (uint8_t)(((b[4 + j / 2] >> (4 * (j & 1))) & 15) | (((h >> (2 * j)) & 3) << 4));
+}
+
 /* Q3_K's 12 bytes → its 16 6-bit scales (before the -32): scales i, 4 + i are the low
  * nibbles of bytes i, 4 + i, scales 8 + i, 12 + i their high nibbles; bits 0-1, 2-3,
  * 4-5, 6-7 of byte 8 + i are the top two bits of each. */
@@ -327,6 +366,20 @@ static inline void q3k_scales(const uint8_t *s, uint8_t out[16]) {
 #if !defined(__AVX2__)
 /* 256 weights of one super-block as floats (the portable decoding). */
 static void dequant_superblock(int code, const uint8_t *restrict b, float *restrict w) {
+    if (code == IQ4XS) {
+        const float d = half_to_float(load_u16(b));
+        uint8_t ls[8];
+        iq4xs_scales(b, ls);
+        for (int j = 0; j < 8; j++) {
+            const float s = d * (float)((int)ls[j] - 32);
+            const uint8_t *q = b + 8 + 16 * j;
+            for (int i = 0; i < 16; i++) {
+                w[32 * j + i] = s * (float)IQ4_LEVELS[q[i] & 15];
+                w[32 * j + 16 + i] = s * (float)IQ4_LEVELS[q[i] >> 4];
+            }
+        }
+        return;
+    }
     if (code == Q4K || code == Q5K) {
         float d = half_to_float(load_u16(b)), dmin = half_to_float(load_u16(b + 2));
         uint8_t sc[8], mn[8];
@@ -378,10 +431,11 @@ static void dequant_superblock(int code, const uint8_t *restrict b, float *restr
 }
 #endif
 
-static inline int is_k(int code) { return code >= Q4K && code <= Q2K; }   /* super-blocks of 256 */
+/* super-blocks of 256 read as the file has them */
+static inline int is_k(int code) { return (code >= Q4K && code <= Q2K) || code == IQ4XS; }
 static inline int64_t k_bytes(int code) {
     return code == Q4K ? Q4K_BYTES : code == Q5K ? Q5K_BYTES : code == Q6K ? Q6K_BYTES
-         : code == Q3K ? Q3K_BYTES : Q2K_BYTES;
+         : code == Q3K ? Q3K_BYTES : code == IQ4XS ? IQ4XS_BYTES : Q2K_BYTES;
 }
 /* x's sums per super-block that the mins meet: per 32 (8), Q2_K's per 16 (16) */
 static inline int64_t xs_per(int code) { return code == Q2K ? 16 : 8; }
@@ -824,6 +878,13 @@ static inline void load_block(int code, const uint8_t *restrict row, int64_t blk
         *w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low4));
         return;
     }
+    if (code == IQ4NL) {        /* q4's nibbles, each looked up among the levels */
+        __m128i raw = _mm_loadu_si128((const __m128i *)(row + blk * 16));
+        __m128i low4 = _mm_set1_epi8(15), lut = _mm_loadu_si128((const __m128i *)IQ4_LEVELS);
+        *w0 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(lut, _mm_and_si128(raw, low4)));
+        *w1 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(raw, 4), low4)));
+        return;
+    }
     const int8_t *q = (const int8_t *)row + blk * 32;
     *w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)q));
     *w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 16)));
@@ -886,7 +947,7 @@ static void gemv_i8_rows(int code, const uint8_t *restrict qs, const uint16_t *r
                          const int16_t *restrict xq, const float *restrict xd,
                          const float *restrict xs, int64_t B, float *restrict out,
                          int64_t n0, int64_t n1) {
-    const int64_t nx = K / 32, ns = K / bs, row_bytes = code == Q4 ? K / 2 : K;
+    const int64_t nx = K / 32, ns = K / bs, row_bytes = code == Q4 || code == IQ4NL ? K / 2 : K;
     const int with_min = code == Q4 || code == Q8M;
     float sf[MAX_RUNS], mf[MAX_RUNS];
     for (int64_t n = n0; n < n1; n++) {
@@ -1043,6 +1104,14 @@ static inline void load_pair(int code, const uint8_t *restrict row, int64_t k,
         *hi = _mm512_srli_epi16(raw, 4);
         return;
     }
+    if (code == IQ4NL) {        /* q4's layout; the levels (twice: 32 int16) looked up */
+        const __m512i lut = _mm512_cvtepi8_epi16(_mm256_broadcastsi128_si256(
+            _mm_loadu_si128((const __m128i *)IQ4_LEVELS)));
+        __m512i raw = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(row + 32 * k)));
+        *lo = _mm512_permutexvar_epi16(_mm512_and_si512(raw, _mm512_set1_epi16(15)), lut);
+        *hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(raw, 4), lut);
+        return;
+    }
     __m256i a = _mm256_loadu_si256((const __m256i *)(row + 64 * k));
     __m256i b = _mm256_loadu_si256((const __m256i *)(row + 64 * k + 32));
     *lo = _mm512_cvtepi8_epi16(_mm256_permute2x128_si256(a, b, 0x20));
@@ -1100,7 +1169,7 @@ static void gemv_i8_rows512(int code, const uint8_t *restrict qs, const uint16_t
                             const int16_t *restrict xq, const float *restrict xd,
                             const float *restrict xs, int64_t B, float *restrict out,
                             int64_t n0, int64_t n1) {
-    const int64_t nx = K / 32, row_bytes = code == Q4 ? K / 2 : K;
+    const int64_t nx = K / 32, row_bytes = code == Q4 || code == IQ4NL ? K / 2 : K;
     const int with_min = code == Q4 || code == Q8M;
     float sf[MAX_RUNS], mf[MAX_RUNS];
     for (int64_t n = n0; n < n1; n++) {
@@ -1126,7 +1195,7 @@ static void gemv_i8_rows512(int code, const uint8_t *restrict qs, const uint16_t
  * 1.58 / 1.13 with 256-bit vectors). */
 int pn_pairs_x(int code, int64_t bs, int64_t B) {
     (void)B;
-    return (code == Q4 || code == Q8 || code == Q8M) && bs == 32;
+    return (code == Q4 || code == Q8 || code == Q8M || code == IQ4NL) && bs == 32;
 }
 #else
 int pn_pairs_x(int code, int64_t bs, int64_t B) { return 0; }
@@ -1305,6 +1374,22 @@ static inline void load_super(int code, const uint8_t *restrict b, Super *S) {
         return;
     }
     S->mf = _mm256_setzero_ps();
+    if (code == IQ4XS) {                /* run j: bytes 16j.., low nibbles then high */
+        uint8_t ls[8];
+        iq4xs_scales(b, ls);
+        S->d = half_to_float(load_u16(b));
+        S->off_d = 0.0f;
+        const __m128i low4 = _mm_set1_epi8(15), lut = _mm_loadu_si128((const __m128i *)IQ4_LEVELS);
+        for (int j = 0; j < 8; j++) {
+            const __m128i raw = _mm_loadu_si128((const __m128i *)(b + 8 + 16 * j));
+            const __m256i s = _mm256_set1_epi16((int16_t)(ls[j] - 32));
+            S->w[2 * j] = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(
+                _mm_shuffle_epi8(lut, _mm_and_si128(raw, low4))), s);
+            S->w[2 * j + 1] = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(
+                _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(raw, 4), low4))), s);
+        }
+        return;
+    }
     if (code == Q3K || code == Q2K) {   /* run 4h + j of 32 values, a scale per 16 */
         const int three = code == Q3K;
         const __m256i hm = _mm256_loadu_si256((const __m256i *)b), three2 = _mm256_set1_epi8(3);
@@ -1419,6 +1504,23 @@ static inline void load_super512(int code, const uint8_t *restrict b, Super512 *
                                           0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
     S->mf = _mm256_setzero_ps();
     S->mf16 = _mm512_setzero_ps();
+    if (code == IQ4XS) {    /* sub-block j: 16 bytes, low nibbles (elements 0..15), high */
+        uint8_t ls[8];
+        iq4xs_scales(b, ls);
+        S->d = half_to_float(load_u16(b));
+        S->off_d = 0.0f;
+        const __m512i lut = _mm512_cvtepi8_epi16(_mm256_broadcastsi128_si256(
+            _mm_loadu_si128((const __m128i *)IQ4_LEVELS)));
+        const __m256i low4w = _mm256_set1_epi16(15);
+        for (int j = 0; j < 8; j++) {
+            const __m256i raw = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(b + 8 + 16 * j)));
+            const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(raw, low4w)),
+                                                   _mm256_srli_epi16(raw, 4), 1);
+            S->w[j] = _mm512_mullo_epi16(_mm512_permutexvar_epi16(idx, lut),
+                                         _mm512_set1_epi16((int16_t)(ls[j] - 32)));
+        }
+        return;
+    }
     if (code == Q3K || code == Q2K) {   /* vector 4h + j: run j of half h, a scale per 16 */
         const int three = code == Q3K;
         uint8_t sc[16];
@@ -1520,6 +1622,19 @@ static inline __attribute__((always_inline)) void k_quad(
         }
         return;
     }
+    if (code == IQ4XS) {    /* runs 2t, 2t + 1: bytes 32t.., each run's low nibbles then high */
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + 8 + 32 * t));
+        const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_LEVELS));
+        const __m256i lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(raw, low4));
+        const __m256i hi = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4));
+        const __m256i s0 = _mm256_set1_epi16((int16_t)(sm[2 * t] - 32));
+        const __m256i s1 = _mm256_set1_epi16((int16_t)(sm[2 * t + 1] - 32));
+        w[0] = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(lo)), s0);
+        w[1] = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(hi)), s0);
+        w[2] = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(lo, 1)), s1);
+        w[3] = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(hi, 1)), s1);
+        return;
+    }
     /* Q6_K: quad t is runs 2t, 2t + 1 (values 64t ..), from half h = t / 2 of the block:
      * low nibbles of ql (t even) or high ones (t odd), 2 bits of qh each */
     const int h = t >> 1, up = t & 1;
@@ -1574,6 +1689,9 @@ static inline __attribute__((always_inline)) void k_row_avx2(
         } else if (code == Q3K) {
             q3k_scales(p + 96, sm);
             d = half_to_float(load_u16(p + 108));
+        } else if (code == IQ4XS) {
+            iq4xs_scales(p, sm);
+            d = half_to_float(load_u16(p));
         } else if (code == Q2K) {
             memcpy(sm, p, 16);
             d = half_to_float(load_u16(p + 80));
@@ -1937,6 +2055,15 @@ static void btile_chunk(const void *p, int64_t c) {
                     _mm256_store_si256((__m256i *)(w + 32 * blk + 16),
                                        _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low4)));
                 }
+            } else if (m->code == IQ4NL) {  /* q4's layout, the levels looked up */
+                const __m128i low4 = _mm_set1_epi8(15), lut = _mm_loadu_si128((const __m128i *)IQ4_LEVELS);
+                for (int64_t blk = 0; blk < nb; blk++) {
+                    const __m128i raw = _mm_loadu_si128((const __m128i *)(m->qs + row * (K / 2) + 16 * blk));
+                    _mm256_store_si256((__m256i *)(w + 32 * blk), _mm256_cvtepi8_epi16(
+                        _mm_shuffle_epi8(lut, _mm_and_si128(raw, low4))));
+                    _mm256_store_si256((__m256i *)(w + 32 * blk + 16), _mm256_cvtepi8_epi16(
+                        _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(raw, 4), low4))));
+                }
             } else {
                 for (int64_t k = 0; k < K; k += 32)
                     _mm512_store_si512((void *)(w + k), _mm512_cvtepi8_epi16(
@@ -2285,7 +2412,7 @@ void pn_set_digits(int on) { DIGITS[0] = on; }
 /* The leading part of m's arrays (what the first rows need), as fetch spans. */
 static void next_spans(const PnMat *m, Span_ out[3]) {
     const int64_t row = is_k(m->code) ? m->K / 256 * k_bytes(m->code)
-                      : m->code == Q4 ? m->K / 2 : m->code == F16 || m->code == BF16 ? 2 * m->K : m->K;
+                      : m->code == Q4 || m->code == IQ4NL ? m->K / 2 : m->code == F16 || m->code == BF16 ? 2 * m->K : m->K;
     int64_t rows = NEXT_BYTES / (row > 0 ? row : 1);
     rows = rows < m->N ? rows : m->N;
     const int64_t scales = is_k(m->code) || m->sc == NULL ? 0 : rows * (m->K / m->bs) * 2;
@@ -2541,6 +2668,220 @@ static void amx_codes_chunk(const void *p, int64_t c) {
 }
 #endif
 
+#if !defined(PN_ZMM)
+/* -- Q4_K and Q5_K at batch 1 on 256-bit vectors (AVX2 hosts): x's int16 steps q (|q| <=
+ * 16000, pn_quantize_xk) as two int8 digits, q = 128 h + l (h in -125 .. 124, l in
+ * 0 .. 127), which meet the weights' bytes (0 .. 15, Q5_K 0 .. 31) in `vpmaddubsw`; the
+ * two digits' pair sums (at most 2 x 31 x 127) take the sub-scale (times 128 for h) in
+ * `vpmaddwd`. The same integer sums as the int16 row kernel (k_row_avx2) without its
+ * widening: no byte is unpacked to int16, no sub-scale multiplied into the weights, so
+ * a super-block costs 16 multiplies, 8 loads of x and no lane shuffles. Each int32 lane
+ * sums 32 values per super-block (32 x 31 x 63 x 16000 < 2^31). */
+static __thread int8_t *dg2_buf;
+static __thread int64_t dg2_cap;
+
+/* int16 steps → digits: hi[i] = q >> 7, lo[i] = q & 127 (K a multiple of 16) */
+static void split_digits(const int16_t *q, int64_t K, int8_t *hi, int8_t *lo) {
+    const __m256i low7 = _mm256_set1_epi16(127);
+    for (int64_t i = 0; i < K; i += 16) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(q + i));
+        const __m256i h = _mm256_srai_epi16(v, 7), l = _mm256_and_si256(v, low7);
+        _mm_storeu_si128((__m128i *)(hi + i), _mm_packs_epi16(_mm256_castsi256_si128(h),
+                                                             _mm256_extracti128_si256(h, 1)));
+        _mm_storeu_si128((__m128i *)(lo + i), _mm_packs_epi16(_mm256_castsi256_si128(l),
+                                                             _mm256_extracti128_si256(l, 1)));
+    }
+}
+
+typedef struct {
+    int code; const uint8_t *qs; int64_t N, K; const int8_t *xh, *xl; const float *xd, *xs;
+    float *out; int64_t rows;
+} Dg2Args;
+
+/* w's 32 values (u8) against 32 digits of x, all under one int16 scale (in every lane of sl) */
+static inline __m256i digit_pair(__m256i w, const int8_t *xh, const int8_t *xl, __m256i sl) {
+    const __m256i a = _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)xh)),
+                                        _mm256_slli_epi16(sl, 7));
+    const __m256i b = _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)xl)), sl);
+    return _mm256_add_epi32(a, b);
+}
+
+/* scale j of S (8 int16 scales in each lane) in every lane: one byte shuffle */
+static inline __m256i one_scale(__m256i S, int j) {
+    return _mm256_shuffle_epi8(S, _mm256_set1_epi16((int16_t)((2 * j) | ((2 * j + 1) << 8))));
+}
+
+static void k45_digits2_chunk(const void *p, int64_t c) {
+    const Dg2Args *a = p;
+    const int64_t nb = a->K / 256, bytes = k_bytes(a->code);
+    const int64_t n0 = c * a->rows, n1 = n0 + a->rows < a->N ? n0 + a->rows : a->N;
+    const int five = a->code == Q5K;
+    const __m256i low4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = a->qs + n * nb * bytes;
+        __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+        for (int64_t blk = 0; blk < nb; blk++) {
+            const uint8_t *b = row + blk * bytes;
+            for (int64_t l = 0; l < bytes; l += 64)
+                _mm_prefetch((const char *)b + PF_AHEAD + l, _MM_HINT_T0);
+            uint8_t sm[16];
+            k_scales_fast(b + 4, sm);
+            const __m256 mf = _mm256_mul_ps(_mm256_set1_ps(-half_to_float(load_u16(b + 2))),
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + 8)))));
+            const int8_t *xh = a->xh + blk * 256, *xl = a->xl + blk * 256;
+            const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
+            const __m256i S = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sm)));
+            __m256i ci = _mm256_setzero_si256();
+#pragma GCC unroll 4
+            for (int t = 0; t < 4; t++) {   /* bytes 32t..: low nibbles 64t + i, high 64t + 32 + i */
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + (five ? Q5K_QS : 16) + 32 * t));
+                __m256i lo = _mm256_and_si256(raw, low4);
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                if (five) {                 /* bits 2t, 2t + 1 of qh[i] are the 16s */
+                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), one), 4));
+                    hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * t + 1), one), 4));
+                }
+                ci = _mm256_add_epi32(ci, _mm256_add_epi32(
+                    digit_pair(lo, xh + 64 * t, xl + 64 * t, one_scale(S, 2 * t)),
+                    digit_pair(hi, xh + 64 * t + 32, xl + 64 * t + 32, one_scale(S, 2 * t + 1))));
+            }
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ci), _mm256_set1_ps(half_to_float(load_u16(b)) * a->xd[blk]), acc);
+            accm = _mm256_fmadd_ps(mf, _mm256_loadu_ps(a->xs + blk * 8), accm);
+        }
+        a->out[n] = hsum(_mm256_add_ps(acc, accm));
+    }
+}
+
+/* Q6_K at batch 1 the same way: its 6-bit values (0 .. 63, the -32 not taken off) meet
+ * the digits in `vpmaddubsw` (pairs at most 2 x 63 x 125), each run of 16 its int8
+ * scale (times 128 for h) in `vpmaddwd`; the file's -32 comes off once per run through
+ * x's sums per 16 (xs16: -32 times the run's sum, as a float). Each half of the
+ * super-block's int32 sums is flushed to floats on its own: a lane then sums 16 values
+ * (16 x 63 x 128 x 16000 < 2^31). */
+static __thread float *xs16_dg;
+static __thread int64_t xs16_dg_cap;
+
+typedef struct {
+    const uint8_t *qs; int64_t N, K; const int8_t *xh, *xl; const float *xd, *xs16;
+    float *out; int64_t rows;
+} Dg6Args;
+
+/* r's 32 values (u8) against 32 digits of x: sl holds each half's int16 scale (16 lanes) */
+static inline __m256i digit_pair2(__m256i w, const int8_t *xh, const int8_t *xl, __m256i sl) {
+    const __m256i a = _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)xh)),
+                                        _mm256_slli_epi16(sl, 7));
+    const __m256i b = _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)xl)), sl);
+    return _mm256_add_epi32(a, b);
+}
+
+/* vector v (values 32v ..) of a Q6_K super-block wants scales 2v (its first 16) and 2v + 1:
+ * from S (the 16 scales as int16, both lanes holding scales 8 (v / 4) .. + 7), one byte
+ * shuffle picks element 2v % 8 for the low lane and 2v % 8 + 1 for the high one */
+static inline __m256i run_scales(__m256i S, int v) {
+    const int e0 = (2 * v) & 7, e1 = e0 + 1;
+    const __m256i ctrl = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_set1_epi16((int16_t)((2 * e0) | ((2 * e0 + 1) << 8)))),
+        _mm_set1_epi16((int16_t)((2 * e1) | ((2 * e1 + 1) << 8))), 1);
+    return _mm256_shuffle_epi8(S, ctrl);
+}
+
+static void q6k_digits2_chunk(const void *p, int64_t c) {
+    const Dg6Args *a = p;
+    const int64_t nb = a->K / 256;
+    const int64_t n0 = c * a->rows, n1 = n0 + a->rows < a->N ? n0 + a->rows : a->N;
+    const __m256i low4 = _mm256_set1_epi8(15), two = _mm256_set1_epi8(3);
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = a->qs + n * nb * Q6K_BYTES;
+        __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+        for (int64_t blk = 0; blk < nb; blk++) {
+            const uint8_t *b = row + blk * Q6K_BYTES;
+            for (int64_t l = 0; l < Q6K_BYTES; l += 64)
+                _mm_prefetch((const char *)b + PF_AHEAD + l, _MM_HINT_T0);
+            const int8_t *sc = (const int8_t *)(b + 192);
+            const float d = half_to_float(load_u16(b + 208));
+            const int8_t *xh = a->xh + blk * 256, *xl = a->xl + blk * 256;
+            const __m128i s8 = _mm_loadu_si128((const __m128i *)sc);
+            const __m256i S16 = _mm256_cvtepi8_epi16(s8);
+            const __m256i Sh[2] = {_mm256_permute2x128_si256(S16, S16, 0x00),
+                                   _mm256_permute2x128_si256(S16, S16, 0x11)};
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) {   /* values 128h..: quads t = 2h (low nibbles), 2h + 1 */
+                const __m256i q0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
+                const __m256i q1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
+                const __m256i qb = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+                __m256i ci = _mm256_setzero_si256();
+#pragma GCC unroll 2
+                for (int up = 0; up < 2; up++) {
+                    const int t = 2 * h + up;
+                    const __m256i l0 = up ? _mm256_srli_epi16(q0, 4) : q0;
+                    const __m256i l1 = up ? _mm256_srli_epi16(q1, 4) : q1;
+                    const __m256i bits = up ? _mm256_srli_epi16(qb, 4) : qb;
+                    const __m256i r0 = _mm256_or_si256(_mm256_and_si256(l0, low4),
+                                                       _mm256_slli_epi16(_mm256_and_si256(bits, two), 4));
+                    const __m256i r1 = _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_slli_epi16(
+                        _mm256_and_si256(_mm256_srli_epi16(bits, 2), two), 4));
+                    ci = _mm256_add_epi32(ci, _mm256_add_epi32(
+                        digit_pair2(r0, xh + 64 * t, xl + 64 * t, run_scales(Sh[h], 2 * t)),
+                        digit_pair2(r1, xh + 64 * t + 32, xl + 64 * t + 32, run_scales(Sh[h], 2 * t + 1))));
+                }
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ci), _mm256_set1_ps(d * a->xd[blk]), acc);
+            }
+            const __m256 dv = _mm256_set1_ps(d);
+            accm = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s8)), dv),
+                                   _mm256_loadu_ps(a->xs16 + blk * 16), accm);
+            accm = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s8, 8))), dv),
+                                   _mm256_loadu_ps(a->xs16 + blk * 16 + 8), accm);
+        }
+        a->out[n] = hsum(_mm256_add_ps(acc, accm));
+    }
+}
+
+static int q6k_digits2(const PnMat *m, const float *x, const PnScratch *s, float *out) {
+    const int64_t K = m->K;
+    if (2 * K > dg2_cap) {
+        int8_t *nbuf = aligned_alloc(64, (size_t)(2 * K + 63) / 64 * 64);
+        if (!nbuf) return 0;
+        free(dg2_buf), dg2_buf = nbuf, dg2_cap = 2 * K;
+    }
+    if (K / 16 > xs16_dg_cap) {
+        float *nbuf = aligned_alloc(64, (size_t)(K / 16 + 15) / 16 * 16 * sizeof(float));
+        if (!nbuf) return 0;
+        free(xs16_dg), xs16_dg = nbuf, xs16_dg_cap = K / 16;
+    }
+    pn_quantize_xk(x, 1, K, s->xq, s->xd, s->xs);
+    split_digits(s->xq, K, dg2_buf, dg2_buf + K);
+    for (int64_t r = 0; r < K / 16; r++) {          /* -32 x each run's sum, in x's steps */
+        int32_t t = 0;
+        for (int i = 0; i < 16; i++) t += s->xq[16 * r + i];
+        xs16_dg[r] = -32.0f * (float)t * s->xd[r / 16];
+    }
+    Dg6Args a = {m->qs, m->N, K, dg2_buf, dg2_buf + K, s->xd, xs16_dg, out, piece_rows(m->N)};
+    pool_run(q6k_digits2_chunk, &a, (m->N + a.rows - 1) / a.rows);
+    return 1;
+}
+
+/* Q4_K / Q5_K at batch 1 through the digits; 0 where the buffer cannot be had */
+static int k45_digits2(const PnMat *m, const float *x, const PnScratch *s, float *out) {
+    if (2 * m->K > dg2_cap) {
+        int8_t *nbuf = aligned_alloc(64, (size_t)(2 * m->K + 63) / 64 * 64);
+        if (!nbuf) return 0;
+        free(dg2_buf), dg2_buf = nbuf, dg2_cap = 2 * m->K;
+    }
+    pn_quantize_xk(x, 1, m->K, s->xq, s->xd, s->xs);
+    split_digits(s->xq, m->K, dg2_buf, dg2_buf + m->K);
+    Dg2Args a = {m->code, m->qs, m->N, m->K, dg2_buf, dg2_buf + m->K, s->xd, s->xs, out,
+                 piece_rows(m->N)};
+    pool_run(k45_digits2_chunk, &a, (m->N + a.rows - 1) / a.rows);
+    return 1;
+}
+#endif
+
+/* the kinds of runs with an fp16 scale (and maybe a min) each: q4, iq4nl, q8 */
+static inline int i8_kind(int code) {
+    return code == Q4 || code == Q8 || code == Q8M || code == IQ4NL;
+}
+static inline int blocks32(const PnMat *m) { return i8_kind(m->code) && m->bs == 32; }
+
 /* out[B, N] = x @ W.T through the integer products; 0 where they do not apply (the
  * caller then takes another path): K-quants at any B, q4 / q8 up to MAXB rows. */
 int pn_matmul_int(const PnMat *m, const float *x, int64_t B, const PnScratch *s, float *out) {
@@ -2573,6 +2914,11 @@ int pn_matmul_int(const PnMat *m, const float *x, int64_t B, const PnScratch *s,
             return 1;
         }
     }
+#else
+    if ((m->code == Q4K || m->code == Q5K) && B == 1 && DIGITS[0] && k45_digits2(m, x, s, out))
+        return 1;
+    if (m->code == Q6K && B == 1 && DIGITS[0] && q6k_digits2(m, x, s, out))
+        return 1;
 #endif
     if (is_k(m->code)) {
         pn_quantize_xk(x, B, m->K, s->xq, s->xd, s->xs);
@@ -2586,14 +2932,12 @@ int pn_matmul_int(const PnMat *m, const float *x, int64_t B, const PnScratch *s,
         return 1;
     }
 #if defined(PN_ZMM)
-    if ((m->code == Q4 || m->code == Q8 || m->code == Q8M) && m->bs == 32
-            && KTILE_MIN[1] > 0 && B >= KTILE_MIN[1]) {
+    if (blocks32(m) && KTILE_MIN[1] > 0 && B >= KTILE_MIN[1]) {
         gemm_b_tiled(m, x, B, s, out);
         return 1;
     }
 #endif
-    if ((m->code == Q4 || m->code == Q8 || m->code == Q8M) && B <= MAXB
-            && m->K / m->bs <= MAX_RUNS) {
+    if (i8_kind(m->code) && B <= MAXB && m->K / m->bs <= MAX_RUNS) {
         pn_quantize_x(x, B, m->K, s->xq, s->xd, s->xs, pn_pairs_x(m->code, m->bs, B));
         pn_gemv_i8(m->code, m->qs, m->sc, m->mn, m->N, m->K, m->bs, s->xq, s->xd, s->xs, B, out);
         return 1;
@@ -2609,12 +2953,10 @@ int pn_int_ok(const PnMat *m, int64_t B) {
 #endif
     if (is_k(m->code)) return 1;
 #if defined(PN_ZMM)
-    if ((m->code == Q4 || m->code == Q8 || m->code == Q8M) && m->bs == 32
-            && KTILE_MIN[1] > 0 && B >= KTILE_MIN[1])
+    if (blocks32(m) && KTILE_MIN[1] > 0 && B >= KTILE_MIN[1])
         return 1;                   /* the token lanes */
 #endif
-    return (m->code == Q4 || m->code == Q8 || m->code == Q8M) && B <= MAXB
-           && m->K / m->bs <= MAX_RUNS;
+    return i8_kind(m->code) && B <= MAXB && m->K / m->bs <= MAX_RUNS;
 }
 
 int pn_has_i8(void) { return 1; }

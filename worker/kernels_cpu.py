@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from ..common import settings
-from ..common.weight_format import K_BYTES     # bytes per super-block of 256, as stored
+from ..common.formats import NATIVE_KINDS
 from .qmatrix import QMatrix
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,12 @@ TILE_THREADS = 1
 # idle pool threads spin this long for the next projection before they sleep (a layer's
 # projections follow each other within tens of microseconds)
 POOL_SPIN_US = 200
-CODES = {"q4": 0, "q8": 1, "f16": 3, "bf16": 4, "q4k": 5, "q6k": 6, "q5k": 7, "q3k": 8, "q2k": 9}
+# kernels.c's code of each kind (q8 with a min: code 2); the file-layout kinds are super-
+# blocks of 256 read straight from the file's bytes (K_BYTES: their bytes)
+CODES = {"q4": 0, "q8": 1, "f16": 3, "bf16": 4, "q4k": 5, "q6k": 6, "q5k": 7, "q3k": 8, "q2k": 9,
+         "iq4xs": 10, "iq4nl": 11}
+K_BYTES = {kind: f.block_bytes for kind, f in NATIVE_KINDS.items()}
+assert set(K_BYTES) <= set(CODES), "a file-layout kind without a kernel code"
 SOURCE = Path(__file__).with_name("kernels.c")
 
 _lib = None
@@ -83,11 +88,30 @@ def _cpu_key() -> str:
     return flags
 
 
+# what each PANTHEON_ISA compiles for (settings.isa): avx2 is llama.cpp's AVX2 build's set
+# (AVX2, FMA, F16C, BMI2), tuned for this CPU; generic leaves every vector extension out
+ISA_FLAGS = {"native": ["-march=native"],
+             "avx2": ["-march=haswell", "-mtune=native"],
+             "generic": ["-march=x86-64", "-mtune=native"]}
+
+
+def isa_flags() -> list[str]:
+    """The compiler's target flags for PANTHEON_ISA; an error where this CPU cannot run
+    what they build (avx2 on a CPU without AVX2)."""
+    isa = settings.isa()
+    if isa == "avx2" and " avx2" not in _cpu_key():
+        raise KernelBuildError("PANTHEON_ISA=avx2: this CPU has no AVX2")
+    return ISA_FLAGS[isa]
+
+
 def build(force: bool = False) -> Path:
-    """Compile kernels.c for this CPU (once; cached by source and CPU flags)."""
+    """Compile kernels.c for this CPU (once; cached by source, CPU flags, compiler and
+    target)."""
     source = SOURCE.read_bytes()
     cc = settings.c_compiler()
-    key = hashlib.sha256(source + _cpu_key().encode() + cc.encode()).hexdigest()[:16]
+    flags = isa_flags()
+    key = hashlib.sha256(source + _cpu_key().encode() + cc.encode()
+                         + " ".join(flags).encode()).hexdigest()[:16]
     out = settings.cache_dir() / "kernels" / f"pantheon-kernels-{key}.so"
     if out.exists() and not force:
         return out
@@ -97,14 +121,14 @@ def build(force: bool = False) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so")
     os.close(fd)
-    cmd = [cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11",
+    cmd = [cc, "-O3", *flags, "-fopenmp", "-shared", "-fPIC", "-std=c11",
            "-o", tmp, str(SOURCE), "-lm"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         os.unlink(tmp)
         raise KernelBuildError(f"compiling {SOURCE.name} failed:\n{done.stderr[-2000:]}")
     os.replace(tmp, out)            # atomic: a concurrent builder sees all or nothing
-    log.info("compiled the CPU kernels: %s", out)
+    log.info("compiled the CPU kernels (%s): %s", settings.isa(), out)
     return out
 
 
@@ -321,7 +345,7 @@ def _check_weights(m: QMatrix) -> tuple:
             "QMatrix arrays must be C-contiguous NumPy arrays"
     assert scale.dtype == np.uint16 and minv.dtype == np.uint16, "scales are fp16 bits"
     assert m.cols % 32 == 0, "rows must be whole blocks of 32"
-    want = {"q4": (np.uint8, m.cols // 2), "q8": (np.int8, m.cols),
+    want = {"q4": (np.uint8, m.cols // 2), "iq4nl": (np.uint8, m.cols // 2), "q8": (np.int8, m.cols),
             "f16": (np.uint16, m.cols), "bf16": (np.uint16, m.cols)}[m.kind]
     assert m.qs.dtype == want[0] and m.qs.shape == (m.rows, want[1]), \
         f"{m.kind} qs must be {want[0].__name__} [{m.rows}, {want[1]}], got {m.qs.dtype} {m.qs.shape}"
@@ -349,7 +373,7 @@ def matmul(x: np.ndarray, m: QMatrix, path: str = "auto") -> np.ndarray:
         lib.pn_quantize_xk(_ptr(x), batch, m.cols, xq, xd, xs)
         lib.pn_gemv_k(code, qs, m.rows, m.cols, xq, xd, xs, batch, _ptr(out))
         return out
-    if path in ("auto", "i8") and batch <= GEMV_MAX_ROWS and m.kind in ("q4", "q8") \
+    if path in ("auto", "i8") and batch <= GEMV_MAX_ROWS and m.kind in ("q4", "q8", "iq4nl") \
             and HAS_INT_PATH[0] and m.cols // m.bs <= MAX_RUNS:
         xq, xd, xs = _scratch(batch, m.cols, 32)
         lib.pn_quantize_x(_ptr(x), batch, m.cols, xq, xd, xs, lib.pn_pairs_x(code, bs, batch))

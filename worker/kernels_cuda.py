@@ -156,7 +156,7 @@ __device__ __forceinline__ void load_scale(const unsigned short* __restrict__ sc
 }
 
 /* Dequantize group g of `row` into dst (the row's fp32 output), rounding as
-   qmatrix.dequantize does: q * s, then + m (no fused multiply-add). */
+   matrices.dequantize does: q * s, then + m (no fused multiply-add). */
 template <int KIND>
 __device__ __forceinline__ void dequant_group(WEIGHT_PARAMS, u64 row, int K, int sshift,
                                               int g, float* __restrict__ dst) {

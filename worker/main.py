@@ -39,13 +39,13 @@ from zmq.utils.monitor import recv_monitor_message
 
 from ..common import protocol as p
 from ..common import settings
+from ..common.formats import FormatError
 from ..common.gguf_file import forget_cached
 from ..common.keys import KeyPair, curve_client, is_local_address, server_public, worker_pair
 from ..common.model_file import ModelFileError
 from .device import Device, open_device
 from .constraint import summary
 from .engine import Engine, load_engine
-from .qmatrix import FormatError
 from .scheduler import Request
 from .spec import SpecConfig
 

@@ -27,14 +27,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..common.arch.stack import Rope
+from ..common.formats import FORMATS
 from ..common.gguf_file import open_gguf
 from ..common.model_file import ModelConfig, ModelFileError
 from ..common.regular_file import require_regular
-from ..common.weight_format import check_safetensors_size
-from . import qmatrix as qm
+from ..common.weight_format import QUANTIZE_MODES, check_safetensors_size
+from . import matrices as qm
 from .device import Device
 from .qmatrix import QMatrix
 from .quants import dequantize
@@ -115,11 +115,6 @@ def nbytes(item) -> int:
     return item.nbytes() if isinstance(item, QMatrix) else int(item.nbytes)
 
 
-# where the fp16 fields (scale, min) of one block of each quantized type lie: the only
-# floats such a block holds, so a NaN or Inf anywhere in its weights is one of these
-SCALE_OFFSETS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
-                 "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2),
-                 "Q6_K": (208,)}
 SCAN_BYTES = 1 << 24                     # a float tensor is scanned in pieces of this
 
 
@@ -129,10 +124,11 @@ def check_finite(name: str, raw: np.ndarray, type_name: str) -> None:
     high byte of each fp16 field (exponent all ones: NaN or Inf), a strided read of a few
     bytes per block (SmolLM2's file: about 10 ms)."""
     raw = raw.reshape(-1).view(np.uint8)
-    if type_name in SCALE_OFFSETS:
-        size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][1]
+    fmt = FORMATS.get(type_name)
+    if fmt is not None and fmt.fp16_fields:
+        size = fmt.block_bytes
         blocks = raw[:raw.size // size * size].reshape(-1, size)
-        for off in SCALE_OFFSETS[type_name]:
+        for off in fmt.fp16_fields:
             bad = np.flatnonzero((blocks[:, off + 1] & 0x7C) == 0x7C)
             if bad.size:
                 raise ModelFileError(f"tensor {name} holds NaN or Inf (the scale of its "
@@ -418,7 +414,7 @@ class Loader:
                 if isinstance(self.src, GGUFSource) and len(names) > 1:
                     for n in names:         # the copies read the file's pages back in
                         self.src.release(self.src.tensors[n])
-                parts = [p.to(xp) if xp is not np else p for p in parts]
+                parts = [qm.to_die(p, xp) if xp is not np else p for p in parts]
                 return parts[0] if len(parts) == 1 else parts
         return transposed(xp, self.src, names, self.device, self.device.weight_dtype)
 
@@ -431,8 +427,8 @@ def load_weights(path: str | Path, cfg: ModelConfig, device: Device, progress=No
     quantize: "auto" (GGUF blocks as stored, floats as stored), "q8_0" / "q4" (floats
     quantized at load), "none" (everything dequantized to dense fp32: the reference)."""
     from .layers import MIXERS, load_mlp
-    if quantize not in qm.QUANTIZE_MODES:
-        raise ValueError(f"quantize must be one of {', '.join(qm.QUANTIZE_MODES)}, "
+    if quantize not in QUANTIZE_MODES:
+        raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_MODES)}, "
                          f"not {quantize!r}")
     xp, d = device.xp, cfg.d_model
     src = open_source(Path(path), cfg, reader)

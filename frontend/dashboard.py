@@ -134,8 +134,12 @@ class Dashboard:
                            "generated_tokens": generated,
                            "cached_ratio": round(cached / prompt, 4) if prompt else None,
                            "history": window.history(model.name, now) if window else []})
+        servable = dict(self.known)        # served since start, and the catalog's
+        autoload = getattr(self.registry, "autoload", None)
+        if autoload is not None:
+            servable.update({e.name: e.path for e in autoload.catalog.entries.values()})
         available = [{"name": name, "path": path, "status": "available"}
-                     for name, path in sorted(self.known.items())
+                     for name, path in sorted(servable.items())
                      if name not in self.registry.models]
         return {"time": wall, "uptime_s": round(wall - self.started),
                 "readonly": self.mode != "on",

@@ -71,14 +71,20 @@ def test_the_page_is_served_with_a_strict_policy_and_its_data_takes_the_admin_ke
 
 
 @pytest.mark.parametrize("mode", ["readonly", "off"])
-def test_a_readonly_page_has_no_buttons_and_an_off_one_is_not_there(mode):
-    with Server("--ctx", "256", "--slots", "1", "--dashboard", mode) as srv:
+def test_a_readonly_page_has_no_buttons_and_an_off_one_is_not_there(mode, tmp_path):
+    """(And the catalog's models not loaded are listed, to be loaded from the page.)"""
+    import tiny_models as tm
+    tm.write_gguf("llama", tmp_path / "tiny-llama.gguf")
+    with Server("--ctx", "256", "--slots", "1", "--dashboard", mode,
+                "--model-dir", str(tmp_path)) as srv:
         page = httpx.get(srv.url + "/dashboard", timeout=10)
         data = httpx.get(srv.url + "/admin/dashboard", timeout=10)
         if mode == "off":
             assert page.status_code == 404 and data.status_code == 404
         else:
             assert page.status_code == 200 and data.json()["readonly"] is True
+            available = {m["name"]: m["path"] for m in data.json()["available"]}
+            assert available["tiny-llama"] == str(tmp_path / "tiny-llama.gguf")
 
 
 def test_a_bad_dashboard_mode_is_refused_at_start():

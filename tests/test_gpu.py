@@ -93,10 +93,10 @@ def test_the_kernels_tile_in_parts_and_refuse_what_they_cannot_read(die, monkeyp
     an empty batch, an unknown path, rows out of range, an unknown kind, K not a multiple
     of 8 and a block size the kernels lack are refused by name."""
     from pantheon.worker import kernels_cuda as kc
-    from pantheon.worker import qmatrix as qm
+    from pantheon.worker import matrices as qm
     xp = die().xp
     rng = np.random.default_rng(2)
-    m = qm.quantize(rng.standard_normal((48, 64)).astype(np.float32), "q8_0").to(xp)
+    m = qm.to_die(qm.quantize(rng.standard_normal((48, 64)).astype(np.float32), "q8_0"), xp)
     x = xp.asarray(rng.standard_normal((kc.GEMV_MAX_B + 8, 64)).astype(np.float32))
     want = xp.asnumpy(kc.matmul(x, m, "gemv"))
     monkeypatch.setattr(kc, "TILE_ELEMS", 16 * 64)          # three tiles of 16 rows

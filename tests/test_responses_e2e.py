@@ -74,6 +74,11 @@ def test_streamed_function_call(client):
     assert "".join(deltas) == done.arguments and "city" in json.loads(done.arguments)
     final = events[-1].response
     assert final.output[-1].type == "function_call" and final.output[-1].name == "get_weather"
+    after = client.responses.create(      # a streamed response is stored as a whole one is
+        model="m", previous_response_id=final.id, max_output_tokens=6,
+        input=[{"type": "function_call_output", "call_id": final.output[-1].call_id,
+                "output": "cold"}])
+    assert after.status in ("completed", "incomplete") and after.output_text
 
 
 def test_previous_response_id_reuses_the_prefix(client):

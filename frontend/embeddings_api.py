@@ -34,9 +34,20 @@ def _ids(value) -> bool:
         isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
 
 
-def parse_inputs(data: dict, limits) -> list:
+def parse_request(body: bytes, limits) -> tuple[dict, list]:
+    """(the body, `input` as a list of strings and token-id lists); 400 naming the bad
+    field or entry (a preparer thread: a list of ids can be megabytes)."""
+    data = parse_json(body)
+    if data.get("encoding_format", "float") not in ("float", "base64", None):
+        raise _bad("encoding_format", 'encoding_format must be "float" or "base64"')
+    for name in ("model", "cache_salt"):
+        if data.get(name) is not None and not isinstance(data[name], str):
+            raise _bad(name, f"{name} must be a string")
+    return data, parse_inputs(data.get("input"), limits)
+
+
+def parse_inputs(raw, limits) -> list:
     """`input` as a list of strings and token-id lists; 400 naming the bad entry."""
-    raw = data.get("input")
     if isinstance(raw, str) or _ids(raw):
         inputs = [raw]
     elif isinstance(raw, list) and raw:
@@ -113,13 +124,9 @@ class EmbeddingsService:
         chat = self.chat
         body = await read_body(request, chat.max_body_bytes)
         deadline = chat.preparer.deadline()
-        data = await chat.preparer.run(deadline, parse_json, body, size=len(body))
-        inputs = parse_inputs(data, chat.limits)
+        data, inputs = await chat.preparer.run(deadline, parse_request, body, chat.limits,
+                                               size=len(body))
         fmt = data.get("encoding_format") or "float"
-        if fmt not in ("float", "base64"):
-            raise _bad("encoding_format", 'encoding_format must be "float" or "base64"')
-        if data.get("model") is not None and not isinstance(data["model"], str):
-            raise _bad("model", "model must be a string")
         model = chat.registry.resolve(data.get("model"))
         dims = data.get("dimensions")
         width = model.config.d_model
@@ -127,8 +134,6 @@ class EmbeddingsService:
                                  or not 1 <= dims <= width):
             raise _bad("dimensions", f"dimensions must be an integer in [1, {width}]")
         salt = data.get("cache_salt")
-        if salt is not None and not isinstance(salt, str):
-            raise _bad("cache_salt", "cache_salt must be a string")
         prompts = await chat.preparer.run(deadline, tokenize, model, inputs, model.context(),
                                           size=len(body))
         pooling = self.pooling_for(model)

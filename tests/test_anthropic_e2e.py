@@ -32,7 +32,7 @@ def client(agent_server):
 
 
 def test_create_and_stream_agree(client):
-    kw = dict(model="m", max_tokens=24, extra_body=T0, messages=HELLO,
+    kw = dict(model="m", max_tokens=12, extra_body=T0, messages=HELLO,
               system=[{"type": "text", "text": "You are terse."}])
     whole = client.messages.create(**kw)
     assert whole.type == "message" and whole.role == "assistant"
@@ -61,7 +61,7 @@ def test_tool_use_round_trip(client):
     messages += [{"role": "assistant", "content": [b.model_dump() for b in first.content]},
                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
                                                "content": "18 C and sunny"}]}]
-    second = client.messages.create(model="m", max_tokens=30, extra_body=T0,
+    second = client.messages.create(model="m", max_tokens=10, extra_body=T0,
                                     messages=messages, tools=[WEATHER],
                                     tool_choice={"type": "none"})
     assert second.stop_reason in ("end_turn", "max_tokens")
@@ -144,7 +144,7 @@ def test_sdk_raises_bad_request_and_the_server_lives_on(client):
 
 def test_langchain_chat_anthropic(server):
     from langchain_anthropic import ChatAnthropic
-    llm = ChatAnthropic(model="m", base_url=server.url, api_key=KEY, max_tokens=20,
+    llm = ChatAnthropic(model="m", base_url=server.url, api_key=KEY, max_tokens=8,
                         temperature=0, max_retries=0)
     reply = llm.invoke("What is the capital of France?")
     assert isinstance(reply.content, str) and reply.content

@@ -79,3 +79,16 @@ def test_pooling_needs_a_model_that_pools():
     sched = Scheduler(PoolingFake(), n_slots=1, ctx=32)
     with pytest.raises(ValueError):
         sched.add(Request("a", [1, 2], pooling="mean"))
+
+
+def test_the_wire_carries_pooling_and_the_embedding():
+    from pantheon.common import limits as lim
+    from pantheon.common import protocol as p
+    gen = p.Generate("r", "m", [1, 2], p.Sampling(), 1, pooling="mean")
+    assert p.decode(p.encode(gen)) == gen
+    out = p.Outputs([p.Tokens("r", [], "stop", 2, 0, 0, [], [0.25, -1.5, 3.0])])
+    assert p.decode(p.encode(out), lim.FROM_WORKER) == out
+    with pytest.raises(p.ProtocolError):            # bounded like every string field
+        p.decode(p.encode(p.Generate("r", "m", [1], p.Sampling(), 1, pooling="x" * 9)))
+    with pytest.raises(p.ProtocolError):            # floats, nothing else
+        p.decode(p.encode(p.Tokens("r", [], "stop", embedding=["a"])))

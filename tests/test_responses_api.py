@@ -1,4 +1,4 @@
-"""frontend/responses_api.py and response_store.py alone: input items → chat turns, the
+"""frontend/responses_api.py, responses_renderer.py and response_store.py alone: input items → chat turns, the
 emitter's events → output items and typed events (streamed equals whole), and the store's
 ttl and size bound (a fake clock)."""
 import json
@@ -10,8 +10,8 @@ from pantheon.frontend.emitter import Event
 from pantheon.frontend.errors import APIError
 from pantheon.frontend.limits import RequestLimits
 from pantheon.frontend.response_store import ResponseStore
-from pantheon.frontend.responses_api import (ResponsesRenderer, chat_for,
-                                             parse_responses_request)
+from pantheon.frontend.responses_api import chat_for, parse_responses_request
+from pantheon.frontend.responses_renderer import ResponsesRenderer
 
 TOOL = {"type": "function", "name": "get_weather",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}

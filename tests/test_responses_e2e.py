@@ -27,7 +27,7 @@ def client(agent_server):
 
 def test_create_and_stream_agree(client):
     kw = dict(model="m", input="What is the capital of France?", instructions="Be terse.",
-              max_output_tokens=24, temperature=0)
+              max_output_tokens=12, temperature=0)
     whole = client.responses.create(**kw)
     assert whole.id.startswith("resp_") and whole.object == "response"
     assert whole.status in ("completed", "incomplete") and whole.output_text
@@ -52,14 +52,14 @@ def test_function_call_round_trip(client):
     assert call.call_id.startswith("call_")
     # the whole conversation sent again, as a stateless client does
     second = client.responses.create(
-        model="m", tools=[WEATHER], tool_choice="none", temperature=0, max_output_tokens=30,
+        model="m", tools=[WEATHER], tool_choice="none", temperature=0, max_output_tokens=10,
         input=[{"role": "user", "content": "What is the weather in Paris?"}, call.model_dump(),
                {"type": "function_call_output", "call_id": call.call_id,
                 "output": "18 C and sunny"}])
     assert second.output_text and not [i for i in second.output if i.type == "function_call"]
     # and continued from the stored response instead
     third = client.responses.create(
-        model="m", previous_response_id=first.id, temperature=0, max_output_tokens=30,
+        model="m", previous_response_id=first.id, temperature=0, max_output_tokens=10,
         input=[{"type": "function_call_output", "call_id": call.call_id,
                 "output": "18 C and sunny"}])
     assert third.output_text and third.previous_response_id == first.id
@@ -74,15 +74,20 @@ def test_streamed_function_call(client):
     assert "".join(deltas) == done.arguments and "city" in json.loads(done.arguments)
     final = events[-1].response
     assert final.output[-1].type == "function_call" and final.output[-1].name == "get_weather"
+    after = client.responses.create(      # a streamed response is stored as a whole one is
+        model="m", previous_response_id=final.id, max_output_tokens=6,
+        input=[{"type": "function_call_output", "call_id": final.output[-1].call_id,
+                "output": "cold"}])
+    assert after.status in ("completed", "incomplete") and after.output_text
 
 
 def test_previous_response_id_reuses_the_prefix(client):
     first = client.responses.create(model="m", input="My name is Ada. Say hello.",
                                     instructions="You are a friendly assistant.",
-                                    max_output_tokens=16, temperature=0)
+                                    max_output_tokens=8, temperature=0)
     second = client.responses.create(model="m", previous_response_id=first.id,
                                      instructions="You are a friendly assistant.",
-                                     input="What is my name?", max_output_tokens=16,
+                                     input="What is my name?", max_output_tokens=8,
                                      temperature=0)
     assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens - 4
     assert second.usage.input_tokens_details.cached_tokens > first.usage.input_tokens // 2

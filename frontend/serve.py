@@ -134,8 +134,11 @@ async def serve(cfg: ServeConfig) -> int:
         registry.add(model, die=None)
         if cfg.spec == "draft":          # a draft that cannot serve this model: exit 1 now
             target = weight_bytes(path, cfg.quantize)
-            speculation.check_draft(model.config, cfg.draft_model, target,
-                                    weight_bytes(cfg.draft_model, cfg.quantize))
+            try:
+                speculation.check_draft(model.config, cfg.draft_model, target,
+                                        weight_bytes(cfg.draft_model, cfg.quantize))
+            except ValueError as exc:
+                raise ValueError(str(exc).replace("spec.draft", "--draft-model", 1)) from None
     model_dirs = ModelDirs(cfg.model_dirs) if cfg.model_dirs else \
         ModelDirs.default(settings.cache_dir(), [path for path, _ in cfg.models]
                           + ([cfg.draft_model] if cfg.draft_model else []))

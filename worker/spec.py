@@ -272,7 +272,8 @@ class Speculator:
                 s.idle += 1
                 if self.proposer.free:
                     shadows.append(s)
-                elif s.idle >= s.probe:
+                elif s.idle >= s.probe and price is not None and price < 1.0:
+                    # (at a price of 1 or more not even a sure token pays for its row)
                     k, s.idle, s.probe = 1, 0, min(2 * s.probe, self.MAX_PROBE)
                     asks.append((s, k))
                 continue

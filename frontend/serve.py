@@ -145,8 +145,11 @@ async def serve(cfg: ServeConfig) -> int:
             registry.add(model, die=None)
         if cfg.spec == "draft":          # a draft that cannot serve this model: exit 1 now
             target = weight_bytes(path, cfg.quantize)
-            speculation.check_draft(model.config, cfg.draft_model, target,
-                                    weight_bytes(cfg.draft_model, cfg.quantize))
+            try:
+                speculation.check_draft(model.config, cfg.draft_model, target,
+                                        weight_bytes(cfg.draft_model, cfg.quantize))
+            except ValueError as exc:
+                raise ValueError(str(exc).replace("spec.draft", "--draft-model", 1)) from None
     catalog = await asyncio.to_thread(cfg.lifecycle.catalog, cfg.models, cfg.model_dirs)
     policy = cfg.lifecycle.policy(catalog, [name or Path(path).stem for path, name in cfg.models])
     model_dirs = ModelDirs(cfg.model_dirs) if cfg.model_dirs else \

@@ -106,8 +106,8 @@ def test_models_list_shows_the_catalogue_and_the_cache(tmp_path):
     assert lines[1].split()[:3] == ["smollm2-135m", "not", "cached"]
     assert lines[2].split()[-1] == str(tmp_path / "cache" / "models" /
                                        "Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf")
-    assert "1117.3 MB" in lines[2] and "253.1 MB" in lines[3]
-    assert lines[4].split()[:3] == ["qwen2.5-coder-0.5b", "not", "cached"]
+    assert "1117.3 MB" in lines[2] and "253.1 MB" in lines[3] and "491.4 MB" in lines[4]
+    assert lines[4].split()[0] == "qwen2.5-coder-0.5b"
     assert lines[5].split() == ["-", "other", "2.0", "MB", str(tmp_path / "cache/models/mine.gguf")]
 
 

@@ -128,9 +128,13 @@ def test_a_bad_prediction_is_a_400(srv):
     assert r.status_code == 400 and r.json()["error"]["param"] == "prediction"
 
 
-@pytest.mark.parametrize("flags, says", [(["--spec", "eagle"], "--spec must be one of ngram"),
-                                         (["--spec", "ngram", "--spec-k", "0"], "--spec-k")])
-def test_bad_flags_exit_1(flags, says):
+@pytest.mark.parametrize("flags, says", [
+    (["--spec", "eagle"], "--spec must be one of ngram, draft"),
+    (["--spec", "ngram", "--spec-k", "0"], "--spec-k"),
+    (["--spec", "draft"], "--draft-model (the draft model's path) is required"),
+    (["--spec", "draft", "--draft-model", "TINY"], "--draft-model: the draft's vocabulary")])
+def test_bad_flags_exit_1(flags, says, tiny):
+    flags = [tiny["f32"] if f == "TINY" else f for f in flags]
     proc = subprocess.run([sys.executable, "-m", "pantheon.cli", "serve", "--port", "0",
                            *flags], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and says in proc.stderr and "Traceback" not in proc.stderr

@@ -117,6 +117,7 @@ class Slot:
     adaptive: Adaptive | None = None
     shadow: int | None = None        # the token prompt lookup would have proposed, unverified
     idle: int = 0                    # steps since it last proposed
+    probe: int = 8                   # steps without proposals before a probe (Speculator)
 
     @property
     def cached(self) -> int:
@@ -226,7 +227,7 @@ class Scheduler:
         slot.history = list(req.prompt[:reuse])
         slot.feed, slot.generated, slot.reused = list(req.prompt[reuse:]), 0, reuse
         slot.adaptive = Adaptive() if self.spec else None
-        slot.idle, slot.shadow, slot.proposal = 0, None, []
+        slot.idle, slot.probe, slot.shadow, slot.proposal = 0, Speculator.PROBE, None, []
         self.by_id[req.id] = slot
         source, shared = self.fork_source(slot, prompt)
         if source is not None and shared > reuse and req.pooling != "mean":

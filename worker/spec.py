@@ -245,8 +245,8 @@ class Speculator:
     The scheduler calls `propose` before a step's forward, `verify` on its logits and
     `settle` on each slot's run; slots carry `proposal`, `shadow`, `idle`, `adaptive`."""
 
-    PROBE = 8    # a sequence proposing nothing tries one token every PROBE steps (a
-                 # draft: a shadow proposal would cost a forward)
+    PROBE = 8    # a sequence proposing nothing tries one token after PROBE steps, then
+    MAX_PROBE = 512  # after twice as many each time (a draft's shadow would cost a forward)
 
     def __init__(self, spec: SpecConfig, proposer=None, clock=time.perf_counter):
         self.spec, self.clock = spec, clock
@@ -272,10 +272,13 @@ class Speculator:
                 s.idle += 1
                 if self.proposer.free:
                     shadows.append(s)
-                elif s.idle >= self.PROBE:
-                    k, s.idle = 1, 0
+                elif s.idle >= s.probe and price is not None and price < 1.0:
+                    # (at a price of 1 or more not even a sure token pays for its row)
+                    k, s.idle, s.probe = 1, 0, min(2 * s.probe, self.MAX_PROBE)
+                    asks.append((s, k))
+                continue
             if k:
-                s.idle = 0
+                s.idle, s.probe = 0, self.PROBE
                 asks.append((s, k))
         found = self.proposer.propose_many(
             [(s.index, s.history + s.feed[:1], k, s.request.prediction) for s, k in asks]

@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: serve test install model bench gpu-check clean
+.PHONY: serve test install model bench gpu-check docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,8 +43,12 @@ bench: model
 	$(BIN)/pantheon bench engine
 
 # On a machine with an NVIDIA GPU: CuPy, the gpu tests, both benchmarks, one JSON line
+# the reference in docs/ as a site (MkDocs, Material theme) in site/
+docs: $(TEST_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 gpu-check: $(TEST_STAMP) model
 	$(BIN)/python -m pantheon.bench.gpu_check
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build site *.egg-info

@@ -1,7 +1,7 @@
 """Every environment variable Pantheon reads, read here and nowhere else; and every
 default a flag, a config object or a message field starts from, defined here once.
 
-Each variable is documented in the README's configuration table, each default in its
+Each variable is documented in docs/configuration.md, each default in its
 flag table.
 """
 from __future__ import annotations

@@ -155,7 +155,7 @@ def add_lifecycle_arguments(serve: argparse.ArgumentParser) -> None:
 
 
 def add_security_arguments(serve: argparse.ArgumentParser) -> None:
-    """`serve`'s guards off loopback and its bounds on clients (README "Security")."""
+    """`serve`'s guards off loopback and its bounds on clients (docs/security.md)."""
     s = settings
     serve.add_argument("--keys", metavar="DIR", help="CURVE on the worker link and the admin "
                        "socket: a folder from `pantheon keys generate` (env "

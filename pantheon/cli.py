@@ -133,7 +133,7 @@ def comma_list(text: str) -> list[str]:
 
 
 def add_lifecycle_arguments(serve: argparse.ArgumentParser) -> None:
-    """`serve`'s catalog and model lifecycle (README "Models on demand")."""
+    """`serve`'s catalog and model lifecycle (docs/models.md, "Models on demand")."""
     serve.add_argument("--alias", action="append", metavar="NAME=PATH",
                        help="one more name for a model file or folder (or for a catalog "
                             "name); repeatable")

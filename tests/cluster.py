@@ -55,6 +55,20 @@ def _ephemeral_low() -> int:
 
 _LOW = 12000
 _HIGH = max(_LOW + 1000, min(_ephemeral_low(), 32768))
+
+
+def _worker_slice(low: int, high: int) -> tuple[int, int]:
+    """Under pytest-xdist each worker process takes its own part of the range, so two
+    workers never hand out the same port between its check and the server's bind."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    if not worker.startswith("gw") or count < 2:
+        return low, high
+    index, width = int(worker[2:]), (high - low) // count
+    return low + index * width, low + (index + 1) * width
+
+
+_LOW, _HIGH = _worker_slice(_LOW, _HIGH)
 _next = [_LOW + os.getpid() % (_HIGH - _LOW)]
 
 

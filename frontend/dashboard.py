@@ -98,18 +98,15 @@ class Dashboard:
         window = self.metrics.window if self.metrics else None
         dies = []
         for d in self.admin.die_table.snapshot():
-            held = [r for _, r in self.registry.replicas() if r.die == d.die]
-            weights = sum(r.weight_bytes for r in held if r.state == ReplicaState.READY)
-            row = d.as_json()
+            weights = sum(r.weight_bytes for _, r in self.registry.replicas()
+                          if r.die == d.die and r.state == ReplicaState.READY)
+            row = d.as_json()                    # its "models": each replica and its state
             row.pop("pid", None)
             dies.append({**row, "weight_bytes": weights,
                          "kv_bytes": max(0, d.reserved - weights),
                          "restarts": self.pool.losses.get(d.die, 0),
                          "busy": busy.get(d.die, {}).get("busy", 0),
-                         "slots": busy.get(d.die, {}).get("slots", 0),
-                         "replicas": [f"{name} ({r.state})" for name, r in
-                                      ((m.name, r) for m in self.registry.models.values()
-                                       for r in m.replicas) if r.die == d.die]})
+                         "slots": busy.get(d.die, {}).get("slots", 0)})
         per_model = {m["name"]: m for m in top["models"]}
         models = []
         for model in self.registry.models.values():

@@ -74,7 +74,7 @@ function renderDies(dies) {
          `${d.restarts} restart${d.restarts === 1 ? "" : "s"}`)),
     el("td", {}, memoryBar(d)),
     el("td", {class: "num"}, `${d.busy} / ${d.slots}`),
-    el("td", {}, d.replicas.join(", ") || "–"))));
+    el("td", {}, d.models.join(", ") || "–"))));
   const pick = $("load-die"), chosen = pick.value;
   pick.replaceChildren(el("option", {value: ""}, "auto"),
     ...dies.map((d) => el("option", {value: d.die}, d.die)));

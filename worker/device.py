@@ -84,6 +84,24 @@ class Device:
         return total, free
 
 
+M_MMAP_THRESHOLD = -3                # mallopt's parameter number (glibc's malloc.h)
+MMAP_THRESHOLD = 4 << 20             # blocks this large and larger: their own mappings
+
+
+def pin_mmap_threshold() -> None:
+    """Fix glibc's mmap threshold at 4 MiB. Left dynamic, each freed mapped block raises
+    it (up to 32 MiB), so a later model's buffers of that size land in the heap, where
+    malloc_trim cannot always give them back: an unload then kept ~30 MB once in a few
+    load / unload cycles. A step's temporaries stay below it, in the heap as before."""
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+
+
 def trim_heap() -> None:
     """malloc_trim(0): glibc returns the free pages of every heap to the OS (a no-op
     where the C library is not glibc)."""
@@ -149,6 +167,7 @@ def open_device(die: str, fp16: bool | None = None) -> Device:
     """`die` as common/die_spec.py reads it: "cpu", "cpu:1", a CUDA ordinal as text
     ("0", "1", ...), "emu:0" or "emu:0:2G"."""
     spec = parse_die(die)
+    pin_mmap_threshold()
     if spec.kind == "cpu":
         return cpu_device()
     if spec.kind == "emu":

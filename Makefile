@@ -45,11 +45,11 @@ test: $(TEST_STAMP) model
 bench: model
 	$(BIN)/pantheon bench engine
 
-# On a machine with an NVIDIA GPU: CuPy, the gpu tests, both benchmarks, one JSON line
 # the reference in docs/ as a site (MkDocs, Material theme) in site/
 docs: $(TEST_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
+# On a machine with an NVIDIA GPU: CuPy, the gpu tests, both benchmarks, one JSON line
 gpu-check: $(TEST_STAMP) model
 	$(BIN)/python -m pantheon.bench.gpu_check
 

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not cached_path().exists(), reason="default mode
 SMOL = str(cached_path())
 KEY = "admin-secret"
 NAME = "SmolLM2-135M-Instruct"
-NO_EOS = {"2": -100}
+NO_EOS = {"2": -100, "0": -100}
 
 
 @pytest.fixture(scope="module")

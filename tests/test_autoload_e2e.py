@@ -21,7 +21,7 @@ from pantheon.frontend.dies import replica_bytes
 
 pytestmark = pytest.mark.skipif(not cached_path().exists(), reason="default model not fetched")
 SLOTS, CTX = 2, 256
-NO_EOS = {"2": -100}
+NO_EOS = {"2": -100, "0": -100}
 HI = [{"role": "user", "content": "hi"}]
 
 

@@ -13,7 +13,7 @@ from pantheon.common.default_model import cached_path
 REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "smollm2-reference.json"
 pytestmark = pytest.mark.skipif(not cached_path().exists() or not REFERENCE.exists(),
                                 reason="default model or reference data missing")
-NO_EOS = {"2": -100}
+NO_EOS = {"2": -100, "0": -100}
 
 
 @pytest.fixture(scope="module")

@@ -162,7 +162,7 @@ def test_a_template_that_opens_think_starts_the_reply_as_reasoning(tmp_path):
                 "--ctx", "128") as srv:
         client = srv.client()
         kw = dict(model="thinker", messages=[{"role": "user", "content": "hi"}],
-                  max_tokens=12, temperature=0, logit_bias={"2": -100})
+                  max_tokens=12, temperature=0, logit_bias={"2": -100, "0": -100})
         message = client.chat.completions.create(**kw).choices[0].message
         reasoning = message.model_extra["reasoning_content"]
         assert reasoning and message.model_extra["reasoning"] == reasoning

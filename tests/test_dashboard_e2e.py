@@ -189,7 +189,7 @@ def test_the_page_in_chromium_shows_the_server_and_drives_it(server, browser, tm
     r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
                    headers={"Authorization": f"Bearer {API}"},
                    json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
-                         "logit_bias": {"2": -100}})
+                         "logit_bias": {"2": -100, "0": -100}})
     assert r.status_code == 200, r.text
     wait(drv, lambda d: int(cell_text(d, row + " td.tokens") or 0) >= before + 4)
 

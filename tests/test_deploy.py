@@ -83,7 +83,7 @@ def test_supervisord_runs_and_restarts_the_cluster(tmp_path):
         r = httpx.post(url + "/v1/chat/completions", json=chat, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
         # stopping supervisord drains: the frontend stops first, its stream completes
-        stream = {**chat, "max_tokens": 40, "stream": True, "logit_bias": {"2": -100},
+        stream = {**chat, "max_tokens": 40, "stream": True, "logit_bias": {"2": -100, "0": -100},
                   "stream_options": {"include_usage": True}}
         with httpx.stream("POST", url + "/v1/chat/completions", json=stream,
                           timeout=60) as r:

@@ -128,11 +128,11 @@ def test_serve_chats_on_the_cpu_and_the_emulated_die(server):
             assert r.status_code == 200, r.text
         out = client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "hello there"}],
-            max_tokens=8, temperature=0, logit_bias={"2": -100})
+            max_tokens=8, temperature=0, logit_bias={"2": -100, "0": -100})
         replies.add(out.choices[0].message.content)
         stream = client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "hello there"}],
-            max_tokens=8, temperature=0, logit_bias={"2": -100}, stream=True)
+            max_tokens=8, temperature=0, logit_bias={"2": -100, "0": -100}, stream=True)
         replies.add("".join(c.choices[0].delta.content or "" for c in stream if c.choices))
     assert len(replies) == 1
     (model,) = admin(server, "models").json()["models"]

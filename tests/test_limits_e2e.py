@@ -17,7 +17,7 @@ from pantheon.frontend.limits import BoundedHttp, ConnectionLimits, RequestLimit
 
 pytestmark = pytest.mark.skipif(not cached_path().exists(), reason="default model not fetched")
 QUESTION = [{"role": "user", "content": "Tell me a long story about a lighthouse."}]
-NO_EOS = {"2": -100}
+NO_EOS = {"2": -100, "0": -100}
 
 
 @pytest.fixture(scope="module")

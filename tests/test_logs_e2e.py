@@ -85,7 +85,7 @@ def test_log_prompts_puts_the_prompt_in_the_access_line(text_logs):
 
 
 def test_a_stream_its_client_abandoned_is_logged_as_499_with_the_tokens_sent(text_logs):
-    body = {**CHAT, "max_tokens": 200, "stream": True, "logit_bias": {"2": -100}}
+    body = {**CHAT, "max_tokens": 200, "stream": True, "logit_bias": {"2": -100, "0": -100}}
     with httpx.stream("POST", text_logs.url + "/v1/chat/completions", json=body, timeout=60,
                       headers={"X-Request-Id": "gone-1"}) as s:
         assert s.status_code == 200

@@ -12,7 +12,7 @@ from pantheon.common.default_model import cached_path
 pytestmark = pytest.mark.skipif(not cached_path().exists(), reason="default model not fetched")
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-NO_EOS = {"2": -100}      # SmolLM2's <|im_end|>: banned, so a reply runs to max_tokens
+NO_EOS = {"2": -100, "0": -100}      # SmolLM2's <|im_end|> and <|endoftext|>: banned, so a reply runs to max_tokens
 
 
 @pytest.fixture(scope="module")

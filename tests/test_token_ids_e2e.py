@@ -43,7 +43,7 @@ def streamed(srv, path, **body):
 def test_completions_return_the_prompt_and_the_generated_ids(server, arch):
     prompt = tm.GOLDEN_TOKENS[0]
     body = post(server, "completions", model=arch, prompt=prompt, max_tokens=6,
-                temperature=0, return_token_ids=True, logit_bias={"2": -100})
+                temperature=0, return_token_ids=True, logit_bias={"2": -100, "0": -100})
     (choice,) = body["choices"]
     assert choice["prompt_token_ids"] == prompt
     ids = choice["token_ids"]
@@ -51,14 +51,14 @@ def test_completions_return_the_prompt_and_the_generated_ids(server, arch):
     # greedy: the first id is the argmax of the reference logits after the prompt
     assert ids[0] == int(tm.load_golden(arch)[0][-1].argmax())
     chunks = streamed(server, "completions", model=arch, prompt=prompt, max_tokens=6,
-                      temperature=0, return_token_ids=True, logit_bias={"2": -100})
+                      temperature=0, return_token_ids=True, logit_bias={"2": -100, "0": -100})
     assert chunks[0]["choices"][0]["prompt_token_ids"] == prompt
     assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == ids
 
 
 def test_chat_returns_prompt_ids_once_and_each_chunk_the_ids_it_adds(server):
     body = dict(model="llama", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
-                temperature=0, return_token_ids=True, n=2, logit_bias={"2": -100})
+                temperature=0, return_token_ids=True, n=2, logit_bias={"2": -100, "0": -100})
     whole = post(server, "chat/completions", **body)
     assert len(whole["prompt_token_ids"]) == whole["usage"]["prompt_tokens"]
     assert [len(c["token_ids"]) for c in whole["choices"]] == [5, 5]

@@ -14,7 +14,7 @@ from pantheon.common.default_model import cached_path
 pytestmark = pytest.mark.skipif(not cached_path().exists(), reason="default model not fetched")
 
 QUESTION = [{"role": "user", "content": "Tell me a long story."}]
-NO_EOS = {"2": -100}
+NO_EOS = {"2": -100, "0": -100}
 
 
 def long_stream(server):

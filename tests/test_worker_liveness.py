@@ -25,7 +25,7 @@ from pantheon.common.default_model import cached_path
 
 pytestmark = pytest.mark.skipif(not cached_path().exists(), reason="default model not fetched")
 
-NO_EOS = {"2": -100}
+NO_EOS = {"2": -100, "0": -100}
 WEATHER = [{"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {
         "city": {"type": "string"}}, "required": ["city"]}}}]

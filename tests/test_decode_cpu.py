@@ -166,14 +166,6 @@ def test_a_step_of_17_decodes_runs_the_c_layers_where_a_kernel_takes_it(tmp_path
     assert counted[0] > 2 * 2
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "qwen35"])
-def test_other_blocks_keep_the_python_layers(tmp_path, arch):
-    """Gemma 3's post-norms and GeGLU, Qwen3.5's gated attention and recurrent layers."""
-    path = tm.write_gguf(arch, tmp_path / f"{arch}.gguf", tensor_type="Q8_0")
-    engine = load_engine(path, n_slots=2, ctx=64)
-    assert engine.model.decode_c is not None and not engine.model.decode_c.layers
-
-
 def test_fp32_models_keep_the_python_layers(tmp_path):
     path = tm.write_gguf("llama", tmp_path / "l.gguf", tensor_type="Q8_0")
     assert load_engine(path, n_slots=2, ctx=64, quantize="none").model.decode_c is None

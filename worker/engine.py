@@ -145,6 +145,9 @@ def load_engine(path: str | Path, die: str | Device = "cpu", n_slots: int = 8,
              engine.load_seconds, weights.nbytes() / 1e6,
              ", ".join(f"{n} {k}" for k, n in sorted(weights.formats().items())),
              model.state.nbytes / 1e6)
+    if model.decode_c is not None:      # which decode layers run fused in C, and why not
+        for line in model.decode_c.describe():
+            log.info("decode layers of %s: %s", Path(path).name, line)
     if spec is not None and spec.on:
         if engine.scheduler.spec is None:
             log.info("speculation (%s) is off for %s: its recurrent layers' state cannot be "

@@ -3405,24 +3405,38 @@ void pn_copy(void *dst, const void *src, int64_t n) {
     pool_run(copy_piece, &a, (n + a.piece - 1) / a.piece);
 }
 
-/* -- a decode step's attention layer in one call (worker/layers/decode_cpu.py) --------
- * Everything between two layers of a step whose spans are all single tokens, in the
- * order and with the kernels the Python layer calls one by one (so the results are the
- * same bits): norm, qkv product (+ bias), q/k norms, rotary, the cache write and
- * attention, output product, residual, norm, gate|up product, silu * up, down product,
- * residual. A projection is up to 3 matrices whose outputs are concatenated. */
+/* -- a decode step's layer in one call, built from the block's spec --------------------
+ * (worker/layers/decode_cpu.py) Everything between two layers of a step whose spans are
+ * all single tokens, in the order and with the kernels the Python layer calls one by one:
+ * norm, the mixer, [post-norm], residual, norm, gate|up product, act(gate) * up, down
+ * product, [post-norm], residual. The mixer is softmax attention (qkv product + bias,
+ * q/k norms, rotary on the first 2 * half dims, the cache write and attention within the
+ * query's window, [output * sigmoid(gate)], output product) or a Gated DeltaNet decode
+ * update (in product, conv step, gated delta rule, gated norm, out product). A projection
+ * is up to 3 matrices whose outputs are concatenated. The llama-shaped layer keeps the
+ * Python layer's bits; the other features agree to float32 rounding (tanh, exp). */
 typedef struct {
     const PnMat *qkv[3], *o[3], *gu[3], *down[3];
     const float *bqkv, *norm1, *norm2, *q_norm, *k_norm;   /* bqkv, q/k norms: or NULL */
     float eps, scale;
     int64_t D, Hq, Hkv, hd, d_ff, half;
     void *K, *V; int64_t ctx, kv16;                        /* the layer's caches (fp16: kv16) */
+    /* the spec's flags (0 / NULL: a llama block) */
+    const float *post1, *post2;       /* post-mixer / post-MLP norms (Gemma 3) */
+    int64_t gelu;                     /* the MLP's gate: 0 SiLU, 1 tanh-GELU */
+    int64_t gated;                    /* q rows per head are [query | gate]: out * sigmoid(gate) */
+    int64_t mixer;                    /* 0 attention, 1 Gated DeltaNet (the fields below) */
+    const PnMat *ba[3];               /* [beta | alpha] rows */
+    const float *conv, *dt, *a, *ssm_norm;     /* [C, kconv], [nv], [nv], [dv] */
+    float *conv_state, *ssm_state;    /* [slots, kconv - 1, C], [slots, nv, dk, dv] */
+    int64_t nk, nv, dk, dv, kconv, tiled;      /* tiled: value head h reads key head h % nk */
 } PnLayer;
 
 typedef struct {                  /* one step: its queries and scratch rows */
     int64_t B; const int64_t *slots, *last;
     float *h, *qkv, *part, *qn, *kn, *qr, *kr, *attn, *y, *gu, *act;
     PnScratch s;
+    float *ba, *conv;                                      /* DeltaNet: [B, 2 nv], [B, C] */
 } PnStep;
 
 static int proj(const PnMat *const *parts, const float *x, int64_t B, const PnScratch *s,
@@ -3443,34 +3457,149 @@ static void add_rows(float *restrict x, const float *restrict y, int64_t n) {
     for (int64_t i = 0; i < n; i++) x[i] += y[i];
 }
 
-/* x [B, D] updated in place; `first` [B]: each query's first key position (its window),
- * cos, sin [B, half]. 0 where a product was not taken (pn_int_ok said it would be). */
-int pn_decode_layer(const PnLayer *L, const PnStep *S, const int64_t *first,
-                    const float *cos_, const float *sin_, float *x) {
-    const int64_t B = S->B, D = L->D, hd = L->hd, qd = L->Hq * hd, kvd = L->Hkv * hd;
-    const int64_t N = qd + 2 * kvd;
-    pn_rms_norm(x, B, D, D, L->norm1, L->eps, S->h);
+/* sigmoid and SiLU as ops.py writes them (through tanh: no overflow) */
+static inline float sigmoidf_(float x) { return 0.5f + 0.5f * tanhf(0.5f * x); }
+
+/* out[b, i] = gelu_tanh(g[b, i]) * g[b, F + i] (gate | up, fused), ops.py's order */
+void pn_gelu_mul(const float *g, int64_t B, int64_t F, float *out) {
+    const float c = 0.7978845608028654f;
+    for (int64_t b = 0; b < B; b++) {
+        const float *gate = g + b * 2 * F, *up = gate + F;
+        float *o = out + b * F;
+        for (int64_t i = 0; i < F; i++) {
+            const float x = gate[i];
+            o[i] = 0.5f * x * (1.0f + tanhf(c * (x + 0.044715f * (x * x * x)))) * up[i];
+        }
+    }
+}
+
+/* y [B, D] (the mixer's or MLP's output) through the post-norm if any, into x */
+static void residual(const PnLayer *L, const PnStep *S, const float *post, float *x) {
+    const int64_t n = S->B * L->D;
+    if (post) {
+        pn_rms_norm(S->y, S->B, L->D, L->D, post, L->eps, S->h);
+        add_rows(x, S->h, n);
+    } else add_rows(x, S->y, n);
+}
+
+static int attention_mixer(const PnLayer *L, const PnStep *S, const int64_t *first,
+                           const float *cos_, const float *sin_) {
+    const int64_t B = S->B, hd = L->hd, qd = L->Hq * hd, kvd = L->Hkv * hd;
+    const int64_t qw = L->gated ? 2 * qd : qd, N = qw + 2 * kvd;
     if (!proj(L->qkv, S->h, B, &S->s, S->part, S->qkv)) return 0;
     if (L->bqkv)
         for (int64_t b = 0; b < B; b++) add_rows(S->qkv + b * N, L->bqkv, N);
-    const float *q = S->qkv, *k = S->qkv + qd;
+    const float *q = S->qkv, *k = S->qkv + qw;
     int64_t q_stride = N, k_stride = N;
     if (L->q_norm) {
-        pn_rms_norm_heads(q, B, L->Hq, hd, N, L->q_norm, L->eps, S->qn);
+        if (L->gated)           /* each head's query: hd floats of every 2 hd */
+            for (int64_t b = 0; b < B; b++)
+                pn_rms_norm(q + b * N, L->Hq, hd, 2 * hd, L->q_norm, L->eps, S->qn + b * qd);
+        else pn_rms_norm_heads(q, B, L->Hq, hd, N, L->q_norm, L->eps, S->qn);
         pn_rms_norm_heads(k, B, L->Hkv, hd, N, L->k_norm, L->eps, S->kn);
         q = S->qn, k = S->kn, q_stride = qd, k_stride = kvd;
     }
     pn_rope(q, B, L->Hq, hd, q_stride, cos_, sin_, L->half, L->scale, S->qr);
     pn_rope(k, B, L->Hkv, hd, k_stride, cos_, sin_, L->half, 1.0f, S->kr);
     pn_attend_decodes(S->qr, qd, B, L->Hq, L->Hkv, hd, L->K, L->V, L->ctx, S->slots, first,
-                      S->last, S->kr, kvd, S->qkv + qd + kvd, N, S->attn, qd, (int)L->kv16);
-    if (!proj(L->o, S->attn, B, &S->s, S->part, S->y)) return 0;
-    add_rows(x, S->y, B * D);
+                      S->last, S->kr, kvd, S->qkv + qw + kvd, N, S->attn, qd, (int)L->kv16);
+    if (L->gated)
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t h = 0; h < L->Hq; h++) {
+                const float *gate = S->qkv + b * N + h * 2 * hd + hd;
+                float *o = S->attn + b * qd + h * hd;
+                for (int64_t i = 0; i < hd; i++) o[i] *= sigmoidf_(gate[i]);
+            }
+    return proj(L->o, S->attn, B, &S->s, S->part, S->y);
+}
+
+/* -- Gated DeltaNet's decode update (worker/layers/gated_deltanet.py) */
+typedef struct { const PnLayer *L; const PnStep *S; } DeltaArgs;
+
+/* one (query b, value head h): S_h = e^g S_h; u = beta (v - S_hᵀ k); S_h += k ⊗ u;
+ * o = S_hᵀ q; then o = rms_norm(o, ssm_norm) * silu(z), written over the conv row's
+ * place in S->attn [B, nv dv] */
+static void delta_item(const void *p, int64_t it) {
+    const DeltaArgs *d = p;
+    const PnLayer *L = d->L;
+    const PnStep *S = d->S;
+    const int64_t nv = L->nv, dk = L->dk, dv = L->dv, b = it / nv, h = it % nv;
+    const int64_t C = 2 * L->nk * dk + nv * dv, kh = L->tiled ? h % L->nk : h / (nv / L->nk);
+    const float *c = S->conv + b * C, *q = c + kh * dk, *k = c + L->nk * dk + kh * dk;
+    const float *v = c + 2 * L->nk * dk + h * dv;
+    const float *z = S->qkv + b * (C + nv * dv) + C + h * dv;
+    const float *ba = S->ba + b * 2 * nv;
+    const float beta = sigmoidf_(ba[h]);
+    const float xa = ba[nv + h] + L->dt[h];
+    const float g = L->a[h] * (fmaxf(xa, 0.0f) + log1pf(expf(-fabsf(xa)))), e = expf(g);
+    float *St = L->ssm_state + (S->slots[b] * nv + h) * dk * dv;
+    float kv[dv], o[dv];
+    for (int64_t j = 0; j < dv; j++) kv[j] = 0.0f, o[j] = 0.0f;
+    for (int64_t i = 0; i < dk; i++) {
+        float *row = St + i * dv;
+        const float ki = k[i];
+        for (int64_t j = 0; j < dv; j++) { row[j] *= e; kv[j] += ki * row[j]; }
+    }
+    for (int64_t j = 0; j < dv; j++) kv[j] = (v[j] - kv[j]) * beta;     /* u */
+    for (int64_t i = 0; i < dk; i++) {
+        float *row = St + i * dv;
+        const float ki = k[i], qi = q[i];
+        for (int64_t j = 0; j < dv; j++) { row[j] += ki * kv[j]; o[j] += qi * row[j]; }
+    }
+    float *out = S->attn + b * nv * dv + h * dv;
+    pn_rms_norm(o, 1, dv, dv, L->ssm_norm, L->eps, out);
+    for (int64_t j = 0; j < dv; j++) out[j] *= z[j] * sigmoidf_(z[j]);
+}
+
+static int deltanet_mixer(const PnLayer *L, const PnStep *S) {
+    const int64_t B = S->B, nk = L->nk, nv = L->nv, dk = L->dk, dv = L->dv, K = L->kconv;
+    const int64_t C = 2 * nk * dk + nv * dv, N = C + nv * dv;
+    if (!proj(L->qkv, S->h, B, &S->s, S->part, S->qkv)) return 0;     /* mixed | z */
+    if (!proj(L->ba, S->h, B, &S->s, S->part, S->ba)) return 0;
+    for (int64_t b = 0; b < B; b++) {           /* conv step: the tail, then this input */
+        float *tail = L->conv_state + S->slots[b] * (K - 1) * C, *c = S->conv + b * C;
+        const float *x = S->qkv + b * N;
+        for (int64_t ch = 0; ch < C; ch++) {
+            const float *w = L->conv + ch * K;
+            float y = 0.0f;
+            for (int64_t i = 0; i < K - 1; i++) y += tail[i * C + ch] * w[i];
+            y += x[ch] * w[K - 1];
+            c[ch] = y * sigmoidf_(y);
+        }
+        if (K > 1) {
+            memmove(tail, tail + C, sizeof(float) * (K - 2) * C);
+            memcpy(tail + (K - 2) * C, x, sizeof(float) * C);
+        }
+        const float qs = 1.0f / sqrtf((float)dk);
+        for (int64_t h = 0; h < 2 * nk; h++) {   /* l2-normalize q, k per key head */
+            float *r = c + h * dk, ss = 0.0f;
+            for (int64_t i = 0; i < dk; i++) ss += r[i] * r[i];
+            const float inv = 1.0f / sqrtf(ss + 1e-6f);
+            for (int64_t i = 0; i < dk; i++) r[i] *= inv;
+            if (h < nk) for (int64_t i = 0; i < dk; i++) r[i] *= qs;
+        }
+    }
+    DeltaArgs a = {L, S};
+    pool_run(delta_item, &a, B * nv);
+    return proj(L->o, S->attn, B, &S->s, S->part, S->y);
+}
+
+/* x [B, D] updated in place; `first` [B]: each query's first key position (its window),
+ * cos, sin [B, half] (attention). 0 where a product was not taken (pn_int_ok said it
+ * would be). */
+int pn_decode_layer(const PnLayer *L, const PnStep *S, const int64_t *first,
+                    const float *cos_, const float *sin_, float *x) {
+    const int64_t B = S->B, D = L->D;
+    pn_rms_norm(x, B, D, D, L->norm1, L->eps, S->h);
+    if (!(L->mixer == 1 ? deltanet_mixer(L, S) : attention_mixer(L, S, first, cos_, sin_)))
+        return 0;
+    residual(L, S, L->post1, x);
     pn_rms_norm(x, B, D, D, L->norm2, L->eps, S->h);
     if (!proj(L->gu, S->h, B, &S->s, S->part, S->gu)) return 0;
-    pn_silu_mul(S->gu, B, L->d_ff, S->act);
+    if (L->gelu) pn_gelu_mul(S->gu, B, L->d_ff, S->act);
+    else pn_silu_mul(S->gu, B, L->d_ff, S->act);
     if (!proj(L->down, S->act, B, &S->s, S->part, S->y)) return 0;
-    add_rows(x, S->y, B * D);
+    residual(L, S, L->post2, x);
     return 1;
 }
 

@@ -176,6 +176,8 @@ def library():
         lib.pn_attend_decodes.restype = None
         lib.pn_rms_norm_heads.argtypes = [p, i64, i64, i64, i64, p, ctypes.c_float, p]
         lib.pn_silu_mul.argtypes = [p, i64, i64, p]
+        lib.pn_gelu_mul.argtypes = [p, i64, i64, p]
+        lib.pn_gelu_mul.restype = None
         lib.pn_rms_norm_heads.restype = lib.pn_silu_mul.restype = None
         lib.pn_set_attn_generic.argtypes = [ctypes.c_int]
         lib.pn_set_attn_generic.restype = None

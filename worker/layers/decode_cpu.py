@@ -1,16 +1,31 @@
-"""A decode step's attention layers in one C call each, on the CPU.
+"""A decode step's layers in one C call each, on the CPU, built from each block's spec.
 
-When every span of a step is a single token, a plain pre-norm attention block (any
-qkv bias, q / k norms, sliding window or partial rotary) with a SwiGLU MLP runs as
-kernels.c's pn_decode_layer: the kernels the Python layer calls one by one (norm,
-products, rotary, attention, silu * up), in the same order over the same buffers'
-values, so the same bits come out, without the ~20 Python-level calls, checks and
-temporaries per layer in between. At batch 1 those took about a fifth of SmolLM2's
-step (0.06 ms of Python per layer against a layer's 0.2 ms of kernels).
+When every span of a step is a single token, a block runs as kernels.c's
+pn_decode_layer: the kernels the Python layer calls one by one, in the same order over
+the same buffers' values, without the ~20 Python-level calls, checks and temporaries per
+layer in between (at batch 1 those took about a fifth of SmolLM2's step: 0.06 ms of
+Python per layer against a layer's 0.2 ms of kernels). The C layer is described by the
+spec's features, each a field of kernels.c's PnLayer:
+
+    pre-norms, and the post-norms of a sandwich block (Gemma 3)      norm1/2, post1/2
+    (1 + w) norms: the loader adds the 1 (worker/weights.py)         (a plain multiplier)
+    the MLP's gate: SiLU or tanh-GELU                                 gelu
+    attention: qkv bias, q / k norms, rotary on the first 2·half
+        dims of a head, a sliding window, the output gated by
+        sigmoid(gate) (Qwen3.5's gated attention)                     bqkv, q/k_norm, half,
+                                                                      first[], gated
+    Gated DeltaNet's decode update: conv step, gated delta rule,
+        gated output norm (Qwen3.5's linear attention)                mixer = 1, conv, ...
+
+A block whose features the C layer lacks (a new mixer kind or activation), or whose
+matrices the integer kernels cannot hold, runs the Python layers, and the load log says
+which blocks and why (DecodeLayers.describe): a new family feature is a flag here, never a
+silent fallback. The llama-shaped layer gives the Python layer's bits; tanh, exp and the
+delta rule's sums agree with NumPy's to float32 rounding (tests/test_decode_cpu.py).
 
 A layer takes this way only if the integer kernels take each of its matrices at the
-step's batch (kernels.c's pn_int_ok); any other layer, step or die runs the Python
-forward, which stays the reference (tests compare the two bit for bit).
+step's batch (kernels.c's pn_int_ok); any other step or die runs the Python forward,
+which stays the reference.
 """
 from __future__ import annotations
 
@@ -22,29 +37,34 @@ from .. import kernels_cpu
 from ..qmatrix import QMatrix
 from . import attention
 from .attention import AttentionLayer, DecodeGroup
+from .gated_attention import GatedAttentionLayer
+from .gated_deltanet import GatedDeltaNetLayer
 from .mlp import GatedMLP
 
 F32 = np.float32
 _P = ctypes.c_void_p
+_I = ctypes.c_int64
 
 # False: every step takes the Python layers (tests compare the two ways)
 ENABLED = [True]
-
 
 class _CLayer(ctypes.Structure):        # kernels.c's PnLayer
     _fields_ = [("qkv", _P * 3), ("o", _P * 3), ("gu", _P * 3), ("down", _P * 3),
                 ("bqkv", _P), ("norm1", _P), ("norm2", _P), ("q_norm", _P), ("k_norm", _P),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float),
-                ("D", ctypes.c_int64), ("Hq", ctypes.c_int64), ("Hkv", ctypes.c_int64),
-                ("hd", ctypes.c_int64), ("d_ff", ctypes.c_int64), ("half", ctypes.c_int64),
-                ("K", _P), ("V", _P), ("ctx", ctypes.c_int64), ("kv16", ctypes.c_int64)]
+                ("D", _I), ("Hq", _I), ("Hkv", _I), ("hd", _I), ("d_ff", _I), ("half", _I),
+                ("K", _P), ("V", _P), ("ctx", _I), ("kv16", _I),
+                ("post1", _P), ("post2", _P), ("gelu", _I), ("gated", _I), ("mixer", _I),
+                ("ba", _P * 3), ("conv", _P), ("dt", _P), ("a", _P), ("ssm_norm", _P),
+                ("conv_state", _P), ("ssm_state", _P),
+                ("nk", _I), ("nv", _I), ("dk", _I), ("dv", _I), ("kconv", _I), ("tiled", _I)]
 
 
 class _CStep(ctypes.Structure):         # kernels.c's PnStep
-    _fields_ = [("B", ctypes.c_int64), ("slots", _P), ("last", _P),
+    _fields_ = [("B", _I), ("slots", _P), ("last", _P),
                 *[(name, _P) for name in ("h", "qkv", "part", "qn", "kn", "qr", "kr", "attn",
                                           "y", "gu", "act")],
-                ("xq", _P), ("xd", _P), ("xs", _P)]
+                ("xq", _P), ("xd", _P), ("xs", _P), ("ba", _P), ("conv", _P)]
 
 
 def _parts(w) -> list[QMatrix] | None:
@@ -64,61 +84,137 @@ def _vector(a, n: int) -> bool:
         and a.flags.c_contiguous
 
 
+def _array(a, shape) -> bool:
+    return isinstance(a, np.ndarray) and a.dtype == F32 and a.shape == tuple(shape) \
+        and a.flags.c_contiguous
+
+
+class Unfused(Exception):
+    """Why a block runs the Python layers (the load log says it)."""
+
+
+def _need(ok, why: str) -> None:
+    if not ok:
+        raise Unfused(why)
+
+
+def _matrices(named: dict, shapes: dict) -> dict:
+    """name → its parts, checked against the [out, in] shape the C layer assumes."""
+    mats = {}
+    for name, w in named.items():
+        parts = _parts(w)
+        _need(parts is not None, f"{name}: not a matrix the integer kernels hold")
+        _need((sum(m.rows for m in parts), parts[0].cols) == shapes[name]
+              and all(m.cols == parts[0].cols for m in parts), f"{name}: an unexpected shape")
+        mats[name] = parts
+    return mats
+
+
 class _Layer:
     """One block's PnLayer (and what its pointers point into, kept alive)."""
 
-    def __init__(self, block, mats: dict, d_model: int):
-        mixer, spec, w = block.mixer, block.mixer.spec, block.mixer.w
-        self.window, self.rope, self.mats = spec.window, mixer.rope, mats
-        self.keep = [w.bqkv, block.mixer_norm, block.mlp_norm, w.q_norm, w.k_norm,
-                     mixer.state.k, mixer.state.v]
-        half = mixer.rope.cos.shape[-1]
+    def __init__(self, block, d_model: int):
+        mixer, mlp = block.mixer, block.mlp
         c = self.c = _CLayer()
-        for name, parts in mats.items():
+        self.keep, self.window, self.rope, self.state = [], None, None, None
+        _need(type(mlp) is GatedMLP and mlp.act_name in ("silu", "gelu_tanh"),
+              f"an MLP the C layer lacks ({type(mlp).__name__})")
+        _need(_vector(block.mixer_norm, d_model) and _vector(block.mlp_norm, d_model),
+              "its norms are not float32 vectors")
+        for name, post in (("post1", block.post_mixer_norm), ("post2", block.post_mlp_norm)):
+            _need(post is None or _vector(post, d_model), "a post-norm not a float32 vector")
+            setattr(c, name, self._ptr(post))
+        c.norm1, c.norm2 = self._ptr(block.mixer_norm), self._ptr(block.mlp_norm)
+        c.eps, c.D, c.d_ff, c.gelu = mixer.eps, d_model, mlp.d_ff, mlp.act_name == "gelu_tanh"
+        ff = mlp.d_ff
+        self.mats = _matrices({"gu": mlp.w.w_gate_up, "down": mlp.w.w_down},
+                              {"gu": (2 * ff, d_model), "down": (d_model, ff)})
+        if type(mixer) in (AttentionLayer, GatedAttentionLayer):
+            self._attention(mixer, d_model)
+        elif type(mixer) is GatedDeltaNetLayer:
+            self._deltanet(mixer, d_model)
+        else:
+            raise Unfused(f"a mixer the C layer lacks ({type(mixer).__name__})")
+        for name, parts in self.mats.items():
             getattr(c, name)[:] = [kernels_cpu._cmat(m) for m in parts] + [None] * (3 - len(parts))
-        ptr = kernels_cpu._ptr
-        c.bqkv = None if w.bqkv is None else ptr(w.bqkv)
-        c.norm1, c.norm2 = ptr(block.mixer_norm), ptr(block.mlp_norm)
-        c.q_norm = None if w.q_norm is None else ptr(w.q_norm)
-        c.k_norm = None if w.k_norm is None else ptr(w.k_norm)
-        c.eps, c.scale = mixer.eps, spec.scale
-        c.D, c.Hq, c.Hkv, c.hd = d_model, spec.n_heads, spec.n_kv_heads, spec.head_dim
-        c.d_ff, c.half = block.mlp.d_ff, half
-        c.K, c.V, c.ctx = ptr(mixer.state.k), ptr(mixer.state.v), mixer.state.k.shape[2]
-        c.kv16 = mixer.state.k.dtype == kernels_cpu.F16
         self.addr = ctypes.addressof(c)
-        self.cache_shape = mixer.state.k.shape
+        self.features = self._features(block)
+
+    def _ptr(self, a):
+        if a is None:
+            return None
+        self.keep.append(a)
+        return kernels_cpu._ptr(a)
+
+    def _attention(self, mixer, d_model: int) -> None:
+        spec, w, kv, c = mixer.spec, mixer.w, mixer.state, self.c
+        gated = type(mixer) is GatedAttentionLayer
+        qd, kvd, hd = mixer.qd, mixer.kvd, spec.head_dim
+        qw = 2 * qd if gated else qd
+        _need(mixer.rope is not None and isinstance(mixer.rope.cos, np.ndarray)
+              and 2 * mixer.rope.cos.shape[-1] <= hd, "no rotary table on the CPU")
+        _need(isinstance(kv.k, np.ndarray) and kv.k.dtype in kernels_cpu.KV_DTYPES
+              and kv.k.flags.c_contiguous and kv.v.dtype == kv.k.dtype
+              and kv.v.flags.c_contiguous, f"a KV cache the C attention lacks ({kv.k.dtype})")
+        bias = getattr(w, "bqkv", None)
+        _need(bias is None or _vector(bias, qw + 2 * kvd), "a qkv bias of another shape")
+        _need((w.q_norm is None and not gated)
+              or (_vector(w.q_norm, hd) and _vector(w.k_norm, hd)), "q / k norms of another shape")
+        self.mats |= _matrices({"qkv": w.wqkv, "o": w.wo},
+                               {"qkv": (qw + 2 * kvd, d_model), "o": (d_model, qd)})
+        self.window, self.rope = getattr(spec, "window", None), mixer.rope
+        c.bqkv, c.q_norm, c.k_norm = self._ptr(bias), self._ptr(w.q_norm), self._ptr(w.k_norm)
+        c.scale, c.gated = spec.scale, gated
+        c.Hq, c.Hkv, c.hd, c.half = spec.n_heads, spec.n_kv_heads, hd, mixer.rope.cos.shape[-1]
+        c.K, c.V, c.ctx = self._ptr(kv.k), self._ptr(kv.v), kv.k.shape[2]
+        c.kv16 = kv.k.dtype == kernels_cpu.F16
+        self.cache_shape = kv.k.shape
+
+    def _deltanet(self, mixer, d_model: int) -> None:
+        spec, w, c = mixer.spec, mixer.w, self.c
+        nk, nv, dk, dv, K = spec.n_k_heads, spec.n_v_heads, spec.d_k, spec.d_v, spec.conv_kernel
+        conv_dim = spec.conv_dim
+        _need(nv % nk == 0 and K >= 1, "value heads not a multiple of key heads")
+        _need(_array(mixer.conv_state, mixer.conv_state.shape[:1] + (K - 1, conv_dim))
+              and _array(mixer.ssm_state, mixer.ssm_state.shape[:1] + (nv, dk, dv)),
+              "a recurrent state not float32 on the CPU")
+        _need(_array(w.conv, (conv_dim, K)) and _vector(w.dt, nv) and _vector(w.a, nv)
+              and _vector(w.norm, dv), "conv / gate / norm weights not float32 vectors")
+        self.mats |= _matrices({"qkv": w.w_in, "ba": w.w_ba, "o": w.w_out},
+                               {"qkv": (conv_dim + nv * dv, d_model), "ba": (2 * nv, d_model),
+                                "o": (d_model, nv * dv)})
+        c.mixer = 1
+        c.conv, c.dt, c.a, c.ssm_norm = (self._ptr(a) for a in (w.conv, w.dt, w.a, w.norm))
+        c.conv_state, c.ssm_state = self._ptr(mixer.conv_state), self._ptr(mixer.ssm_state)
+        c.nk, c.nv, c.dk, c.dv, c.kconv, c.tiled = nk, nv, dk, dv, K, not spec.hf_layout
+        self.state = mixer.state
+
+    def _features(self, block) -> str:
+        c, out = self.c, []
+        if c.mixer == 1:
+            out.append("gated deltanet")
+        else:
+            out.append("gated attention" if c.gated else "attention")
+            if c.bqkv:
+                out.append("qkv bias")
+            if c.q_norm:
+                out.append("q/k norms")
+            if 2 * c.half < c.hd:
+                out.append(f"rope {2 * c.half}/{c.hd}")
+            if self.window is not None:
+                out.append(f"window {self.window}")
+        if c.post1 or c.post2:
+            out.append("post-norms")
+        out.append("gelu_tanh" if c.gelu else "silu")
+        return ", ".join(out)
 
     @classmethod
     def of(cls, block, d_model: int):
-        """The block's C layer, or None where pn_decode_layer cannot run it."""
-        mixer, mlp = block.mixer, block.mlp
-        if type(mixer) is not AttentionLayer or type(mlp) is not GatedMLP or not mlp.silu \
-                or block.post_mixer_norm is not None or block.post_mlp_norm is not None \
-                or mixer.rope is None or not isinstance(mixer.rope.cos, np.ndarray):
-            return None
-        spec, w, kv = mixer.spec, mixer.w, mixer.state
-        qd, kvd, hd = mixer.qd, mixer.kvd, spec.head_dim
-        if not (isinstance(kv.k, np.ndarray) and kv.k.dtype in kernels_cpu.KV_DTYPES
-                and kv.k.flags.c_contiguous and kv.v.dtype == kv.k.dtype
-                and kv.v.flags.c_contiguous) \
-                or 2 * mixer.rope.cos.shape[-1] > hd:
-            return None
-        if not (_vector(block.mixer_norm, d_model) and _vector(block.mlp_norm, d_model)
-                and (w.bqkv is None or _vector(w.bqkv, qd + 2 * kvd))
-                and (w.q_norm is None or (_vector(w.q_norm, hd) and _vector(w.k_norm, hd)))):
-            return None
-        mats = {"qkv": _parts(w.wqkv), "o": _parts(w.wo), "gu": _parts(mlp.w.w_gate_up),
-                "down": _parts(mlp.w.w_down)}
-        if any(p is None for p in mats.values()):
-            return None
-        shapes = {"qkv": (qd + 2 * kvd, d_model), "o": (d_model, qd),
-                  "gu": (2 * mlp.d_ff, d_model), "down": (d_model, mlp.d_ff)}
-        for name, parts in mats.items():
-            if (sum(m.rows for m in parts), parts[0].cols) != shapes[name] \
-                    or any(m.cols != parts[0].cols for m in parts):
-                return None
-        return cls(block, mats, d_model)
+        """The block's C layer, or the reason pn_decode_layer cannot run it."""
+        try:
+            return cls(block, d_model)
+        except Unfused as e:
+            return str(e)
 
     def takes(self, batch: int) -> bool:
         lib = kernels_cpu.library()
@@ -131,12 +227,18 @@ class _Buffers:
 
     def __init__(self, layers: list[_Layer], batch: int):
         cs = [layer.c for layer in layers]
-        width = {"h": max(c.D for c in cs),
-                 "qkv": max(c.Hq * c.hd + 2 * c.Hkv * c.hd for c in cs),
+
+        def widest(f):
+            return max(1, max(f(c) for c in cs))
+        rows = [sum(m.rows for m in layer.mats["qkv"]) for layer in layers]
+        width = {"h": widest(lambda c: c.D), "qkv": max(rows),
                  "part": max(m.rows for layer in layers for p in layer.mats.values() for m in p),
-                 "qn": max(c.Hq * c.hd for c in cs), "kn": max(c.Hkv * c.hd for c in cs),
-                 "gu": max(2 * c.d_ff for c in cs), "act": max(c.d_ff for c in cs)}
-        width |= {"qr": width["qn"], "kr": width["kn"], "attn": width["qn"], "y": width["h"]}
+                 "qn": widest(lambda c: c.Hq * c.hd), "kn": widest(lambda c: c.Hkv * c.hd),
+                 "gu": widest(lambda c: 2 * c.d_ff), "act": widest(lambda c: c.d_ff),
+                 "attn": widest(lambda c: max(c.Hq * c.hd, c.nv * c.dv)),
+                 "ba": widest(lambda c: 2 * c.nv),
+                 "conv": widest(lambda c: 2 * c.nk * c.dk + c.nv * c.dv)}
+        width |= {"qr": width["qn"], "kr": width["kn"], "y": width["h"]}
         cols = max(max(m.cols for p in layer.mats.values() for m in p) for layer in layers)
         zeros = kernels_cpu.aligned_zeros
         self.arrays = {name: zeros((batch, n), F32) for name, n in width.items()}
@@ -151,12 +253,28 @@ class _Buffers:
 
 
 class DecodeLayers:
-    """The model's layers that pn_decode_layer can run (index → _Layer)."""
+    """The model's layers that pn_decode_layer can run (index → _Layer), and why the
+    others cannot (index → reason)."""
 
     def __init__(self, blocks, d_model: int):
-        self.layers = {i: layer for i, block in enumerate(blocks)
-                       if (layer := _Layer.of(block, d_model)) is not None}
+        built = {i: _Layer.of(block, d_model) for i, block in enumerate(blocks)}
+        self.layers = {i: b for i, b in built.items() if isinstance(b, _Layer)}
+        self.reasons = {i: b for i, b in built.items() if isinstance(b, str)}
         self._by_batch: dict[int, tuple] = {}
+
+    def describe(self) -> list[str]:
+        """Per run of equal layers: what runs fused, or why it runs the Python layers."""
+        n = len(self.layers) + len(self.reasons)
+        says = [f"fused ({self.layers[i].features})" if i in self.layers
+                else f"Python layers: {self.reasons[i]}" for i in range(n)]
+        out, i = [], 0
+        while i < n:
+            j = i
+            while j + 1 < n and says[j + 1] == says[i]:
+                j += 1
+            out.append(f"layer{'s' if j > i else ''} {i}{f'-{j}' if j > i else ''}: {says[i]}")
+            i = j + 1
+        return out
 
     def step(self, batch):
         """A Step for this batch, or None (a prefill chunk in it, or no layer fits)."""
@@ -183,23 +301,41 @@ class Step:
         self.firsts: dict = {}
         self.ropes: dict = {}
         self.lib = kernels_cpu.library()
+        self.slots = None
 
     def run(self, i: int, x: np.ndarray) -> bool:
         layer = self.layers.get(i)
         if layer is None:
             return False
+        if layer.state is not None:                     # a recurrent layer
+            return self._recurrent(layer, x)
         if layer.window not in self.firsts:
             bounds = self.group.bounds(layer.window, layer.cache_shape)
-            slots, first, last = bounds.ptrs
-            self.buffers.c.slots, self.buffers.c.last = slots, last
-            self.firsts[layer.window] = (bounds, first)
+            self.firsts[layer.window] = (bounds, bounds.ptrs[1])
+        bounds, first = self.firsts[layer.window]
+        slots, _, last = bounds.ptrs
+        self.buffers.c.slots, self.buffers.c.last = slots, last
         key = id(layer.rope)
         if key not in self.ropes:
             cos, sin = self.batch.rope(layer.rope)
             assert cos.flags.c_contiguous and sin.flags.c_contiguous
             self.ropes[key] = (cos, sin, kernels_cpu._ptr(cos), kernels_cpu._ptr(sin))
         _, _, cos, sin = self.ropes[key]
-        done = self.lib.pn_decode_layer(layer.addr, self.buffers.addr, self.firsts[layer.window][1],
-                                        cos, sin, kernels_cpu._ptr(x))
+        done = self.lib.pn_decode_layer(layer.addr, self.buffers.addr, first, cos, sin,
+                                        kernels_cpu._ptr(x))
         assert done, "a product the kernels said they take was refused"
+        return True
+
+    def _recurrent(self, layer: _Layer, x: np.ndarray) -> bool:
+        group, st = self.group, layer.state
+        if self.slots is None:
+            self.slots = np.ascontiguousarray(group.host_slots, dtype=np.int64)
+        for slot, pos in zip(group.host_slots, group.host_pos):
+            st.begin(int(slot), int(pos))
+        self.buffers.c.slots = kernels_cpu._ptr(self.slots)
+        done = self.lib.pn_decode_layer(layer.addr, self.buffers.addr, None, None, None,
+                                        kernels_cpu._ptr(x))
+        assert done, "a product the kernels said they take was refused"
+        for slot in group.host_slots:
+            st.absorbed(int(slot), 1)
         return True

@@ -29,7 +29,7 @@ class GatedMLP:
         if spec.act not in ACTIVATIONS:
             raise ValueError(f"unknown MLP activation {spec.act!r}")
         self.d_ff, self.act, self.w = spec.d_ff, ACTIVATIONS[spec.act], w
-        self.silu = spec.act == "silu"
+        self.act_name, self.silu = spec.act, spec.act == "silu"
 
     def __call__(self, h):
         """h [T, D] → [T, D]."""

@@ -102,6 +102,27 @@ def test_fused_deltanet_in_grouped_head_order(tmp_path, counted):
     assert counted[0] == DECODES * len(engine.model.blocks)
 
 
+def test_fused_deltanet_with_float_gate_rows(tmp_path, counted):
+    """ssm_beta | ssm_alpha kept in floats (as a file may store such small matrices): the
+    dense [in, out] rows, multiplied in C."""
+    from pantheon.worker.linear import matmul
+    path = tm.write_gguf("qwen35", tmp_path / "q.gguf", tensor_type="Q8_0")
+    runs = []
+    for fused in (False, True):
+        engine = load_engine(path, n_slots=2, ctx=64)
+        for block in engine.model.blocks:
+            w = block.mixer.w
+            if hasattr(w, "w_ba"):
+                w.w_ba = matmul(np.eye(engine.cfg.d_model, dtype=np.float32), w.w_ba)
+        engine.model.decode_c = DecodeLayers(engine.model.blocks, engine.cfg.d_model)
+        assert not engine.model.decode_c.reasons
+        runs.append(steps(engine, fused, 2))
+    for a, b in zip(*runs):
+        np.testing.assert_allclose(b, a, rtol=1e-3, atol=5e-3)
+        assert np.linalg.norm(b - a) <= 1e-3 * np.linalg.norm(a)
+    assert counted[0] == DECODES * len(engine.model.blocks)
+
+
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_every_family_runs_fused_and_the_load_log_says_so(tmp_path, arch, caplog):
     """A family whose layers fell back to Python would fail here: every block is fused,

@@ -3430,6 +3430,7 @@ typedef struct {
     const float *conv, *dt, *a, *ssm_norm;     /* [C, kconv], [nv], [nv], [dv] */
     float *conv_state, *ssm_state;    /* [slots, kconv - 1, C], [slots, nv, dk, dv] */
     int64_t nk, nv, dk, dv, kconv, tiled;      /* tiled: value head h reads key head h % nk */
+    const float *ba_dense;            /* or [D, 2 nv] floats ([in, out]: a file's F32 rows) */
 } PnLayer;
 
 typedef struct {                  /* one step: its queries and scratch rows */
@@ -3555,7 +3556,15 @@ static int deltanet_mixer(const PnLayer *L, const PnStep *S) {
     const int64_t B = S->B, nk = L->nk, nv = L->nv, dk = L->dk, dv = L->dv, K = L->kconv;
     const int64_t C = 2 * nk * dk + nv * dv, N = C + nv * dv;
     if (!proj(L->qkv, S->h, B, &S->s, S->part, S->qkv)) return 0;     /* mixed | z */
-    if (!proj(L->ba, S->h, B, &S->s, S->part, S->ba)) return 0;
+    if (L->ba_dense)            /* a small matrix a file keeps in floats */
+        for (int64_t b = 0; b < B; b++) {
+            float *o = S->ba + b * 2 * nv;
+            const float *h = S->h + b * L->D;
+            for (int64_t n = 0; n < 2 * nv; n++) o[n] = 0.0f;
+            for (int64_t k = 0; k < L->D; k++)
+                for (int64_t n = 0; n < 2 * nv; n++) o[n] += h[k] * L->ba_dense[k * 2 * nv + n];
+        }
+    else if (!proj(L->ba, S->h, B, &S->s, S->part, S->ba)) return 0;
     for (int64_t b = 0; b < B; b++) {           /* conv step: the tail, then this input */
         float *tail = L->conv_state + S->slots[b] * (K - 1) * C, *c = S->conv + b * C;
         const float *x = S->qkv + b * N;

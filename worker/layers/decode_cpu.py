@@ -57,7 +57,8 @@ class _CLayer(ctypes.Structure):        # kernels.c's PnLayer
                 ("post1", _P), ("post2", _P), ("gelu", _I), ("gated", _I), ("mixer", _I),
                 ("ba", _P * 3), ("conv", _P), ("dt", _P), ("a", _P), ("ssm_norm", _P),
                 ("conv_state", _P), ("ssm_state", _P),
-                ("nk", _I), ("nv", _I), ("dk", _I), ("dv", _I), ("kconv", _I), ("tiled", _I)]
+                ("nk", _I), ("nv", _I), ("dk", _I), ("dv", _I), ("kconv", _I), ("tiled", _I),
+                ("ba_dense", _P)]
 
 
 class _CStep(ctypes.Structure):         # kernels.c's PnStep
@@ -180,9 +181,13 @@ class _Layer:
               "a recurrent state not float32 on the CPU")
         _need(_array(w.conv, (conv_dim, K)) and _vector(w.dt, nv) and _vector(w.a, nv)
               and _vector(w.norm, dv), "conv / gate / norm weights not float32 vectors")
-        self.mats |= _matrices({"qkv": w.w_in, "ba": w.w_ba, "o": w.w_out},
-                               {"qkv": (conv_dim + nv * dv, d_model), "ba": (2 * nv, d_model),
-                                "o": (d_model, nv * dv)})
+        named = {"qkv": w.w_in, "o": w.w_out}
+        if _array(w.w_ba, (d_model, 2 * nv)):      # a file's F32 rows, dense [in, out]
+            c.ba_dense = self._ptr(w.w_ba)
+        else:
+            named["ba"] = w.w_ba
+        self.mats |= _matrices(named, {"qkv": (conv_dim + nv * dv, d_model),
+                                       "ba": (2 * nv, d_model), "o": (d_model, nv * dv)})
         c.mixer = 1
         c.conv, c.dt, c.a, c.ssm_norm = (self._ptr(a) for a in (w.conv, w.dt, w.a, w.norm))
         c.conv_state, c.ssm_state = self._ptr(mixer.conv_state), self._ptr(mixer.ssm_state)

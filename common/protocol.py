@@ -247,6 +247,7 @@ class Load:
     prefill_chunk: int = PREFILL_CHUNK
     quantize: str = "auto"   # common/weight_format.QUANTIZE_MODES
     spec: Speculation | None = None   # None: none
+    activations: str = "auto"  # the CPU products' activations: common/settings.ACTIVATIONS
 
 
 @dataclass(slots=True)

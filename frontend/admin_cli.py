@@ -26,6 +26,8 @@ def request_args(args) -> dict:
             out["dies"] = args.dies
         if args.pin:
             out["pin"] = True
+        if args.activations:
+            out["activations"] = args.activations
         return {k: v for k, v in out.items() if v is not None}
     if args.admin_command == "unload":
         if args.name is None and args.replica_id is None:

@@ -57,6 +57,7 @@ class Replica:
     want_slots: int = 0            # as asked (0: the server's default)
     want_ctx: int = 0
     want_quantize: str = ""        # "" : the server's --quantize
+    want_activations: str = ""     # "" : the server's --activations
     want_spec: object = None       # protocol.Speculation (kind "": none); None: the server's
     spec: str = ""                 # the speculation its worker runs (as loaded)
     reserved: int = 0              # bytes admitted on its die

@@ -163,6 +163,8 @@ def test_replicas_are_known_by_content_not_by_path(fleet):
     ({"path": SMOL, "name": "two", "dies": ["cpu", "cpu:1"]}, 400),
     ({"path": SMOL, "name": "q", "quantize": "q3"}, 400),             # lists the choices
     ({"path": SMOL, "name": "q", "quantize": 7}, 400),
+    ({"path": SMOL, "name": "a", "activations": "int4"}, 400),       # lists the choices
+    ({"path": SMOL, "name": "a", "activations": 8}, 400),
     ({"path": SMOL, "name": NAME, "dies": ["gpu9"]}, 507),         # no such die
 ])
 def test_load_errors(fleet, body, status):
@@ -196,6 +198,9 @@ def test_unreadable_tensor_types_and_unknown_quantize_modes_are_400(fleet):
     assert "type MXFP4" in message and "tensor blk.0." in message or "token_embd" in message
     bad = admin(fleet, "load", {"path": SMOL, "name": "q", "quantize": "q3"})
     assert bad.status_code == 400 and "auto, none, q8_0, q4" in bad.json()["error"]["message"]
+    bad = admin(fleet, "load", {"path": SMOL, "name": "a", "activations": "int4"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "activations"
+    assert "auto, int8, int16, not 'int4'" in bad.json()["error"]["message"]
 
 
 def test_bad_model_files_are_400_naming_the_tensor_or_architecture(fleet):

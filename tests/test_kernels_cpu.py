@@ -354,8 +354,8 @@ def test_a_chain_of_matrices_fetches_ahead_without_changing_a_product():
 @pytest.mark.parametrize("isa", ["avx2", "generic"])
 def test_the_kernels_built_without_avx512_pass_these_tests(isa, tmp_path):
     """Hosts without AVX-512 (the Xeons beside K80s) or without AVX run the 256-bit and the
-    portable paths: this file's tests (and the C decode layers') pass against a build
-    for those (PANTHEON_ISA), which leaves the wider paths out."""
+    portable paths: this file's tests (and the C decode layers' and the int8 activations')
+    pass against a build for those (PANTHEON_ISA), which leaves the wider paths out."""
     import os
     import subprocess
     import sys
@@ -364,6 +364,7 @@ def test_the_kernels_built_without_avx512_pass_these_tests(isa, tmp_path):
     env = dict(os.environ, PANTHEON_ISA=isa, PANTHEON_CACHE_DIR=str(tmp_path / "cache"))
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            __file__, str(Path(__file__).with_name("test_decode_cpu.py")),
+                           str(Path(__file__).with_name("test_activations.py")),
                            "-k", "not built_without_avx512"],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
@@ -541,3 +542,49 @@ def test_the_kernels_address_cache_keeps_no_array_alive():
     w = np.full(64, 2.0, np.float32)          # a new array, perhaps at the same id
     np.testing.assert_allclose(kc.rms_norm(np.ones((2, 64), np.float32), w, 1e-6), 2.0,
                                rtol=1e-5)
+
+
+def quantize_x8(x: np.ndarray) -> np.ndarray:
+    """x as int8 activations take it, returned dequantized: per 256 a unit D = max |x| /
+    (127 x 63), per 32 an integer step s = ceil(max |x| of the 32 / 127 D) in 1 .. 63, and
+    q = x / (D s) rounded half away from zero (float32 throughout, as kernels.c)."""
+    f = np.float32
+    v = x.astype(f).reshape(-1, 8, 32)
+    D = (np.abs(v).max(axis=(1, 2), keepdims=True) / f(16129)).astype(f)
+    amax = np.abs(v).max(axis=2, keepdims=True)
+    safe = np.where(D > 0, D, f(1))
+    st = np.where(D > 0, np.ceil(amax / (safe * f(127))), 1).clip(1, 127).astype(f)
+    step = (D * st).astype(f)
+    inv = np.where(D > 0, f(1) / np.where(D > 0, step, f(1)), f(0)).astype(f)
+    r = (v * inv).astype(f)
+    q = np.trunc(r + np.copysign(f(0.5), r)).clip(-127, 127)
+    return (q * step).reshape(x.shape)
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K], ids=lambda t: t.name)
+def test_int8_activations_are_the_q8_k_rounding_of_x_and_only_at_batch_1(qtype):
+    """A matrix set to int8 activations (builds with those kernels: AVX2 ones) multiplies
+    x as quantize_x8 rounds it — exactly, up to float additions; elsewhere, and at batch 2
+    or more, set_int8 changes nothing. x has outliers: a run's own step keeps its small
+    values (one step per 256 would not)."""
+    raw, shape = random_tensor(qtype, 300, 6)
+    m = qm.from_gguf(raw, qtype, shape)
+    rng = np.random.default_rng(17)
+    x = (50 * rng.standard_normal((2, m.cols))).astype(np.float32)
+    x[:, rng.integers(0, m.cols, 4)] *= 40
+    x[:, :32] = 0                                 # a run of zeros: its step is 1
+    w = qm.dequantize(m).astype(np.float64)
+    int16 = kc.matmul(x[:1], m)
+    kc.set_int8(m, True)
+    try:
+        got, pair = kc.matmul(x[:1], m), kc.matmul(x, m)
+    finally:
+        kc.set_int8(m, False)
+    if not kc.takes_int8(m):                 # AVX-512 and portable builds: int16 stays
+        np.testing.assert_array_equal(got, int16)
+        return
+    ref = quantize_x8(x[:1]).astype(np.float64) @ w.T
+    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
+    assert np.abs(got - int16).max() > 1e-3 * np.abs(ref).max()    # it did take int8
+    np.testing.assert_allclose(pair, kc.matmul(x, m), rtol=0, atol=0)  # batch 2: int16
+    np.testing.assert_array_equal(kc.matmul(x[:1], m), int16)           # and off again

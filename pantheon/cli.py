@@ -377,6 +377,13 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--slots", type=int, default=0)
     load.add_argument("--pin", action="store_true",
                       help="never unload it when idle nor evict it to make room")
+    load.add_argument("--spec", metavar="KIND",
+                      help="its speculative decoding: ngram, draft (with --draft-model) or "
+                           "none (default: the server's --spec)")
+    load.add_argument("--draft-model", metavar="PATH", help="--spec draft: the draft model")
+    load.add_argument("--spec-n", type=int, metavar="N", help="prompt lookup's longest n-gram")
+    load.add_argument("--spec-k", type=int, metavar="K",
+                      help="the longest proposal verified in one step")
     load.add_argument("--activations", choices=settings.ACTIVATIONS,
                       help="its CPU products' activations (default: the server's "
                            "--activations)")

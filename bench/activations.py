@@ -17,7 +17,11 @@ import statistics
 import sys
 import time
 
-import numpy as np
+from pantheon.common import blas_env
+
+blas_env.apply()                # before NumPy loads OpenBLAS
+
+import numpy as np  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,7 +31,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=24, help="decode steps per measurement")
     ap.add_argument("--prompt", type=int, default=128, help="prefill chunk, tokens")
     args = ap.parse_args(argv)
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     from pantheon.common import settings
     from pantheon.common.default_model import default_model_path
     from pantheon.worker import activations as act

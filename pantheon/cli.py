@@ -10,15 +10,9 @@ import logging
 import os
 import sys
 
-# OpenBLAS's idle threads spin 2^28 cycles (~0.1 s) after each call by default, on the
-# cores the worker's own kernels need next (a Qwen2.5-1.5B prefill: 40 tok/s with that
-# spin, 51 with 2^16 cycles); read when NumPy loads OpenBLAS, so before any import of it
-os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "16")
-# One owner of a worker's cores: the kernels' pool. BLAS runs one thread per caller (the
-# tile products split W's rows over the kernels' threads themselves); OpenBLAS's own
-# threads fought the pool for the cores (SmolLM2, AVX2 build, 2 cores: TTFT of a
-# 64-token prompt 3.3 s with them, 0.27 s without)
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+from pantheon.common import blas_env  # noqa: E402  (no NumPy: before anything loads it)
+
+blas_env.apply()
 
 from pantheon.common import logs, settings
 from pantheon.common.weight_format import QUANTIZE_MODES as QUANTIZE_CHOICES
@@ -115,8 +109,6 @@ def cmd_keys(args) -> int:
 
 
 def cmd_worker(args) -> int:
-    if args.cores:              # the kernels' threads (BLAS: one per caller, see the top)
-        os.environ.setdefault("OMP_NUM_THREADS", str(len(args.cores)))
     args.keys = args.keys or settings.keys_dir()
     from pantheon.worker.main import main
     return main(args)

@@ -16,7 +16,6 @@
  *   iq4nl: as q4 (nibbles, a scale per 32, no min), w = scale * IQ4_LEVELS[nibble]
  *   iq4xs: the file's IQ4_XS super-blocks of 256, as stored (see below)
  */
-#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 #include <stdlib.h>
@@ -3216,16 +3215,33 @@ void pn_gemv(int code, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn
     pool_run(gemv_chunk, &a, (N + a.rows - 1) / a.rows);
 }
 
-/* out[r1 - r0, K] = rows [r0, r1) of W as floats (the tile of the prefill path). */
+typedef struct {
+    int code; const uint8_t *qs; const uint16_t *sc, *mn; int64_t K, bs, r0, r1; float *out;
+} DequantArgs;
+
+/* rows [r0 + 16 c, r0 + 16 c + 16) of a DequantArgs */
+static void dequant_chunk(const void *p, int64_t c) {
+    const DequantArgs *a = p;
+    const int64_t run = block_of(a->code, a->bs), nb = a->K / run;
+    const int64_t lo = a->r0 + 16 * c, hi = lo + 16 < a->r1 ? lo + 16 : a->r1;
+    for (int64_t r = lo; r < hi; r++)
+        if (is_k(a->code)) dequant_k_row(a->code, a->qs, a->K, r, a->out + (r - a->r0) * a->K);
+        else for (int64_t blk = 0; blk < nb; blk++)
+            dequant_block(a->code, a->qs, a->sc, a->mn, a->K, run, r, blk,
+                          a->out + (r - a->r0) * a->K + blk * run);
+}
+
+/* out[r1 - r0, K] = rows [r0, r1) of W as floats (the tile of the prefill path): on the
+ * calling thread (threads == 1: the tile threads each dequantize their own), else over
+ * the kernels' pool */
 void pn_dequant_rows(int code, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn,
                      int64_t K, int64_t bs, int64_t r0, int64_t r1, float *out, int threads) {
-    int64_t run = block_of(code, bs), nb = K / run;
-    if (threads <= 0) threads = omp_get_max_threads();
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t r = r0; r < r1; r++)
-        if (is_k(code)) dequant_k_row(code, qs, K, r, out + (r - r0) * K);
-        else for (int64_t blk = 0; blk < nb; blk++)
-            dequant_block(code, qs, sc, mn, K, run, r, blk, out + (r - r0) * K + blk * run);
+    const DequantArgs a = {code, qs, sc, mn, K, bs, r0, r1, out};
+    const int64_t n = (r1 - r0 + 15) / 16;
+    if (threads == 1)
+        for (int64_t c = 0; c < n; c++) dequant_chunk(&a, c);
+    else
+        pool_run(dequant_chunk, &a, n);
 }
 
 /* out[T, K] = rows ids[0..T) of W (the embedding lookup). */
@@ -3699,10 +3715,16 @@ static inline uint16_t float_to_half(float f) {       /* round to nearest even, 
 
 /* Q4_K super-blocks (144 bytes) → q4 blocks: nibbles moved, scale = fp16(d * sc),
  * min = fp16(-(dmin * m)), per 32. */
-void pn_repack_q4_k(const uint8_t *restrict b, int64_t n, uint8_t *restrict qs,
-                    uint16_t *restrict sc, uint16_t *restrict mn) {
-    #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; i++) {
+typedef struct { const uint8_t *b; int64_t n; void *qs; uint16_t *sc, *mn; } RepackArgs;
+#define REPACK_PIECE 256                /* super-blocks per work item of the pool */
+
+static void repack_q4_k_chunk(const void *p, int64_t c) {
+    const RepackArgs *a = p;
+    const uint8_t *restrict b = a->b;
+    uint8_t *restrict qs = a->qs;
+    uint16_t *restrict sc = a->sc, *restrict mn = a->mn;
+    const int64_t i1 = (c + 1) * REPACK_PIECE < a->n ? (c + 1) * REPACK_PIECE : a->n;
+    for (int64_t i = c * REPACK_PIECE; i < i1; i++) {
         const uint8_t *blk = b + i * 144, *s = blk + 4, *g = blk + 16;
         uint16_t hd, hm;
         memcpy(&hd, blk, 2);
@@ -3728,11 +3750,19 @@ void pn_repack_q4_k(const uint8_t *restrict b, int64_t n, uint8_t *restrict qs,
     }
 }
 
+void pn_repack_q4_k(const uint8_t *b, int64_t n, uint8_t *qs, uint16_t *sc, uint16_t *mn) {
+    const RepackArgs a = {b, n, qs, sc, mn};
+    pool_run(repack_q4_k_chunk, &a, (n + REPACK_PIECE - 1) / REPACK_PIECE);
+}
+
 /* Q6_K super-blocks (210 bytes) → int8 values (q - 32) and fp16(d * scale) per 16. */
-void pn_repack_q6_k(const uint8_t *restrict b, int64_t n, int8_t *restrict qs,
-                    uint16_t *restrict sc) {
-    #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; i++) {
+static void repack_q6_k_chunk(const void *p, int64_t c) {
+    const RepackArgs *a = p;
+    const uint8_t *restrict b = a->b;
+    int8_t *restrict qs = a->qs;
+    uint16_t *restrict sc = a->sc;
+    const int64_t i1 = (c + 1) * REPACK_PIECE < a->n ? (c + 1) * REPACK_PIECE : a->n;
+    for (int64_t i = c * REPACK_PIECE; i < i1; i++) {
         const uint8_t *blk = b + i * 210, *ql = blk, *qh = blk + 128;
         const int8_t *scales = (const int8_t *)(blk + 192);
         uint16_t hd;
@@ -3751,6 +3781,11 @@ void pn_repack_q6_k(const uint8_t *restrict b, int64_t n, int8_t *restrict qs,
             }
         }
     }
+}
+
+void pn_repack_q6_k(const uint8_t *b, int64_t n, int8_t *qs, uint16_t *sc) {
+    const RepackArgs a = {b, n, qs, sc, NULL};
+    pool_run(repack_q6_k_chunk, &a, (n + REPACK_PIECE - 1) / REPACK_PIECE);
 }
 int pn_has_repack(void) { return 1; }
 #else

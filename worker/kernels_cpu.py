@@ -122,7 +122,7 @@ def build(force: bool = False) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so")
     os.close(fd)
-    cmd = [cc, "-O3", *flags, "-fopenmp", "-shared", "-fPIC", "-std=c11",
+    cmd = [cc, "-O3", *flags, "-pthread", "-shared", "-fPIC", "-std=c11",
            "-o", tmp, str(SOURCE), "-lm"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
@@ -134,21 +134,14 @@ def build(force: bool = False) -> Path:
 
 
 def threads() -> int:
-    """Threads of the decode kernels: OMP_NUM_THREADS (a worker sets it from --cores),
-    else the cores this process may run on."""
-    try:
-        return max(1, int(os.environ.get("OMP_NUM_THREADS", "")))
-    except ValueError:
-        return len(os.sched_getaffinity(0))
+    """Threads of the kernels' pool (every parallel loop of kernels.c runs on it): the
+    cores this process may run on (a worker pins itself to --cores first)."""
+    return len(os.sched_getaffinity(0))
 
 
 def library():
     global _lib
     if _lib is None:
-        # OpenMP threads that spin after each kernel take the cores from OpenBLAS (and
-        # from the other workers of a shared host): spin briefly, then sleep (read by
-        # libgomp when the library loads)
-        os.environ.setdefault("GOMP_SPINCOUNT", "20000")
         lib = ctypes.CDLL(str(build()))
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         lib.pn_gemv.argtypes = [ctypes.c_int, p, p, p, i64, i64, i64, p, i64, p]

@@ -588,3 +588,31 @@ def test_int8_activations_are_the_rounding_of_x_that_quantize_x8_says(qtype):
     np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
     assert np.abs(got - int16).max() > 1e-3 * np.abs(ref).max()    # it did take int8
     np.testing.assert_array_equal(kc.matmul(x[:1], m), int16)       # and off again
+
+
+def test_one_plan_decides_each_product_and_says_which():
+    """kernels.c's pn_plan is the one place a product's kernel is chosen: what
+    pn_matmul_int runs and what pn_int_ok (the C decode layer's question) answers."""
+    if not kc.HAS_INT_PATH[0]:
+        pytest.skip("a build without the integer products")
+    lib = kc.library()
+    k4, q4 = MATS["Q4_K"], MATS["Q4_1"]
+    assert kc.plan(MATS["F16"], 1) == "none"
+    assert kc.plan(k4, 1) == "digits"                # batch 1 (no AMX below 8 rows)
+    assert kc.plan(k4, 3) == "k_rows" and kc.plan(q4, 3) == "b_rows"
+    lanes = bool(lib.pn_has_lanes())
+    assert kc.plan(q4, 17) in (("b_lanes", "amx") if lanes else ("none", "amx"))
+    try:
+        lib.pn_set_digits(0)
+        assert kc.plan(k4, 1) == "k_rows"
+    finally:
+        lib.pn_set_digits(1)
+    kc.set_int8(k4, True)
+    try:
+        assert kc.plan(k4, 1) == ("x8" if kc.HAS_X8[0] else "digits")
+        assert kc.plan(k4, 2) == "k_rows"
+    finally:
+        kc.set_int8(k4, False)
+    for m in MATS.values():
+        for rows in (1, 4, 16, 17):
+            assert bool(lib.pn_int_ok(kc._cmat(m), rows)) == (kc.plan(m, rows) != "none")

@@ -3094,64 +3094,114 @@ static inline int i8_kind(int code) {
 }
 static inline int blocks32(const PnMat *m) { return i8_kind(m->code) && m->bs == 32; }
 
-/* out[B, N] = x @ W.T through the integer products; 0 where they do not apply (the
- * caller then takes another path): K-quants at any B, q4 / q8 up to MAXB rows. */
-int pn_matmul_int(const PnMat *m, const float *x, int64_t B, const PnScratch *s, float *out) {
-    Span_ next[3];
-    if (m->next) {
-        next_spans(m->next, next);
-        tl_next = next;             /* read by the pool_run below, on this thread */
-    }
+/* Which kernel multiplies m by B rows of x: the one place that decides (pn_matmul_int
+ * runs it, pn_int_ok and kernels_cpu.plan ask it). PLAN_NONE: no integer product
+ * applies, and the caller takes the float paths (gemv, or dequantized tiles and BLAS). */
+enum {
+    PLAN_NONE = 0,
+    PLAN_AMX,           /* AMX tiles (8 or more rows; AVX-512 builds with the tile state) */
+    PLAN_DIGITS,        /* batch-1 K-quants through int8 digits of the int16 activations */
+    PLAN_X8,            /* batch-1 K-quants through int8 activations (act8, AVX2 builds) */
+    PLAN_K_LANES,       /* K-quants, 13+ rows: tokens across the lanes (AVX-512 VNNI) */
+    PLAN_K_ROWS,        /* K-quants: the int16 row kernels, 8 rows of x a pass */
+    PLAN_B_LANES,       /* blocks of 32, 11+ rows: tokens across the lanes (AVX-512 VNNI) */
+    PLAN_B_ROWS,        /* blocks of 32, up to MAXB rows: the int16 row kernels */
+};
+
+int pn_plan(const PnMat *m, int64_t B) {
 #if defined(PN_AMX)
-    if (amx_takes(m, B) && pn_matmul_amx(m, x, B, out)) return 1;
+    if (amx_takes(m, B)) return PLAN_AMX;
 #endif
 #if defined(PN_ZMM)
-    if ((m->code == Q4K || m->code == Q5K) && B == 1 && DIGITS[0]) {
+    if (B == 1 && DIGITS[0] && (m->code == Q4K || m->code == Q5K || m->code == Q6K ||
+                                m->code == Q3K || m->code == Q2K))
+        return PLAN_DIGITS;
+#else
+    if (B == 1 && m->act8 && (m->code == Q4K || m->code == Q5K || m->code == Q6K))
+        return PLAN_X8;
+    if (B == 1 && DIGITS[0] && (m->code == Q4K || m->code == Q5K || m->code == Q6K))
+        return PLAN_DIGITS;
+#endif
+    if (is_k(m->code)) {
+#if defined(PN_ZMM)
+        if (KTILE_MIN[0] > 0 && B >= KTILE_MIN[0] && m->code != Q2K) return PLAN_K_LANES;
+#endif
+        return PLAN_K_ROWS;
+    }
+#if defined(PN_ZMM)
+    if (blocks32(m) && KTILE_MIN[1] > 0 && B >= KTILE_MIN[1]) return PLAN_B_LANES;
+#endif
+    if (i8_kind(m->code) && B <= MAXB && m->K / m->bs <= MAX_RUNS) return PLAN_B_ROWS;
+    return PLAN_NONE;
+}
+
+/* batch-1 K-quants through the digits (0 where a scratch buffer cannot be had) */
+static int digits_product(const PnMat *m, const float *x, const PnScratch *s, float *out) {
+#if defined(PN_ZMM)
+    if (m->code == Q4K || m->code == Q5K) {
         quantize_digits(x, m->K, (int8_t *)s->xq, s->xd, s->xs, DIGIT_ORDER, NULL);
         DgArgs a = {m->qs, m->N, m->K, (const int8_t *)s->xq, s->xd, s->xs, out, piece_rows(m->N), NULL};
         pool_run(m->code == Q4K ? q4k_digits_chunk : q5k_digits_chunk, &a, (m->N + a.rows - 1) / a.rows);
         return 1;
     }
-    if ((m->code == Q6K || m->code == Q3K || m->code == Q2K) && B == 1 && DIGITS[0]) {
-        if (m->K / 16 > dg_sums_cap) {     /* 64-byte aligned: read 16 at a time */
-            int32_t *nb = aligned_alloc(64, sizeof(int32_t) * (size_t)((m->K / 16 + 15) / 16 * 16));
-            if (nb) free(dg_sums), dg_sums = nb, dg_sums_cap = m->K / 16;
-        }
-        if (m->K / 16 <= dg_sums_cap) {
-            quantize_digits(x, m->K, (int8_t *)s->xq, s->xd, s->xs, NATURAL_ORDER, dg_sums);
-            DgArgs a = {m->qs, m->N, m->K, (const int8_t *)s->xq, s->xd, s->xs, out,
-                        piece_rows(m->N), dg_sums};
-            pool_run(m->code == Q6K ? q6k_digits_chunk : m->code == Q3K ? q3k_digits_chunk
-                     : q2k_digits_chunk, &a, (m->N + a.rows - 1) / a.rows);
-            return 1;
-        }
+    if (m->K / 16 > dg_sums_cap) {     /* 64-byte aligned: read 16 at a time */
+        int32_t *nb = aligned_alloc(64, sizeof(int32_t) * (size_t)((m->K / 16 + 15) / 16 * 16));
+        if (!nb) return 0;
+        free(dg_sums), dg_sums = nb, dg_sums_cap = m->K / 16;
     }
+    quantize_digits(x, m->K, (int8_t *)s->xq, s->xd, s->xs, NATURAL_ORDER, dg_sums);
+    DgArgs a = {m->qs, m->N, m->K, (const int8_t *)s->xq, s->xd, s->xs, out,
+                piece_rows(m->N), dg_sums};
+    pool_run(m->code == Q6K ? q6k_digits_chunk : m->code == Q3K ? q3k_digits_chunk
+             : q2k_digits_chunk, &a, (m->N + a.rows - 1) / a.rows);
+    return 1;
 #else
-    if (m->act8 && B == 1 && (m->code == Q4K || m->code == Q5K || m->code == Q6K) &&
-        x8_product(m, x, s, out))
-        return 1;
-    if ((m->code == Q4K || m->code == Q5K) && B == 1 && DIGITS[0] && k45_digits2(m, x, s, out))
-        return 1;
-    if (m->code == Q6K && B == 1 && DIGITS[0] && q6k_digits2(m, x, s, out))
-        return 1;
+    return m->code == Q6K ? q6k_digits2(m, x, s, out) : k45_digits2(m, x, s, out);
 #endif
-    if (is_k(m->code)) {
-        pn_quantize_xk(x, B, m->K, s->xq, s->xd, s->xs);
+}
+
+/* out[B, N] = x @ W.T through the integer product pn_plan picks; 0 where none applies
+ * (the caller then takes another path). A plan whose scratch cannot be had falls back
+ * to the row kernels, which need none. */
+int pn_matmul_int(const PnMat *m, const float *x, int64_t B, const PnScratch *s, float *out) {
+    const int plan = pn_plan(m, B);
+    if (plan == PLAN_NONE) return 0;
+    Span_ next[3];
+    if (m->next) {
+        next_spans(m->next, next);
+        tl_next = next;             /* read by the pool_run below, on this thread */
+    }
+    switch (plan) {
+#if defined(PN_AMX)
+    case PLAN_AMX:
+        if (pn_matmul_amx(m, x, B, out)) return 1;
+        break;
+#endif
+    case PLAN_DIGITS:
+        if (digits_product(m, x, s, out)) return 1;
+        break;
+#if !defined(PN_ZMM)
+    case PLAN_X8:
+        if (x8_product(m, x, s, out)) return 1;
+        break;
+#endif
 #if defined(PN_ZMM)
-        if (KTILE_MIN[0] > 0 && B >= KTILE_MIN[0] && m->code != Q2K) {
-            gemm_k_tiled(m->code, m->qs, m->N, m->K, s->xq, s->xd, s->xs, B, out);
-            return 1;
-        }
+    case PLAN_K_LANES:
+        pn_quantize_xk(x, B, m->K, s->xq, s->xd, s->xs);
+        gemm_k_tiled(m->code, m->qs, m->N, m->K, s->xq, s->xd, s->xs, B, out);
+        return 1;
+    case PLAN_B_LANES:
+        gemm_b_tiled(m, x, B, s, out);
+        return 1;
 #endif
+    default:
+        break;
+    }
+    if (is_k(m->code)) {            /* PLAN_K_ROWS, or a plan above that could not run */
+        pn_quantize_xk(x, B, m->K, s->xq, s->xd, s->xs);
         pn_gemv_k(m->code, m->qs, m->N, m->K, s->xq, s->xd, s->xs, B, out);
         return 1;
     }
-#if defined(PN_ZMM)
-    if (blocks32(m) && KTILE_MIN[1] > 0 && B >= KTILE_MIN[1]) {
-        gemm_b_tiled(m, x, B, s, out);
-        return 1;
-    }
-#endif
     if (i8_kind(m->code) && B <= MAXB && m->K / m->bs <= MAX_RUNS) {
         pn_quantize_x(x, B, m->K, s->xq, s->xd, s->xs, pn_pairs_x(m->code, m->bs, B));
         pn_gemv_i8(m->code, m->qs, m->sc, m->mn, m->N, m->K, m->bs, s->xq, s->xd, s->xs, B, out);
@@ -3161,24 +3211,15 @@ int pn_matmul_int(const PnMat *m, const float *x, int64_t B, const PnScratch *s,
     return 0;
 }
 
-/* whether pn_matmul_int takes m at B rows (its conditions above, asked before a step) */
-int pn_int_ok(const PnMat *m, int64_t B) {
-#if defined(PN_AMX)
-    if (amx_takes(m, B)) return 1;
-#endif
-    if (is_k(m->code)) return 1;
-#if defined(PN_ZMM)
-    if (blocks32(m) && KTILE_MIN[1] > 0 && B >= KTILE_MIN[1])
-        return 1;                   /* the token lanes */
-#endif
-    return i8_kind(m->code) && B <= MAXB && m->K / m->bs <= MAX_RUNS;
-}
+/* whether pn_matmul_int takes m at B rows (asked before a step: the C decode layer) */
+int pn_int_ok(const PnMat *m, int64_t B) { return pn_plan(m, B) != PLAN_NONE; }
 
 int pn_has_i8(void) { return 1; }
 #else
 int pn_has_i8(void) { return 0; }
 int pn_has_x8(void) { return 0; }
 int pn_int_ok(const PnMat *m, int64_t B) { return 0; }
+int pn_plan(const PnMat *m, int64_t B) { (void)m; (void)B; return 0; }
 int pn_matmul_int(const PnMat *m, const float *x, int64_t B, const PnScratch *s, float *out) { return 0; }
 void pn_set_digits(int on) { (void)on; }
 void pn_set_xspan(int64_t bytes) { (void)bytes; }

@@ -174,6 +174,7 @@ def library():
         lib.pn_set_attn_generic.argtypes = [ctypes.c_int]
         lib.pn_set_attn_generic.restype = None
         lib.pn_int_ok.argtypes = [p, i64]
+        lib.pn_plan.argtypes = [p, i64]
         lib.pn_has_x8.argtypes = []
         lib.pn_matmul_amx.argtypes = [p, p, i64, p]
         lib.pn_set_amx.argtypes = [i64]
@@ -244,6 +245,20 @@ def _cmat(m: QMatrix) -> int:
 
 
 X8_KINDS = ("q4k", "q5k", "q6k")    # the kinds kernels.c multiplies by int8 activations
+# kernels.c's plans (pn_plan), by number
+PLANS = ("none", "amx", "digits", "x8", "k_lanes", "k_rows", "b_lanes", "b_rows")
+
+
+def plan(m: QMatrix, rows: int) -> str:
+    """The product kernels.c runs for m at `rows` rows of x (its pn_plan): one of PLANS;
+    "none" where no integer product applies (matmul then takes fp32 gemv or dequantized
+    tiles and BLAS)."""
+    if not (isinstance(m, QMatrix) and isinstance(m.qs, np.ndarray) and m.kind in CODES):
+        return "none"
+    lib = library()
+    if not HAS_INT_PATH[0]:
+        return "none"
+    return PLANS[lib.pn_plan(_cmat(m), rows)]
 
 
 def takes_int8(m) -> bool:

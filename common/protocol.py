@@ -142,6 +142,7 @@ class Loaded:
     kv_bytes: int
     load_s: float
     spec: str = ""           # the speculation it runs ("" none: off, or refused by its layers)
+    activations: str = ""    # what its CPU products take: int8 or int16 ("": a GPU die's own)
 
 
 @dataclass(slots=True)

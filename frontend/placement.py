@@ -165,6 +165,7 @@ class Placer:
         replica.weight_bytes = loaded.weight_bytes
         replica.slots, replica.ctx, replica.error = loaded.slots, loaded.ctx, ""
         replica.spec = loaded.spec
+        replica.activations = loaded.activations
         self.pool.changed()                       # queued requests may start now
         self.change.set()
         log.info("%s ready on die %s: %d slots x %d ctx, loaded in %.1f s", model.name,

@@ -546,7 +546,8 @@ class Worker:
         e = replica.engine
         return p.Loaded(replica.model_id, replica.name, len(e.scheduler.slots), e.model.ctx,
                         e.cfg.vocab_size, e.weight_bytes, e.state_bytes, e.load_seconds,
-                        e.scheduler.spec.kind if e.scheduler.spec else "")
+                        e.scheduler.spec.kind if e.scheduler.spec else "",
+                        activations=e.activations if e.device.kind == "cpu" else "")
 
     # -- generation ---------------------------------------------------------------------
     def admit(self, replica: Replica) -> None:

@@ -206,6 +206,12 @@ class Admin:
                                   f"not {quantize!r}", "quantize")
         if ctx < 0 or slots < 0:
             raise AdminError(400, "ctx and slots must be >= 0")
+        activations = body.get("activations") or ""
+        if not isinstance(activations, str) or activations and \
+                activations not in settings.ACTIVATIONS:
+            raise AdminError(400, f"activations must be one of "
+                                  f"{', '.join(settings.ACTIVATIONS)}, not {activations!r}",
+                             "activations")
         spec = None
         if "spec" in body:                             # absent: the server's --spec
             try:
@@ -238,7 +244,8 @@ class Admin:
             raise AdminError(503, "the server is shutting down: no new loads")
         self.loading.add(name)
         task = asyncio.ensure_future(self.place_and_upload(path, name, dies, ctx, slots,
-                                                           on_progress, quantize, reason, spec))
+                                                           on_progress, quantize, reason, spec,
+                                                           activations=activations))
         self.load_tasks.add(task)
         try:
             loaded = await task
@@ -255,7 +262,8 @@ class Admin:
             self.loading.discard(name)
 
     async def place_and_upload(self, path, name, dies, ctx, slots, on_progress,
-                               quantize="", reason="admin", spec=None) -> dict:
+                               quantize="", reason="admin", spec=None,
+                               activations="") -> dict:
         if not Path(path).exists():
             raise AdminError(404, f"model file not found: {path}", "path")
         try:
@@ -293,6 +301,7 @@ class Admin:
         replica = self.registry.add(model, die)
         replica.reserved, replica.want_slots, replica.want_ctx = need, slots, ctx
         replica.want_quantize, replica.reason = quantize, reason
+        replica.want_activations = activations
         replica.want_spec = spec
         replica.state = ReplicaState.LOADING
         # phase 3: upload (the placer holds the fleet-wide upload lock); phase 4: publish

@@ -119,7 +119,8 @@ class _Layer:
         c = self.c = _CLayer()
         self.keep, self.window, self.rope, self.state = [], None, None, None
         _need(type(mlp) is GatedMLP and mlp.act_name in ("silu", "gelu_tanh"),
-              f"an MLP the C layer lacks ({type(mlp).__name__})")
+              f"an MLP the C layer lacks ({type(mlp).__name__}, "
+              f"{getattr(mlp, 'act_name', 'no activation')})")
         _need(_vector(block.mixer_norm, d_model) and _vector(block.mlp_norm, d_model),
               "its norms are not float32 vectors")
         for name, post in (("post1", block.post_mixer_norm), ("post2", block.post_mlp_norm)):

@@ -3735,13 +3735,54 @@ static void add_rows(float *restrict x, const float *restrict y, int64_t n) {
 /* sigmoid and SiLU as ops.py writes them (through tanh: no overflow) */
 static inline float sigmoidf_(float x) { return 0.5f + 0.5f * tanhf(0.5f * x); }
 
-/* out[b, i] = gelu_tanh(g[b, i]) * g[b, F + i] (gate | up, fused), ops.py's order */
+/* over n floats: mode 0 o *= sigmoid(g) (an output gate), 1 o *= silu(g) (a gated norm),
+ * 2 o = silu(g) (o may be g). AVX-512: sigmoid through e^-|g| (exp512, never overflows),
+ * 16 at a time, where scalar tanhf took ~30 ns a float (Gemma 3 270M's gates and
+ * Qwen3.5's conv rows: a tenth of a batch-8 step); the rest as ops.py writes it. */
+static void mul_sigmoid(float *o, const float *g, int64_t n, int mode) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        const __m512 x = _mm512_loadu_ps(g + i);
+        const __m512 e = exp512(_mm512_sub_ps(zero, _mm512_abs_ps(x)));
+        const __m512 r = _mm512_div_ps(one, _mm512_add_ps(one, e));
+        const __mmask16 neg = _mm512_cmp_ps_mask(x, zero, _CMP_LT_OQ);
+        __m512 f = _mm512_mask_mul_ps(r, neg, r, e);                 /* sigmoid(x) */
+        if (mode) f = _mm512_mul_ps(x, f);
+        _mm512_storeu_ps(o + i, mode == 2 ? f : _mm512_mul_ps(_mm512_loadu_ps(o + i), f));
+    }
+#endif
+    for (; i < n; i++) {
+        const float x = g[i], f = mode ? x * sigmoidf_(x) : sigmoidf_(x);
+        o[i] = mode == 2 ? f : o[i] * f;
+    }
+}
+
+/* out[b, i] = gelu_tanh(g[b, i]) * g[b, F + i] (gate | up, fused): ops.py's
+ * 0.5 x (1 + tanh(u)), u = c (x + 0.044715 x^3); AVX-512 as x sigmoid(2u), equal in
+ * exact arithmetic (and without 1 + tanh's cancellation for x << 0) */
 void pn_gelu_mul(const float *g, int64_t B, int64_t F, float *out) {
     const float c = 0.7978845608028654f;
     for (int64_t b = 0; b < B; b++) {
         const float *gate = g + b * 2 * F, *up = gate + F;
         float *o = out + b * F;
-        for (int64_t i = 0; i < F; i++) {
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+        const __m512 c2 = _mm512_set1_ps(2.0f * c), k = _mm512_set1_ps(0.044715f);
+        for (; i + 16 <= F; i += 16) {
+            const __m512 x = _mm512_loadu_ps(gate + i);
+            const __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+            const __m512 u2 = _mm512_mul_ps(c2, _mm512_fmadd_ps(k, x3, x));
+            const __m512 e = exp512(_mm512_sub_ps(zero, _mm512_abs_ps(u2)));
+            const __m512 r = _mm512_div_ps(one, _mm512_add_ps(one, e));
+            const __mmask16 neg = _mm512_cmp_ps_mask(u2, zero, _CMP_LT_OQ);
+            const __m512 sig = _mm512_mask_mul_ps(r, neg, r, e);
+            _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_mul_ps(x, sig), _mm512_loadu_ps(up + i)));
+        }
+#endif
+        for (; i < F; i++) {
             const float x = gate[i];
             o[i] = 0.5f * x * (1.0f + tanhf(c * (x + 0.044715f * (x * x * x)))) * up[i];
         }
@@ -3780,11 +3821,8 @@ static int attention_mixer(const PnLayer *L, const PnStep *S, const int64_t *fir
                       S->last, S->kr, kvd, S->qkv + qw + kvd, N, S->attn, qd, (int)L->kv16);
     if (L->gated)
         for (int64_t b = 0; b < B; b++)
-            for (int64_t h = 0; h < L->Hq; h++) {
-                const float *gate = S->qkv + b * N + h * 2 * hd + hd;
-                float *o = S->attn + b * qd + h * hd;
-                for (int64_t i = 0; i < hd; i++) o[i] *= sigmoidf_(gate[i]);
-            }
+            for (int64_t h = 0; h < L->Hq; h++)
+                mul_sigmoid(S->attn + b * qd + h * hd, S->qkv + b * N + h * 2 * hd + hd, hd, 0);
     return proj(L->o, S->attn, B, &S->s, S->part, S->y);
 }
 
@@ -3823,7 +3861,7 @@ static void delta_item(const void *p, int64_t it) {
     }
     float *out = S->attn + b * nv * dv + h * dv;
     pn_rms_norm(o, 1, dv, dv, L->ssm_norm, L->eps, out);
-    for (int64_t j = 0; j < dv; j++) out[j] *= z[j] * sigmoidf_(z[j]);
+    mul_sigmoid(out, z, dv, 1);
 }
 
 static int deltanet_mixer(const PnLayer *L, const PnStep *S) {
@@ -3847,8 +3885,9 @@ static int deltanet_mixer(const PnLayer *L, const PnStep *S) {
             float y = 0.0f;
             for (int64_t i = 0; i < K - 1; i++) y += tail[i * C + ch] * w[i];
             y += x[ch] * w[K - 1];
-            c[ch] = y * sigmoidf_(y);
+            c[ch] = y;
         }
+        mul_sigmoid(c, c, C, 2);
         if (K > 1) {
             memmove(tail, tail + C, sizeof(float) * (K - 2) * C);
             memcpy(tail + (K - 2) * C, x, sizeof(float) * C);

@@ -16,6 +16,7 @@ import logging
 
 from ..common import protocol as p
 from ..common import settings, speculation
+from . import split_placement
 from .dies import DieTable, PlacementError
 from .registry import Registry, Replica, ReplicaState, ServedModel, same_model
 from .workers import LoadError, WorkerInfo, WorkerLost, WorkerPool
@@ -41,6 +42,7 @@ class Placer:
         self.change = asyncio.Event()         # set when a replica becomes ready or fails
         pool.on_join.append(self.joined)
         pool.on_lost.append(self.lost)
+        self.split_watch = split_placement.SplitWatch(self)
 
     def joined(self, worker: WorkerInfo) -> None:
         held = {r.model_id: r for r in worker.hello.replicas}
@@ -131,6 +133,8 @@ class Placer:
         self.spawn(self.load(model, replica, worker))
 
     async def load(self, model: ServedModel, replica: Replica, worker: WorkerInfo) -> None:
+        if replica.stages:                        # across two dies (split_placement.py)
+            return await split_placement.load(self, model, replica, worker)
         try:
             async with self.upload_lock:
                 if not worker.alive:

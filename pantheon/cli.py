@@ -370,6 +370,11 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("path")
     load.add_argument("--name")
     load.add_argument("--die", action="append", dest="dies", help="pin to this die")
+    load.add_argument("--dies", type=lambda v: [d for d in v.split(",") if d],
+                      dest="dies_split", metavar="A,B",
+                      help="split the replica across two dies (pipeline stages)")
+    load.add_argument("--split", type=int, metavar="K",
+                      help="with --dies A,B: the first layer of the second stage")
     load.add_argument("--ctx", type=int, default=0)
     load.add_argument("--slots", type=int, default=0)
     load.add_argument("--pin", action="store_true",

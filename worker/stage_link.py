@@ -415,8 +415,8 @@ class SplitForward:
             first += len(group)
         self.pooled = pooled
         self.steps += 1
-        out = rows[0] if len(rows) == 1 else np.concatenate(rows)
-        return xp.asarray(out)
+        out = rows[0].copy() if len(rows) == 1 else np.concatenate(rows)   # writable: the
+        return xp.asarray(out)                                   # sampler adjusts in place
 
 
 def connect_head(engine, stage, timeout_s: float = LINK_TIMEOUT_S) -> HeadLink:

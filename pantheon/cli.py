@@ -65,6 +65,9 @@ def cmd_bench(args) -> int:
             args.model = synthetic_model(args.synthetic)
         else:
             args.model = model_path(args.model)
+        if getattr(args, "dies", None):
+            from pantheon.bench.two_die import main as split_main
+            return split_main(args)
         return main(args)
     if args.bench == "prefix":
         from pantheon.bench.prefix import main
@@ -434,6 +437,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine = bench_sub.add_parser("engine", help="in-process forward speed, as JSON")
     engine.add_argument("-m", "--model")
     engine.add_argument("--die", default="cpu", help="cpu or a CUDA device number")
+    engine.add_argument("--dies", metavar="A,B",
+                        help="two CPU dies (cpu,cpu): the model split across them against "
+                        "one die (bench/two_die.py)")
     engine.add_argument("--steps", type=int, default=32, help="decode steps per batch size")
     engine.add_argument("--batches", metavar="N,N", default="1,4,8",
                         help="decode batch sizes (aggregate tokens/s each); default 1,4,8")

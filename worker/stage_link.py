@@ -210,6 +210,11 @@ class TailStage(threading.Thread):
         if op == "copy":
             state.copy_prefix(int(h["src"]), int(h["dst"]), int(h["length"]))
             return {"op": "ok", "seq": seq}, []
+        if op == "echo":                     # the link's own cost (bench/two_die.py)
+            size = int(h.get("reply_bytes", 0))
+            if not 0 <= size <= MAX_PAYLOAD // 4:
+                raise StageError(f"an echo of {size} bytes")
+            return {"op": "echo", "seq": seq}, [bytes(size)]
         if op == "hello":
             return {"op": "hello", "seq": seq, "truncatable": state.truncatable,
                     "state_bytes": state.nbytes, "weight_bytes": self.engine.weight_bytes}, []

@@ -110,11 +110,17 @@ class Placer:
             if replica.die is not None or replica.state != ReplicaState.PLACED:
                 continue
             try:
-                replica.die, replica.reserved = self.dies.choose(
-                    model.path, model.config, None, replica.want_slots or self.slots,
-                    replica.want_ctx or self.ctx, replica.want_quantize or self.quantize,
-                    self.draft_of(model, replica))
+                if replica.want_dies:                # serve --model-dies: two stages
+                    split_placement.place(self, model, replica, replica.want_dies)
+                else:
+                    replica.die, replica.reserved = self.dies.choose(
+                        model.path, model.config, None, replica.want_slots or self.slots,
+                        replica.want_ctx or self.ctx, replica.want_quantize or self.quantize,
+                        self.draft_of(model, replica))
             except (PlacementError, ValueError) as exc:     # ValueError: its draft
+                if split_placement.fallback(self, model, replica, exc):   # two dies fit
+                    self.start_load(model, replica, live[replica.die])
+                    continue
                 replica.state, replica.error = ReplicaState.FAILED, str(exc)
                 log.error("cannot place %s: %s", model.name, exc)
                 self.change.set()

@@ -264,3 +264,27 @@ class SplitWatch:
             if (replica.stages[1].die == worker.die and replica.die in live
                     and replica.state in (ReplicaState.PLACED, ReplicaState.FAILED)):
                 self.placer.start_load(model, replica, live[replica.die])
+
+
+def place(placer, model, replica, dies: list[str] | None, why: str = "") -> None:
+    """Plan and record a split placement for a startup replica (PlacementError if not)."""
+    stages = plan(placer.dies, model.path, model.config, dies, None,
+                  replica.want_slots or placer.slots, replica.want_ctx or placer.ctx,
+                  replica.want_quantize or placer.quantize)
+    apply(replica, stages)
+    replica.placement = why or f"split across dies {stages[0].die} and {stages[1].die}"
+
+
+def fallback(placer, model, replica, exc: Exception) -> bool:
+    """No single die fits a startup replica: split it across two if two fit."""
+    if (not isinstance(exc, PlacementError) or exc.status != 507 or replica.want_dies
+            or placer.draft_of(model, replica) is not None):
+        return False
+    try:
+        place(placer, model, replica, None)
+    except PlacementError:
+        return False
+    replica.placement = (f"no single die has room ({exc}); split across dies "
+                         f"{replica.stages[0].die} and {replica.stages[1].die}")
+    log.info("%s: %s", model.name, replica.placement)
+    return True

@@ -275,6 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="GGUF file or Hugging Face folder; repeatable (default: SmolLM2)")
     serve.add_argument("--name", action="append", metavar="NAME",
                        help="served name of the --model at the same position")
+    serve.add_argument("--model-dies", action="append", metavar="A,B",
+                       help="split the --model at the same position across these two dies "
+                       "(pipeline stages, one per die)")
     serve.add_argument("--spawn-workers", default="cpu", metavar="DIES",
                        help="dies to spawn workers for: cpu, CUDA numbers, emu:INDEX[:SIZE] "
                        "(an emulated CUDA die), e.g. cpu,0,1")

@@ -66,7 +66,9 @@ def test_the_split_replica_has_a_stage_on_each_die(fleet):
     dies = {d["die"]: d for d in httpx.get(f"{fleet.url}/admin/dies").json()["dies"]}
     assert any("llama-two" in m and "layers 1-1" in m for m in dies["cpu:1"]["models"])
     metrics = httpx.get(f"{fleet.url}/metrics").text
-    assert 'die="cpu:1"' in metrics
+    used = [line for line in metrics.splitlines()
+            if line.startswith('pantheon:die_memory_used_bytes{die="cpu:1"}')]
+    assert used and float(used[0].split()[-1]) >= two["stages"][1]["reserved_bytes"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

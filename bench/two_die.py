@@ -51,9 +51,34 @@ def run_round(model: str, batches: str, steps: int, quantize: str, split: bool) 
     return json.loads(out)
 
 
+def scheduled_rate(engine, batch: int, steps: int, prompt_len: int = 64) -> float:
+    """Aggregate decode tokens/s of `batch` greedy streams through the replica's own
+    scheduler (a split replica's lanes overlap there), after their prompts."""
+    from ..worker.sampler import SamplingParams
+    from ..worker.scheduler import Request
+    sched = engine.scheduler
+    rng = np.random.default_rng(batch)
+    for i in range(batch):
+        prompt = rng.integers(3, engine.cfg.vocab_size, prompt_len).tolist()
+        sched.add(Request(f"b{batch}-{i}-{time.monotonic_ns()}", prompt,
+                          SamplingParams(temperature=0), max_tokens=10**6))
+    while any(s.feed and s.state.value == "prefill" for s in sched.slots):
+        sched.step()
+    for _ in range(4):
+        sched.step()
+    t0, made = time.perf_counter(), 0
+    for _ in range(steps):
+        made += sum(len(o.tokens) for o in sched.step())
+    seconds = time.perf_counter() - t0
+    for req_id in list(sched.by_id):
+        sched.abort(req_id)
+    while sched.step():                    # what the abort left in flight
+        pass
+    return made / seconds
+
+
 def rates(engine, batches: list[int], steps: int) -> dict:
-    from .engine import decode_rate
-    return {str(b): decode_rate(engine, b, steps) for b in batches}
+    return {str(b): scheduled_rate(engine, b, steps) for b in batches}
 
 
 def role_main(argv: list[str]) -> int:

@@ -259,6 +259,7 @@ class HeadLink:
                                                     | zmq.EVENT_CONNECTED)
         self.sock.connect(stage.link)
         self.seq = itertools.count(1)
+        self.early: dict[int, tuple] = {}        # answers that came before they were asked
         self.handles = itertools.count(1)
         self.forgotten: list[int] = []           # saved shares the tail may drop
         self.up = False
@@ -298,7 +299,10 @@ class HeadLink:
         return seq
 
     def answer(self, seq: int) -> tuple[dict, list]:
-        """The answer to request `seq` (answers come in order)."""
+        """The answer to request `seq` (answers come in order; one asked for after a
+        later one, as a pipelined step's are, waits here)."""
+        if seq in self.early:
+            return self.checked(*self.early.pop(seq))
         started = time.perf_counter()
         deadline = time.monotonic() + self.timeout_s
         try:
@@ -314,13 +318,20 @@ class HeadLink:
                     frames = self.sock.recv_multipart(copy=True)
                     header = unpack(frames[0])
                     self.bytes_in += sum(len(f) for f in frames)
-                    if header.get("seq") != seq:
-                        continue                 # a stale answer of a failed step
-                    if header["op"] == "error":
-                        raise StageError(f"the second stage refused: {header.get('message')}")
-                    return header, frames[1:]
+                    got = header.get("seq")
+                    if got != seq:
+                        if isinstance(got, int) and got > seq - 64 and len(self.early) < 64:
+                            self.early[got] = header, frames[1:]   # a pending step's
+                        continue                 # else a stale answer of a failed step
+                    return self.checked(header, frames[1:])
         finally:
             self.link_s += time.perf_counter() - started
+
+    @staticmethod
+    def checked(header: dict, frames: list) -> tuple[dict, list]:
+        if header["op"] == "error":
+            raise StageError(f"the second stage refused: {header.get('message')}")
+        return header, frames
 
     def call(self, header: dict, *frames) -> tuple[dict, list]:
         return self.answer(self.send(header, *frames))
@@ -397,12 +408,17 @@ class SplitForward:
         self.steps = 0
 
     def __call__(self, tokens, spans: list[Span]):
-        m, xp = self.model, self.model.xp
+        return self.collect(self.submit(tokens, spans))
+
+    def submit(self, tokens, spans: list[Span], cut: bool = True):
+        """Run the head's layers and send the tail its work (two micro-batches when
+        `cut` and the step has them); the handle `collect` takes."""
+        m = self.model
         for s in spans:
             if s.n < 1 or s.start + s.n > m.ctx:
                 raise ValueError(f"span {s} does not fit the context of {m.ctx}")
         tokens = np.asarray(tokens, dtype=np.int64)
-        parts = micro_batches(tokens, spans)
+        parts = micro_batches(tokens, spans) if cut else [(tokens, spans)]
         sent = []
         for toks, group in parts:
             x, batch = m.embed(toks, group)
@@ -410,6 +426,12 @@ class SplitForward:
             host = np.ascontiguousarray(self.device.to_host(x[:batch.n]), dtype=F32)
             sent.append(self.link.send({"op": "forward", "spans": spans_out(group),
                                         "x": meta(host)}, host.data))
+        return sent, parts
+
+    def collect(self, handle):
+        """The logits of a submitted step [n_sampled, V], on the die."""
+        m, xp = self.model, self.model.xp
+        sent, parts = handle
         rows, pooled, first = [], [], 0
         for seq, (toks, group) in zip(sent, parts):
             h, frames = self.link.answer(seq)
@@ -443,6 +465,9 @@ def connect_head(engine, stage, timeout_s: float = LINK_TIMEOUT_S) -> HeadLink:
         sched.spec, sched.speculator = None, None
     engine.logits = split                       # warm-up and benches go through it too
     engine.link, engine.remote = link, hello
+    if len(sched.slots) >= 2:                   # both dies busy (worker/pipeline.py)
+        from .pipeline import Lanes
+        engine.scheduler = Lanes(sched, split)
     return link
 
 

@@ -2,8 +2,10 @@
 each, stages in two processes joined by the stage link) against the same model on one
 die with both cores.
 
-Rounds alternate: one die, then two, each in fresh processes pinned as `serve
---spawn-workers cpu,cpu` pins its workers (one core per die; the one-die run gets both).
+Rounds alternate: one die, then two, then one die on one core, each in fresh processes
+pinned as `serve --spawn-workers cpu,cpu` pins its workers (one core per die; the one-die
+run gets both). Against one core, two dies show the overlap alone: ~1x if the stages ran
+in turn, up to 2x when both dies work all the time.
 Prints one JSON object: per arrangement the median aggregate decode tokens/s at each
 batch size (after 64-token prompts), the two-die / one-die ratios, and the link's cost:
 bytes a decode step moves each way per sequence, and the median round trip of a frame
@@ -34,10 +36,12 @@ def child(role: str, model: str, argv: list[str], core_list: list[int]) -> subpr
                             preexec_fn=lambda: os.sched_setaffinity(0, core_list))
 
 
-def run_round(model: str, batches: str, steps: int, quantize: str, split: bool) -> dict:
+def run_round(model: str, batches: str, steps: int, quantize: str, split: bool,
+              one_core: bool = False) -> dict:
     have = cores()
     if not split:
-        out = child("one", model, [batches, str(steps), quantize], have).communicate()[0]
+        out = child("one", model, [batches, str(steps), quantize],
+                    have[:1] if one_core else have).communicate()[0]
         return json.loads(out)
     folder = tempfile.mkdtemp(prefix="pantheon-bench-link-")
     link = f"ipc://{folder}/link"
@@ -142,15 +146,19 @@ def main(args) -> int:
         print("error: two CPU dies need two cores", file=sys.stderr)
         return 2
     batches = args.batches if args.batches != "1,4,8" else "1,8"
-    one, two = [], []
+    one, two, single = [], [], []
     for _ in range(max(1, getattr(args, "rounds", 1))):
         one.append(run_round(args.model, batches, args.steps, args.quantize, False))
         two.append(run_round(args.model, batches, args.steps, args.quantize, True))
-    a, b = median_of(one), median_of(two)
+        single.append(run_round(args.model, batches, args.steps, args.quantize, False, True))
+    a, b, c = median_of(one), median_of(two), median_of(single)
     load1, load5, load15 = os.getloadavg()
     print(json.dumps({"model": os.path.basename(str(args.model)),
                       "one_die_decode_tok_s": a, "two_die_decode_tok_s": b,
                       "ratio": {k: round(b[k] / a[k], 3) for k in a},
+                      # the overlap alone: each stage has one core, as this run has
+                      "one_die_one_core_decode_tok_s": c,
+                      "ratio_vs_one_core": {k: round(b[k] / c[k], 3) for k in c},
                       "link": two[-1]["link"], "rounds": len(one),
                       "load_average": [load1, load5, load15]}, indent=2))
     return 0

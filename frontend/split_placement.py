@@ -44,6 +44,7 @@ class StagePlan:
     first_layer: int
     end_layer: int
     reserved: int            # bytes admitted on its die
+    folder: str = ""         # the stage link's private folder (stage 1's, while loaded)
 
     def as_json(self) -> dict:
         return {"die": self.die, "layers": [self.first_layer, self.end_layer],
@@ -153,7 +154,9 @@ async def load(placer, model, replica, worker) -> None:
         replica.state, replica.worker = ReplicaState.PLACED, None
         placer.change.set()
         return
+    forget_folder(stages[1])
     folder = Path(tempfile.mkdtemp(prefix="pantheon-link-"))      # 0700, ours alone
+    stages[1].folder = str(folder)
     address = f"ipc://{folder}/link"
     base = dict(path=replica.path or model.path, name=model.name,
                 slots=replica.want_slots or placer.slots, ctx=replica.want_ctx or placer.ctx,
@@ -196,10 +199,8 @@ async def load(placer, model, replica, worker) -> None:
     finally:
         replica.progress = placer.pool.progress.pop(replica.model_id, replica.progress)
         placer.pool.progress.pop(tail_id(replica.model_id), None)
-        # the socket file stays while the link is bound; the folder goes with the host's
-        # temp files, or now when nothing was loaded
-        if loaded is None:
-            shutil.rmtree(folder, ignore_errors=True)
+        if loaded is None:                  # the folder goes with the replica's unload
+            forget_folder(stages[1])
         placer.change.set()
     replica.state, replica.worker = ReplicaState.READY, worker
     replica.loads += 1
@@ -216,6 +217,12 @@ async def load(placer, model, replica, worker) -> None:
     placer.count(model.name, "loaded", loaded.load_s + tail.load_s, replica.reason)
 
 
+def forget_folder(stage: StagePlan) -> None:
+    if stage.folder:
+        shutil.rmtree(stage.folder, ignore_errors=True)
+        stage.folder = ""
+
+
 async def quiet_unload(pool, worker, model_id: str) -> None:
     if worker is None or not worker.alive:
         return
@@ -230,6 +237,7 @@ async def unload_tail(pool, replica) -> None:
     if getattr(replica, "stages", None):
         live = {w.die: w for w in pool.live()}
         await quiet_unload(pool, live.get(replica.stages[1].die), tail_id(replica.model_id))
+        forget_folder(replica.stages[1])
 
 
 class SplitWatch:

@@ -294,10 +294,10 @@ class LiveFigures:
         for _, replica in self.registry.replicas():
             if replica.die is not None:
                 reserved[replica.die] += replica.reserved
-            for stage in (replica.stages or [])[1:]:    # a split replica's second stage
-                reserved[stage.die] += stage.reserved
                 if replica.state == ReplicaState.READY:
                     ready_slots[replica.die] += replica.slots
+            for stage in (replica.stages or [])[1:]:    # a split replica's second stage
+                reserved[stage.die] += stage.reserved
         for w in self.pool.latest():
             beat = w.heartbeat
             up.add_metric([w.die], 1.0 if w.alive else 0.0)

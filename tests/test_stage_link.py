@@ -65,6 +65,15 @@ def test_a_split_that_does_not_fit_is_507_and_bad_requests_400(qwen35):
         assert e.value.status == 400 and words in str(e.value)
 
 
+def test_admin_load_takes_two_dies_and_a_split():
+    from pantheon.cli import build_parser
+    from pantheon.frontend.admin_cli import request_args
+    args = build_parser().parse_args(["admin", "load", "/m.gguf", "--dies", "cpu,cpu:1",
+                                      "--split", "12"])
+    body = request_args(args)
+    assert body["dies"] == ["cpu", "cpu:1"] and body["split"] == [12]
+
+
 def test_frames_are_checked_against_their_header():
     a = np.arange(6, dtype=np.float32).reshape(2, 3)
     assert np.array_equal(sl.array(sl.meta(a), a.tobytes(), 3), a)

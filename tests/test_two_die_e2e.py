@@ -139,10 +139,35 @@ def test_bad_split_placements_are_refused(fleet, body, status, words):
     assert "bad" not in names
 
 
-def test_kill_9_of_the_second_stage_fails_fast_and_the_replica_comes_back(fleet):
+def replica(srv, name):
+    models = httpx.get(f"{srv.url}/admin/models").json()["models"]
+    return next(m for m in models if m["name"] == name)["replicas"][0]
+
+
+def wait_reloaded(srv, name, loads):
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:     # the die's worker is respawned, both stages reload
+        two = replica(srv, name)
+        if two["state"] == "ready" and two["loads"] > loads:
+            return two
+        time.sleep(0.2)
+    raise AssertionError(f"{name} did not come back: {two}")
+
+
+def test_a_stop_string_ends_a_split_stream_and_the_replica_goes_on(fleet):
+    want = texts(complete(fleet, "llama-one", PROMPTS[1], max_tokens=40))[0]
+    stop = want[10:13]
+    got = texts(complete(fleet, "llama-two", PROMPTS[1], max_tokens=40, stop=[stop]))[0]
+    assert got == want[:want.index(stop)]
+    assert texts(complete(fleet, "llama-two", PROMPTS[1], max_tokens=40))[0] == want
+
+
+@pytest.mark.parametrize("die", ["cpu", "cpu:1"])
+def test_kill_9_of_a_stage_fails_fast_and_the_replica_comes_back(fleet, die):
     want = texts(complete(fleet, "llama-one", PROMPTS[0], max_tokens=200))
+    loads = replica(fleet, "llama-two")["loads"]
     tail = next(d["pid"] for d in httpx.get(f"{fleet.url}/admin/dies").json()["dies"]
-                if d["die"] == "cpu:1")
+                if d["die"] == die)
     events, first = [], threading.Event()
     body = {"model": "llama-two", "prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0,
             "logit_bias": NO_EOS, "stream": True}
@@ -162,15 +187,13 @@ def test_kill_9_of_the_second_stage_fails_fast_and_the_replica_comes_back(fleet)
     reader.join(20)
     assert not reader.is_alive()
     assert any('"error"' in e for e in events), events[-3:]
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:     # the die's worker is respawned, both stages reload
-        models = httpx.get(f"{fleet.url}/admin/models").json()["models"]
-        two = next(m for m in models if m["name"] == "llama-two")["replicas"][0]
-        if two["state"] == "ready" and two["loads"] >= 2:
-            break
-        time.sleep(0.2)
-    assert two["state"] == "ready", two
+    wait_reloaded(fleet, "llama-two", loads)
+    if die == "cpu":                          # the one-die replica came back there too
+        wait_reloaded(fleet, "llama-one", 0)
     assert texts(complete(fleet, "llama-two", PROMPTS[0], max_tokens=200)) == want
+
+
+def test_unload_frees_both_dies(fleet):
     r = httpx.post(f"{fleet.url}/admin/models/unload", json={"name": "llama-two"}, timeout=60)
     assert r.status_code == 200
     dies = {d["die"]: d for d in httpx.get(f"{fleet.url}/admin/dies").json()["dies"]}

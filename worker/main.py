@@ -453,8 +453,9 @@ class Worker:
             tail = None
             self.release(None)
         replica = self.replicas.pop(msg.model_id, None)
-        if replica is not None and getattr(replica.engine, "link", None) is not None:
-            replica.engine.link.close()             # a split replica's head
+        if replica is not None:
+            if getattr(replica.engine, "link", None) is not None:
+                replica.engine.link.close()         # a split replica's head
             for req_id in [r for r, rep in self.owner.items() if rep is replica]:
                 self.owner.pop(req_id)
                 self.preparing.pop(req_id, None)

@@ -175,18 +175,20 @@ def median_round(rounds: list[dict]) -> dict:
 
 
 def run_bench(model_path, die: str = "cpu", steps: int = 32, batches=(1, 4, 8),
-              quantize: str = "auto", contexts=(), rounds: int = 1, between=None) -> dict:
+              quantize: str = "auto", contexts=(), rounds: int = 1, between=None,
+              activations: str = "int16") -> dict:
     """The figures of `rounds` rounds (medians; each round's own under "rounds" when there
     are several), `between()` called after each round: a shared machine's speed moves
     by minutes, and alternating with the reference puts both on the same minutes."""
     ctx = max([1024] + [c + steps + 8 for c in contexts])
     engine = load_engine(model_path, die=die, n_slots=max([*batches, len(contexts)]), ctx=ctx,
-                         quantize=quantize)
+                         quantize=quantize, activations=activations)
     engine.warm_up()
     result = {
         "model": str(model_path),
         "die": engine.device.die_id,
         "quantize": quantize,
+        "activations": engine.activations,
         "threads": len(os.sched_getaffinity(0)),
         "isa": settings.isa() if die == "cpu" else None,     # the CPU kernels' build target
         "load_s": round(engine.load_seconds, 2),
@@ -314,7 +316,8 @@ def main(args) -> int:
     try:
         result = run_bench(args.model, die=args.die, steps=args.steps, batches=batches,
                            quantize=getattr(args, "quantize", "auto"), contexts=contexts,
-                           rounds=rounds, between=between)
+                           rounds=rounds, between=between,
+                           activations=getattr(args, "activations", "int16"))
     except LlamaBenchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

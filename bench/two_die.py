@@ -30,9 +30,9 @@ def cores() -> list[int]:
 
 
 def child(role: str, model: str, argv: list[str], core_list: list[int]) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": str(len(core_list)), "OPENBLAS_NUM_THREADS": "1"}
+    # the kernels take as many threads as the process has cores (its affinity)
     return subprocess.Popen([sys.executable, "-m", "pantheon.bench.two_die", role, model,
-                             *argv], env=env, stdout=subprocess.PIPE, text=True,
+                             *argv], stdout=subprocess.PIPE, text=True,
                             preexec_fn=lambda: os.sched_setaffinity(0, core_list))
 
 

@@ -142,6 +142,7 @@ class Loaded:
     kv_bytes: int
     load_s: float
     spec: str = ""           # the speculation it runs ("" none: off, or refused by its layers)
+    activations: str = ""    # what its CPU products take: int8 or int16 ("": a GPU die's own)
 
 
 @dataclass(slots=True)
@@ -263,6 +264,7 @@ class Load:
     prefill_chunk: int = PREFILL_CHUNK
     quantize: str = "auto"   # common/weight_format.QUANTIZE_MODES
     spec: Speculation | None = None   # None: none
+    activations: str = "auto"  # the CPU products' activations: common/settings.ACTIVATIONS
     stage: Stage | None = None        # None: the whole model on this die
 
 

@@ -300,6 +300,8 @@ def _http_url(name: str, raw: str) -> str:
 
 
 KV_CACHE_TYPES = ("f32", "f16")
+# what a CPU die's K-quant products take as activations (worker/activations.py)
+ACTIVATIONS = ("auto", "int8", "int16")
 
 
 def kv_cache() -> str:

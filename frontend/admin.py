@@ -208,6 +208,12 @@ class Admin:
                                   f"not {quantize!r}", "quantize")
         if ctx < 0 or slots < 0:
             raise AdminError(400, "ctx and slots must be >= 0")
+        activations = body.get("activations") or ""
+        if not isinstance(activations, str) or activations and \
+                activations not in settings.ACTIVATIONS:
+            raise AdminError(400, f"activations must be one of "
+                                  f"{', '.join(settings.ACTIVATIONS)}, not {activations!r}",
+                             "activations")
         spec = None
         if "spec" in body:                             # absent: the server's --spec
             try:
@@ -241,7 +247,7 @@ class Admin:
         self.loading.add(name)
         task = asyncio.ensure_future(self.place_and_upload(path, name, dies, ctx, slots,
                                                            on_progress, quantize, reason, spec,
-                                                           split=split))
+                                                           split=split, activations=activations))
         self.load_tasks.add(task)
         try:
             loaded = await task
@@ -258,7 +264,8 @@ class Admin:
             self.loading.discard(name)
 
     async def place_and_upload(self, path, name, dies, ctx, slots, on_progress,
-                               quantize="", reason="admin", spec=None, split=None) -> dict:
+                               quantize="", reason="admin", spec=None,
+                               activations="", split=None) -> dict:
         if not Path(path).exists():
             raise AdminError(404, f"model file not found: {path}", "path")
         try:
@@ -319,6 +326,7 @@ class Admin:
             replica.placement = why or f"split across dies {stages[0].die} and {stages[1].die}"
         replica.reserved, replica.want_slots, replica.want_ctx = need, slots, ctx
         replica.want_quantize, replica.reason = quantize, reason
+        replica.want_activations = activations
         replica.want_spec = spec
         replica.state = ReplicaState.LOADING
         # phase 3: upload (the placer holds the fleet-wide upload lock); phase 4: publish

@@ -28,7 +28,18 @@ def request_args(args) -> dict:
             out["split"] = [args.split]
         if args.pin:
             out["pin"] = True
-        return {k: v for k, v in out.items() if v is not None}
+        if args.activations:
+            out["activations"] = args.activations
+        out = {k: v for k, v in out.items() if v is not None}
+        if args.spec is not None or args.draft_model or args.spec_n or args.spec_k:
+            kind = args.spec if args.spec is not None else ("draft" if args.draft_model
+                                                            else "ngram")
+            spec = {"kind": kind, "n": args.spec_n, "k": args.spec_k,
+                    "draft": os.path.abspath(args.draft_model) if args.draft_model else None}
+            # "none": this replica decodes without speculation whatever the server's is
+            out["spec"] = None if kind in ("", "none") else \
+                {k: v for k, v in spec.items() if v is not None}
+        return out
     if args.admin_command == "unload":
         if args.name is None and args.replica_id is None:
             raise SystemExit("error: admin unload takes a NAME, or --id REPLICA")

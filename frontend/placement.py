@@ -28,11 +28,12 @@ class Placer:
     def __init__(self, registry: Registry, pool: WorkerPool, dies: DieTable, slots: int = 0,
                  ctx: int = 0, prefill_chunk: int = settings.PREFILL_CHUNK, expected_dies: list[str] | None = None,
                  grace_s: float = 60.0, quantize: str = "auto", metrics=None,
-                 spec: p.Speculation | None = None):
+                 spec: p.Speculation | None = None, activations: str = "auto"):
         self.registry, self.pool, self.dies = registry, pool, dies
         self.metrics = metrics                # metrics.Metrics: loads by outcome, seconds
         self.slots, self.ctx, self.prefill_chunk = slots, ctx, prefill_chunk
         self.quantize = quantize
+        self.activations = activations
         self.spec = spec                      # serve --spec: every replica's unless its load says
         # auto-placement waits (up to grace_s) for every die we spawned, to spread models
         self.expected = set(expected_dies or [])
@@ -152,7 +153,8 @@ class Placer:
                     replica.want_slots or self.slots,
                     replica.want_ctx or self.ctx, self.prefill_chunk,
                     replica.want_quantize or self.quantize,
-                    replica.want_spec if replica.want_spec is not None else self.spec))
+                    replica.want_spec if replica.want_spec is not None else self.spec,
+                    activations=replica.want_activations or self.activations))
         except LoadError as exc:
             replica.state, replica.error = ReplicaState.FAILED, str(exc)
             replica.error_code = exc.code
@@ -173,6 +175,7 @@ class Placer:
         replica.weight_bytes = loaded.weight_bytes
         replica.slots, replica.ctx, replica.error = loaded.slots, loaded.ctx, ""
         replica.spec = loaded.spec
+        replica.activations = loaded.activations
         self.pool.changed()                       # queued requests may start now
         self.change.set()
         log.info("%s ready on die %s: %d slots x %d ctx, loaded in %.1f s", model.name,

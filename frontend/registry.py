@@ -57,8 +57,10 @@ class Replica:
     want_slots: int = 0            # as asked (0: the server's default)
     want_ctx: int = 0
     want_quantize: str = ""        # "" : the server's --quantize
+    want_activations: str = ""     # "" : the server's --activations
     want_spec: object = None       # protocol.Speculation (kind "": none); None: the server's
     spec: str = ""                 # the speculation its worker runs (as loaded)
+    activations: str = ""          # what its CPU products take, as loaded (int8, int16)
     reserved: int = 0              # bytes admitted on its die
     weight_bytes: int = 0          # of which its weights (the worker's figure, once loaded)
     progress: tuple[int, int] = (0, 0)
@@ -81,6 +83,7 @@ class Replica:
                 "ctx": self.ctx, "reserved_bytes": self.reserved,
                 "progress": {"done": self.progress[0], "total": self.progress[1]},
                 "error": self.error or None, "spec": self.spec or None,
+                "activations": self.activations or None,
                 **({"stages": [s.as_json() for s in self.stages]} if self.stages else {}),
                 **({"placement": self.placement} if self.placement else {})}
 

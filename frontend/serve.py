@@ -65,6 +65,7 @@ class ServeConfig:
     context_cap: bool = True
     worker_lost_after_s: float = settings.WORKER_LOST_AFTER_S   # unanswered silence: lost
     quantize: str = "auto"
+    activations: str = "auto"             # the CPU products' activations (auto, int8, int16)
     spec: str = ""                        # speculative decoding of every --model: "" or a kind
     spec_n: int = speculation.DEFAULT_N   # prompt lookup's longest n-gram
     spec_k: int = speculation.DEFAULT_K   # the longest proposal
@@ -180,7 +181,8 @@ async def serve(cfg: ServeConfig) -> int:
                     expected_dies=dies, quantize=cfg.quantize, metrics=metrics,
                     spec=p.Speculation(cfg.spec, cfg.spec_n, cfg.spec_k,
                                        str(Path(cfg.draft_model).resolve())
-                                       if cfg.draft_model else "") if cfg.spec else None)
+                                       if cfg.draft_model else "") if cfg.spec else None,
+                    activations=cfg.activations)
     admission = Admission(cfg.queue_depth, cfg.queue_timeout_s,
                           max_request_slots=cfg.max_request_slots)
     pool.on_change.append(admission.wake_all)
@@ -353,7 +355,8 @@ def main(args) -> int:
         admin_key=KeySet.of(KeySet([args.admin_key], args.admin_key_file)),
         max_models=args.max_models,
         context_cap=not args.no_context_cap, worker_lost_after_s=args.worker_lost_after,
-        quantize=args.quantize, shutdown_timeout_s=args.shutdown_timeout,
+        quantize=args.quantize, activations=args.activations,
+        shutdown_timeout_s=args.shutdown_timeout,
         spec=args.spec, spec_n=args.spec_n, spec_k=args.spec_k, draft_model=args.draft_model or "",
         metrics_auth=args.metrics_auth, log_format=args.log_format or settings.log_format(),
         log_prompts=args.log_prompts, keys_dir=args.keys, insecure=args.insecure,

@@ -10,15 +10,9 @@ import logging
 import os
 import sys
 
-# OpenBLAS's idle threads spin 2^28 cycles (~0.1 s) after each call by default, on the
-# cores the worker's own kernels need next (a Qwen2.5-1.5B prefill: 40 tok/s with that
-# spin, 51 with 2^16 cycles); read when NumPy loads OpenBLAS, so before any import of it
-os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "16")
-# One owner of a worker's cores: the kernels' pool. BLAS runs one thread per caller (the
-# tile products split W's rows over the kernels' threads themselves); OpenBLAS's own
-# threads fought the pool for the cores (SmolLM2, AVX2 build, 2 cores: TTFT of a
-# 64-token prompt 3.3 s with them, 0.27 s without)
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+from pantheon.common import blas_env  # noqa: E402  (no NumPy: before anything loads it)
+
+blas_env.apply()
 
 from pantheon.common import logs, settings
 from pantheon.common.weight_format import QUANTIZE_MODES as QUANTIZE_CHOICES
@@ -53,7 +47,8 @@ def cmd_run(args) -> int:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             seed=args.seed)
     run_chat(model_path(args.model), args.prompt, system=args.system,
-             max_tokens=args.max_tokens, params=params, quantize=args.quantize)
+             max_tokens=args.max_tokens, params=params, quantize=args.quantize,
+             activations=args.activations)
     return 0
 
 
@@ -117,8 +112,6 @@ def cmd_keys(args) -> int:
 
 
 def cmd_worker(args) -> int:
-    if args.cores:              # the kernels' threads (BLAS: one per caller, see the top)
-        os.environ.setdefault("OMP_NUM_THREADS", str(len(args.cores)))
     args.keys = args.keys or settings.keys_dir()
     from pantheon.worker.main import main
     return main(args)
@@ -266,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="auto",
                      help="weights in memory: auto (as stored), none (fp32), q8_0, q4")
     add_kv_cache(run)
+    add_activations(run)
     run.set_defaults(func=cmd_run)
 
     serve = sub.add_parser("serve", help="the OpenAI-compatible server (frontend + workers)")
@@ -322,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "as stored), none (dense fp32, the exact reference), q8_0 or q4 "
                             "(float tensors quantized at load)")
     add_kv_cache(serve)
+    add_activations(serve)
     serve.add_argument("--spec", default="", metavar="KIND",
                        help="speculative decoding of every --model: ngram (prompt lookup: "
                             "the sequence's last tokens matched earlier in its prompt and "
@@ -385,6 +380,16 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--slots", type=int, default=0)
     load.add_argument("--pin", action="store_true",
                       help="never unload it when idle nor evict it to make room")
+    load.add_argument("--spec", metavar="KIND",
+                      help="its speculative decoding: ngram, draft (with --draft-model) or "
+                           "none (default: the server's --spec)")
+    load.add_argument("--draft-model", metavar="PATH", help="--spec draft: the draft model")
+    load.add_argument("--spec-n", type=int, metavar="N", help="prompt lookup's longest n-gram")
+    load.add_argument("--spec-k", type=int, metavar="K",
+                      help="the longest proposal verified in one step")
+    load.add_argument("--activations", choices=settings.ACTIVATIONS,
+                      help="its CPU products' activations (default: the server's "
+                           "--activations)")
     unload = admin_sub.add_parser("unload", help="unload every replica of a name, one die's, "
                                   "or one replica (--id)")
     unload.add_argument("name", nargs="?", help="the model's name (optional with --id)")
@@ -449,6 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="auto",
                         help="weights in memory, as `serve --quantize`")
     add_kv_cache(engine)
+    add_activations(engine, default="int16")
     engine.add_argument("--contexts", metavar="N,N",
                         help="also time batch-1 decode after prompts of these lengths")
     engine.add_argument("--synthetic", choices=["qwen35-wide"],
@@ -484,6 +490,15 @@ def add_kv_cache(parser) -> None:
     parser.add_argument("--kv-cache", choices=settings.KV_CACHE_TYPES,
                         help="CPU KV cache elements: f32 (default) or f16 (half the memory; "
                              "env PANTHEON_KV_CACHE; a GPU keeps fp16, --quantize none fp32)")
+
+
+def add_activations(parser, default: str = "auto") -> None:
+    parser.add_argument("--activations", choices=settings.ACTIVATIONS, default=default,
+                        help="what a CPU die's Q4_K/Q5_K/Q6_K products take at batch 1 "
+                             "(AVX2 builds): int16 (16000 steps per 256), int8 (127: half "
+                             "the multiplies, coarser) or auto (int8 where a short text "
+                             "measured at the file's first load stays within top-1 99 %% "
+                             f"and KL 0.01 of int16; cached); default {default}")
 
 
 def main(argv: list[str] | None = None) -> int:

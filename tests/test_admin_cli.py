@@ -111,3 +111,19 @@ def test_admin_without_a_server_says_so_within_the_default_timeout(no_server):
     out, err = status.communicate(timeout=20)
     assert status.returncode == 1 and out == ""
     assert f"the server is not answering at {addr}" in err
+
+
+@pytest.mark.parametrize("argv, body", [
+    (["--spec", "ngram", "--spec-n", "4"], {"spec": {"kind": "ngram", "n": 4}}),
+    (["--draft-model", "d.gguf", "--spec-k", "6"],
+     {"spec": {"kind": "draft", "k": 6, "draft": os.path.abspath("d.gguf")}}),
+    (["--spec", "none"], {"spec": None}),                   # off for this replica
+    (["--activations", "int8"], {"activations": "int8"}),
+    ([], {}),                                               # the server's own settings
+])
+def test_admin_load_options_become_the_load_body(argv, body):
+    from pantheon.cli import build_parser
+    from pantheon.frontend.admin_cli import request_args
+    args = build_parser().parse_args(["admin", "load", "m.gguf", *argv])
+    got = request_args(args)
+    assert got == {"path": os.path.abspath("m.gguf"), "ctx": 0, "slots": 0, **body}

@@ -163,6 +163,8 @@ def test_replicas_are_known_by_content_not_by_path(fleet):
     ({"path": SMOL, "name": "two", "dies": ["cpu", "cpu:1", "cpu:2"]}, 400),  # 3 dies
     ({"path": SMOL, "name": "q", "quantize": "q3"}, 400),             # lists the choices
     ({"path": SMOL, "name": "q", "quantize": 7}, 400),
+    ({"path": SMOL, "name": "a", "activations": "int4"}, 400),       # lists the choices
+    ({"path": SMOL, "name": "a", "activations": 8}, 400),
     ({"path": SMOL, "name": NAME, "dies": ["gpu9"]}, 507),         # no such die
 ])
 def test_load_errors(fleet, body, status):
@@ -196,6 +198,9 @@ def test_unreadable_tensor_types_and_unknown_quantize_modes_are_400(fleet):
     assert "type MXFP4" in message and "tensor blk.0." in message or "token_embd" in message
     bad = admin(fleet, "load", {"path": SMOL, "name": "q", "quantize": "q3"})
     assert bad.status_code == 400 and "auto, none, q8_0, q4" in bad.json()["error"]["message"]
+    bad = admin(fleet, "load", {"path": SMOL, "name": "a", "activations": "int4"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "activations"
+    assert "auto, int8, int16, not 'int4'" in bad.json()["error"]["message"]
 
 
 def test_bad_model_files_are_400_naming_the_tensor_or_architecture(fleet):
@@ -398,3 +403,25 @@ def test_models_retrieve_answers_like_openai(fleet):
     with pytest.raises(openai.NotFoundError) as err:
         client.models.retrieve("no-such-model")
     assert err.value.body["code"] == "model_not_found"
+
+
+def test_activations_travel_in_the_load_and_the_workers_choice_is_shown(fleet, tmp_path):
+    """"activations" in the load body reaches the worker (in its load message); the
+    replica shows what the worker's products take: int8 where its build has int8 products
+    (AVX2 builds), int16 elsewhere (the test process builds the same kernels)."""
+    from kquants import rewrite_as_k_quants
+    from pantheon.worker import kernels_cpu as kc
+    from test_kquant_model import q4_k_m, widened
+    with widened("qwen2") as name:
+        f32 = tm.write_gguf(name, Path(fleet.tiny).parent / f"{name}.gguf")
+    path = rewrite_as_k_quants(f32, Path(fleet.tiny).parent / f"{name}-k.gguf", q4_k_m)
+    r = admin(fleet, "load", {"path": str(path), "name": "k8", "activations": "int8",
+                              "slots": 1, "ctx": 64})
+    try:
+        assert r.status_code == 200, r.text
+        kc.library()
+        assert r.json()["loaded"]["activations"] == ("int8" if kc.HAS_X8[0] else "int16")
+        (smol,) = [m for m in admin(fleet, "models").json()["models"] if m["name"] == NAME]
+        assert smol["replicas"][0]["activations"] == "int16"     # Q4_1: nothing to change
+    finally:
+        assert admin(fleet, "unload", {"name": "k8"}).status_code == 200

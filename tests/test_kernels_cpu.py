@@ -354,8 +354,8 @@ def test_a_chain_of_matrices_fetches_ahead_without_changing_a_product():
 @pytest.mark.parametrize("isa", ["avx2", "generic"])
 def test_the_kernels_built_without_avx512_pass_these_tests(isa, tmp_path):
     """Hosts without AVX-512 (the Xeons beside K80s) or without AVX run the 256-bit and the
-    portable paths: this file's tests (and the C decode layers') pass against a build
-    for those (PANTHEON_ISA), which leaves the wider paths out."""
+    portable paths: this file's tests (and the C decode layers' and the int8 activations')
+    pass against a build for those (PANTHEON_ISA), which leaves the wider paths out."""
     import os
     import subprocess
     import sys
@@ -364,6 +364,7 @@ def test_the_kernels_built_without_avx512_pass_these_tests(isa, tmp_path):
     env = dict(os.environ, PANTHEON_ISA=isa, PANTHEON_CACHE_DIR=str(tmp_path / "cache"))
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            __file__, str(Path(__file__).with_name("test_decode_cpu.py")),
+                           str(Path(__file__).with_name("test_activations.py")),
                            "-k", "not built_without_avx512"],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
@@ -541,3 +542,77 @@ def test_the_kernels_address_cache_keeps_no_array_alive():
     w = np.full(64, 2.0, np.float32)          # a new array, perhaps at the same id
     np.testing.assert_allclose(kc.rms_norm(np.ones((2, 64), np.float32), w, 1e-6), 2.0,
                                rtol=1e-5)
+
+
+def quantize_x8(x: np.ndarray) -> np.ndarray:
+    """x as int8 activations take it, returned dequantized: per 256 a unit D = max |x| /
+    (127 x 63), per 32 an integer step s = ceil(max |x| of the 32 / 127 D) in 1 .. 63, and
+    q = x / (D s) rounded half away from zero (float32 throughout, as kernels.c)."""
+    f = np.float32
+    v = x.astype(f).reshape(-1, 8, 32)
+    D = (np.abs(v).max(axis=(1, 2), keepdims=True) / f(16129)).astype(f)
+    amax = np.abs(v).max(axis=2, keepdims=True)
+    safe = np.where(D > 0, D, f(1))
+    st = np.where(D > 0, np.ceil(amax / (safe * f(127))), 1).clip(1, 127).astype(f)
+    step = (D * st).astype(f)
+    inv = np.where(D > 0, f(1) / np.where(D > 0, step, f(1)), f(0)).astype(f)
+    r = (v * inv).astype(f)
+    q = np.trunc(r + np.copysign(f(0.5), r)).clip(-127, 127)
+    return (q * step).reshape(x.shape)
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K], ids=lambda t: t.name)
+def test_int8_activations_are_the_rounding_of_x_that_quantize_x8_says(qtype):
+    """A matrix set to int8 activations (builds with those kernels: AVX2 ones) multiplies
+    x as quantize_x8 rounds it at batch 1 — exactly, up to float additions — and as
+    before at more rows; elsewhere set_int8 changes nothing. x has outliers: a run's own step keeps its small
+    values (one step per 256 would not)."""
+    raw, shape = random_tensor(qtype, 300, 6)
+    m = qm.from_gguf(raw, qtype, shape)
+    rng = np.random.default_rng(17)
+    x = (50 * rng.standard_normal((3, m.cols))).astype(np.float32)
+    x[:, rng.integers(0, m.cols, 4)] *= 40
+    x[:, :32] = 0                                 # a run of zeros: its step is 1
+    w = qm.dequantize(m).astype(np.float64)
+    int16, rows16 = kc.matmul(x[:1], m), kc.matmul(x, m)
+    kc.set_int8(m, True)
+    try:
+        got, rows = kc.matmul(x[:1], m), kc.matmul(x, m)
+    finally:
+        kc.set_int8(m, False)
+    np.testing.assert_array_equal(rows, rows16)   # many rows: the int16 kernels
+    if not kc.takes_int8(m):                 # AVX-512 and portable builds: int16 stays
+        np.testing.assert_array_equal(got, int16)
+        return
+    ref = quantize_x8(x[:1]).astype(np.float64) @ w.T
+    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
+    assert np.abs(got - int16).max() > 1e-3 * np.abs(ref).max()    # it did take int8
+    np.testing.assert_array_equal(kc.matmul(x[:1], m), int16)       # and off again
+
+
+def test_one_plan_decides_each_product_and_says_which():
+    """kernels.c's pn_plan is the one place a product's kernel is chosen: what
+    pn_matmul_int runs and what pn_int_ok (the C decode layer's question) answers."""
+    if not kc.HAS_INT_PATH[0]:
+        pytest.skip("a build without the integer products")
+    lib = kc.library()
+    k4, q4 = MATS["Q4_K"], MATS["Q4_1"]
+    assert kc.plan(MATS["F16"], 1) == "none"
+    assert kc.plan(k4, 1) == "digits"                # batch 1 (no AMX below 8 rows)
+    assert kc.plan(k4, 3) == "k_rows" and kc.plan(q4, 3) == "b_rows"
+    lanes = bool(lib.pn_has_lanes())
+    assert kc.plan(q4, 17) in (("b_lanes", "amx") if lanes else ("none", "amx"))
+    try:
+        lib.pn_set_digits(0)
+        assert kc.plan(k4, 1) == "k_rows"
+    finally:
+        lib.pn_set_digits(1)
+    kc.set_int8(k4, True)
+    try:
+        assert kc.plan(k4, 1) == ("x8" if kc.HAS_X8[0] else "digits")
+        assert kc.plan(k4, 2) == "k_rows"
+    finally:
+        kc.set_int8(k4, False)
+    for m in MATS.values():
+        for rows in (1, 4, 16, 17):
+            assert bool(lib.pn_int_ok(kc._cmat(m), rows)) == (kc.plan(m, rows) != "none")

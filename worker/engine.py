@@ -10,6 +10,8 @@ import numpy as np
 
 from ..common.model_file import ModelConfig, ModelFileError, open_model_file
 from ..common.weight_format import kv_itemsize
+from .activations import apply as choose_activations
+from .activations import check as check_activations
 from .device import Device, open_device
 from .model import Model, Span
 from .prefix_cache import PrefixCache
@@ -32,6 +34,7 @@ class Engine:
     load_seconds: float
     sampler: Sampler | None = None
     draft: Model | None = None       # speculation's draft model, on the same die
+    activations: str = "int16"       # what its CPU products take (worker/activations.py)
 
     @property
     def weight_bytes(self) -> int:
@@ -80,7 +83,7 @@ class Engine:
 
 
 def load_draft(path: str, target: ModelConfig, device: Device, n_slots: int, ctx: int,
-               quantize: str) -> Model:
+               quantize: str, activations: str = "int16") -> Model:
     """Speculation's draft model: same vocabulary as the target, attention only (its
     state is rolled back by length), its own state in the same slot numbers."""
     cfg, reader = open_model_file(path)
@@ -95,6 +98,8 @@ def load_draft(path: str, target: ModelConfig, device: Device, n_slots: int, ctx
     if not draft.state.truncatable:
         raise ModelFileError("spec.draft: a draft model with recurrent layers cannot be "
                              "rolled back; choose an attention-only model")
+    verdict = choose_activations(draft, path, activations, quantize)
+    log.info("draft %s: %s activations (%s)", Path(path).name, verdict.used, verdict.why)
     return draft
 
 
@@ -114,9 +119,12 @@ class OpenGrammar:
 def load_engine(path: str | Path, die: str | Device = "cpu", n_slots: int = 8,
                 ctx: int | None = None, prefill_chunk: int = 128, progress=None,
                 prefix_cache_bytes: int = 0, quantize: str = "auto",
-                spec: SpecConfig | None = None,
+                spec: SpecConfig | None = None, activations: str = "int16",
                 layers: tuple[int, int] | None = None) -> Engine:
-    """Load the model at `path` onto a die with `n_slots` KV slots of `ctx` positions."""
+    """Load the model at `path` onto a die with `n_slots` KV slots of `ctx` positions;
+    `activations`: what its CPU products take (auto, int8, int16: worker/activations.py);
+    `layers`: (lo, hi) for a stage of a replica split across two dies."""
+    check_activations(activations)
     started = time.perf_counter()
     device = die if isinstance(die, Device) else open_device(die)
     cfg, reader = open_model_file(path)
@@ -132,10 +140,13 @@ def load_engine(path: str | Path, die: str | Device = "cpu", n_slots: int = 8,
     kv_dtype = np.float16 if kv_itemsize(path, device.kind, quantize) == 2 else np.float32
     model = Model(cfg, weights, device.xp, n_slots, ctx, kv_dtype=kv_dtype, layers=layers)
     engine = Engine(cfg, device, model, None, 0.0, Sampler(device.xp, device.settle))
+    verdict = choose_activations(model, path, activations, quantize)
+    engine.activations = verdict.used
     cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
     proposer = None
     if spec is not None and spec.kind == "draft" and model.state.truncatable:
-        engine.draft = load_draft(spec.draft, cfg, device, n_slots, ctx, quantize)
+        engine.draft = load_draft(spec.draft, cfg, device, n_slots, ctx, quantize,
+                                  activations)
         proposer = DraftProposer(engine.draft, n_slots)
     engine.scheduler = Scheduler(engine.logits, n_slots, ctx, prefill_chunk, model.state, cache,
                                  sample=engine.sample, pooled=engine.pooled, spec=spec,
@@ -146,6 +157,9 @@ def load_engine(path: str | Path, die: str | Device = "cpu", n_slots: int = 8,
              engine.load_seconds, weights.nbytes() / 1e6,
              ", ".join(f"{n} {k}" for k, n in sorted(weights.formats().items())),
              model.state.nbytes / 1e6)
+    if verdict.matrices or activations != "int16":
+        log.info("%s: %s activations in its CPU products (%s)", Path(path).name,
+                 verdict.used, verdict.why)
     if spec is not None and spec.on:
         if engine.scheduler.spec is None:
             log.info("speculation (%s) is off for %s: its recurrent layers' state cannot be "

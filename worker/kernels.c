@@ -16,7 +16,6 @@
  *   iq4nl: as q4 (nibbles, a scale per 32, no min), w = scale * IQ4_LEVELS[nibble]
  *   iq4xs: the file's IQ4_XS super-blocks of 256, as stored (see below)
  */
-#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 #include <stdlib.h>
@@ -515,9 +514,10 @@ static void gemv1_rows(int code, const uint8_t *restrict qs, const uint16_t *res
     }
 }
 
-/* a matrix and a scratch as pn_matmul_int takes them (kernels_cpu._CMat, _CScratch) */
+/* a matrix and a scratch as pn_matmul_int takes them (kernels_cpu._CMat, _CScratch);
+ * act8: its products at batch 1 take int8 activations where this build has them */
 typedef struct PnMat {
-    int32_t code, pad; const uint8_t *qs; const uint16_t *sc, *mn; int64_t N, K, bs;
+    int32_t code, act8; const uint8_t *qs; const uint16_t *sc, *mn; int64_t N, K, bs;
     const struct PnMat *next;       /* the matrix the forward multiplies by next, or NULL */
 } PnMat;
 typedef struct { int16_t *xq; float *xd, *xs; } PnScratch;   /* B x K, B x K/32, B x K/32 */
@@ -2874,6 +2874,218 @@ static int k45_digits2(const PnMat *m, const float *x, const PnScratch *s, float
     pool_run(k45_digits2_chunk, &a, (m->N + a.rows - 1) / a.rows);
     return 1;
 }
+
+/* -- int8 activations (`--activations int8`, a matrix's act8): at batch 1 x is held as
+ * int8 values q (|q| <= 127) in runs of 32, each run with its own integer step s (1 .. 63)
+ * of the super-block's unit D = max |x| / (127 x 63): x ~ D s q. A run's step follows its
+ * own largest value (as llama.cpp's q8_0 blocks of 32; one step per 256, its q8_K, lost
+ * the small values of a run beside an outlier: Qwen2.5-1.5B top-1 90 %), yet it is an
+ * integer that joins the weights' sub-scale in the same `vpmaddwd`: one digit meets the
+ * weights' bytes, per 64 values 4 multiplies (2 `vpmaddubsw`, 2 `vpmaddwd`) against the
+ * two digits' 8. Whether a model stays within the accuracy bound with it is measured per
+ * model (worker/activations.py), not assumed. */
+static __thread int16_t *x8_steps;
+static __thread int64_t x8_steps_cap;
+
+/* x [K] → x8, steps [K/32] (s), xd [K/256] (D), xs [K/32] (each run's sum times D s: the
+ * mins' term); rounding half away from zero, as pn_quantize_xk */
+static void quantize_x8(const float *x, int64_t K, int8_t *x8, int16_t *steps, float *xd,
+                        float *xs) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u));
+    const __m256 half = _mm256_set1_ps(0.5f), lim = _mm256_set1_ps(127.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t blk = 0; blk < K / 256; blk++) {
+        const float *v = x + blk * 256;
+        float amax[8], top = 0.0f;
+        for (int j = 0; j < 8; j++) {
+            __m256 m = _mm256_setzero_ps();
+            for (int i = 0; i < 32; i += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(v + 32 * j + i), absmask));
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            amax[j] = _mm_cvtss_f32(m4);
+            top = amax[j] > top ? amax[j] : top;
+        }
+        const float D = top / 16129.0f;
+        for (int j = 0; j < 8; j++) {
+            int st = D > 0 ? (int)ceilf(amax[j] / (D * 127.0f)) : 1;
+            st = st < 1 ? 1 : st > 127 ? 127 : st;
+            const float step = D * (float)st, inv = D > 0 ? 1.0f / step : 0.0f;
+            const __m256 vinv = _mm256_set1_ps(inv);
+            __m256i iv[4], tot = _mm256_setzero_si256();
+            for (int h = 0; h < 4; h++) {
+                __m256 r = _mm256_mul_ps(_mm256_loadu_ps(v + 32 * j + 8 * h), vinv);
+                r = _mm256_add_ps(r, _mm256_or_ps(_mm256_and_ps(r, sign), half));
+                r = _mm256_max_ps(_mm256_min_ps(r, lim), _mm256_sub_ps(_mm256_setzero_ps(), lim));
+                iv[h] = _mm256_cvttps_epi32(r);
+                tot = _mm256_add_epi32(tot, iv[h]);
+            }
+            /* packs work within 128-bit lanes: 4-byte groups come out a0 b0 c0 d0 a1 b1 c1 d1 */
+            const __m256i b8 = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]),
+                                                  _mm256_packs_epi32(iv[2], iv[3]));
+            _mm256_storeu_si256((__m256i *)(x8 + blk * 256 + 32 * j),
+                                _mm256_permutevar8x32_epi32(b8, order));
+            __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(tot), _mm256_extracti128_si256(tot, 1));
+            t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
+            t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
+            xs[blk * 8 + j] = (float)_mm_cvtsi128_si32(t4) * step;
+            steps[blk * 8 + j] = (int16_t)st;
+        }
+        xd[blk] = D;
+    }
+}
+
+/* w's 32 bytes against 32 int8 values of x under one int16 scale (in every lane of sl) */
+static inline __m256i x8_pair(__m256i w, const int8_t *x, __m256i sl) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)x)), sl);
+}
+
+typedef struct {
+    int code; const uint8_t *qs; int64_t N, K; const int8_t *x8; const int16_t *steps;
+    const float *xd, *xs;           /* Q6_K: xs per 16, the -32 offset's term */
+    float *out; int64_t rows;
+} X8Args;
+
+/* Q4_K / Q5_K: k45_digits2_chunk with one digit (pairs at most 2 x 31 x 127, times a
+ * combined scale of at most 63 x 63; a lane sums 32 values a super-block: 32 x 31 x 127
+ * x 3969 < 2^31) */
+static void k45_x8_chunk(const void *p, int64_t c) {
+    const X8Args *a = p;
+    const int64_t nb = a->K / 256, bytes = k_bytes(a->code);
+    const int64_t n0 = c * a->rows, n1 = n0 + a->rows < a->N ? n0 + a->rows : a->N;
+    const int five = a->code == Q5K;
+    const __m256i low4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = a->qs + n * nb * bytes;
+        __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+        for (int64_t blk = 0; blk < nb; blk++) {
+            const uint8_t *b = row + blk * bytes;
+            for (int64_t l = 0; l < bytes; l += 64)
+                _mm_prefetch((const char *)b + PF_AHEAD + l, _MM_HINT_T0);
+            uint8_t sm[16];
+            k_scales_fast(b + 4, sm);
+            const __m256 mf = _mm256_mul_ps(_mm256_set1_ps(-half_to_float(load_u16(b + 2))),
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + 8)))));
+            const int8_t *xb = a->x8 + blk * 256;
+            const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
+            /* the weights' sub-scale times x's step, per run of 32 (at most 63 x 63) */
+            const __m256i S = _mm256_broadcastsi128_si256(_mm_mullo_epi16(
+                _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sm)),
+                _mm_loadu_si128((const __m128i *)(a->steps + blk * 8))));
+            __m256i ci = _mm256_setzero_si256();
+#pragma GCC unroll 4
+            for (int t = 0; t < 4; t++) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + (five ? Q5K_QS : 16) + 32 * t));
+                __m256i lo = _mm256_and_si256(raw, low4);
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                if (five) {
+                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), one), 4));
+                    hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * t + 1), one), 4));
+                }
+                ci = _mm256_add_epi32(ci, _mm256_add_epi32(x8_pair(lo, xb + 64 * t, one_scale(S, 2 * t)),
+                                                           x8_pair(hi, xb + 64 * t + 32, one_scale(S, 2 * t + 1))));
+            }
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ci), _mm256_set1_ps(half_to_float(load_u16(b)) * a->xd[blk]), acc);
+            accm = _mm256_fmadd_ps(mf, _mm256_loadu_ps(a->xs + blk * 8), accm);
+        }
+        a->out[n] = hsum(_mm256_add_ps(acc, accm));
+    }
+}
+
+/* Q6_K: q6k_digits2_chunk with one digit (pairs at most 2 x 63 x 127, times a combined
+ * scale of at most 128 x 63; each half's sums go to floats on their own, a lane then
+ * summing 16 values: 16 x 63 x 127 x 8064 < 2^31) */
+static void q6k_x8_chunk(const void *p, int64_t c) {
+    const X8Args *a = p;
+    const int64_t nb = a->K / 256;
+    const int64_t n0 = c * a->rows, n1 = n0 + a->rows < a->N ? n0 + a->rows : a->N;
+    const __m256i low4 = _mm256_set1_epi8(15), two = _mm256_set1_epi8(3);
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = a->qs + n * nb * Q6K_BYTES;
+        __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+        for (int64_t blk = 0; blk < nb; blk++) {
+            const uint8_t *b = row + blk * Q6K_BYTES;
+            for (int64_t l = 0; l < Q6K_BYTES; l += 64)
+                _mm_prefetch((const char *)b + PF_AHEAD + l, _MM_HINT_T0);
+            const int8_t *sc = (const int8_t *)(b + 192);
+            const float d = half_to_float(load_u16(b + 208));
+            const int8_t *xb = a->x8 + blk * 256;
+            const __m128i s8 = _mm_loadu_si128((const __m128i *)sc);
+            /* each run of 16's scale times its run of 32's step (at most 128 x 63) */
+            const __m128i st = _mm_loadu_si128((const __m128i *)(a->steps + blk * 8));
+            const __m256i S16 = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(s8), _mm256_setr_m128i(
+                _mm_unpacklo_epi16(st, st), _mm_unpackhi_epi16(st, st)));
+            const __m256i Sh[2] = {_mm256_permute2x128_si256(S16, S16, 0x00),
+                                   _mm256_permute2x128_si256(S16, S16, 0x11)};
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) {
+                __m256i ci = _mm256_setzero_si256();
+                const __m256i q0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
+                const __m256i q1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
+                const __m256i qb = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+#pragma GCC unroll 2
+                for (int up = 0; up < 2; up++) {
+                    const int t = 2 * h + up;
+                    const __m256i l0 = up ? _mm256_srli_epi16(q0, 4) : q0;
+                    const __m256i l1 = up ? _mm256_srli_epi16(q1, 4) : q1;
+                    const __m256i bits = up ? _mm256_srli_epi16(qb, 4) : qb;
+                    const __m256i r0 = _mm256_or_si256(_mm256_and_si256(l0, low4),
+                                                       _mm256_slli_epi16(_mm256_and_si256(bits, two), 4));
+                    const __m256i r1 = _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_slli_epi16(
+                        _mm256_and_si256(_mm256_srli_epi16(bits, 2), two), 4));
+                    ci = _mm256_add_epi32(ci, _mm256_add_epi32(
+                        x8_pair(r0, xb + 64 * t, run_scales(Sh[h], 2 * t)),
+                        x8_pair(r1, xb + 64 * t + 32, run_scales(Sh[h], 2 * t + 1))));
+                }
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ci), _mm256_set1_ps(d * a->xd[blk]), acc);
+            }
+            const __m256 dv = _mm256_set1_ps(d);
+            accm = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s8)), dv),
+                                   _mm256_loadu_ps(a->xs + blk * 16), accm);
+            accm = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s8, 8))), dv),
+                                   _mm256_loadu_ps(a->xs + blk * 16 + 8), accm);
+        }
+        a->out[n] = hsum(_mm256_add_ps(acc, accm));
+    }
+}
+
+/* a Q4_K, Q5_K or Q6_K product at batch 1 with int8 activations; 0 where the buffers
+ * cannot be had (the caller then takes the int16 path) */
+static int x8_product(const PnMat *m, const float *x, const PnScratch *s, float *out) {
+    const int64_t K = m->K;
+    if (K > dg2_cap) {
+        int8_t *nbuf = aligned_alloc(64, (size_t)(K + 63) / 64 * 64);
+        if (!nbuf) return 0;
+        free(dg2_buf), dg2_buf = nbuf, dg2_cap = K;
+    }
+    if (K / 32 > x8_steps_cap) {
+        int16_t *nbuf = aligned_alloc(64, (size_t)(K / 32 * 2 + 63) / 64 * 64);
+        if (!nbuf) return 0;
+        free(x8_steps), x8_steps = nbuf, x8_steps_cap = K / 32;
+    }
+    if (m->code == Q6K && K / 16 > xs16_dg_cap) {
+        float *nbuf = aligned_alloc(64, (size_t)(K / 16 + 15) / 16 * 16 * sizeof(float));
+        if (!nbuf) return 0;
+        free(xs16_dg), xs16_dg = nbuf, xs16_dg_cap = K / 16;
+    }
+    quantize_x8(x, K, dg2_buf, x8_steps, s->xd, s->xs);
+    const float *xs = s->xs;
+    if (m->code == Q6K) {
+        for (int64_t r = 0; r < K / 16; r++) {      /* -32 x each run's sum, in x's units */
+            int32_t t = 0;
+            for (int i = 0; i < 16; i++) t += dg2_buf[16 * r + i];
+            xs16_dg[r] = -32.0f * (float)t * s->xd[r / 16] * (float)x8_steps[r / 2];
+        }
+        xs = xs16_dg;
+    }
+    X8Args a = {m->code, m->qs, m->N, K, dg2_buf, x8_steps, s->xd, xs, out, piece_rows(m->N)};
+    pool_run(m->code == Q6K ? q6k_x8_chunk : k45_x8_chunk, &a, (m->N + a.rows - 1) / a.rows);
+    return 1;
+}
+int pn_has_x8(void) { return 1; }
+#else
+int pn_has_x8(void) { return 0; }   /* AVX-512 builds: their two-digit VNNI products */
 #endif
 
 /* the kinds of runs with an fp16 scale (and maybe a min) each: q4, iq4nl, q8 */
@@ -2882,61 +3094,114 @@ static inline int i8_kind(int code) {
 }
 static inline int blocks32(const PnMat *m) { return i8_kind(m->code) && m->bs == 32; }
 
-/* out[B, N] = x @ W.T through the integer products; 0 where they do not apply (the
- * caller then takes another path): K-quants at any B, q4 / q8 up to MAXB rows. */
-int pn_matmul_int(const PnMat *m, const float *x, int64_t B, const PnScratch *s, float *out) {
-    Span_ next[3];
-    if (m->next) {
-        next_spans(m->next, next);
-        tl_next = next;             /* read by the pool_run below, on this thread */
-    }
+/* Which kernel multiplies m by B rows of x: the one place that decides (pn_matmul_int
+ * runs it, pn_int_ok and kernels_cpu.plan ask it). PLAN_NONE: no integer product
+ * applies, and the caller takes the float paths (gemv, or dequantized tiles and BLAS). */
+enum {
+    PLAN_NONE = 0,
+    PLAN_AMX,           /* AMX tiles (8 or more rows; AVX-512 builds with the tile state) */
+    PLAN_DIGITS,        /* batch-1 K-quants through int8 digits of the int16 activations */
+    PLAN_X8,            /* batch-1 K-quants through int8 activations (act8, AVX2 builds) */
+    PLAN_K_LANES,       /* K-quants, 13+ rows: tokens across the lanes (AVX-512 VNNI) */
+    PLAN_K_ROWS,        /* K-quants: the int16 row kernels, 8 rows of x a pass */
+    PLAN_B_LANES,       /* blocks of 32, 11+ rows: tokens across the lanes (AVX-512 VNNI) */
+    PLAN_B_ROWS,        /* blocks of 32, up to MAXB rows: the int16 row kernels */
+};
+
+int pn_plan(const PnMat *m, int64_t B) {
 #if defined(PN_AMX)
-    if (amx_takes(m, B) && pn_matmul_amx(m, x, B, out)) return 1;
+    if (amx_takes(m, B)) return PLAN_AMX;
 #endif
 #if defined(PN_ZMM)
-    if ((m->code == Q4K || m->code == Q5K) && B == 1 && DIGITS[0]) {
+    if (B == 1 && DIGITS[0] && (m->code == Q4K || m->code == Q5K || m->code == Q6K ||
+                                m->code == Q3K || m->code == Q2K))
+        return PLAN_DIGITS;
+#else
+    if (B == 1 && m->act8 && (m->code == Q4K || m->code == Q5K || m->code == Q6K))
+        return PLAN_X8;
+    if (B == 1 && DIGITS[0] && (m->code == Q4K || m->code == Q5K || m->code == Q6K))
+        return PLAN_DIGITS;
+#endif
+    if (is_k(m->code)) {
+#if defined(PN_ZMM)
+        if (KTILE_MIN[0] > 0 && B >= KTILE_MIN[0] && m->code != Q2K) return PLAN_K_LANES;
+#endif
+        return PLAN_K_ROWS;
+    }
+#if defined(PN_ZMM)
+    if (blocks32(m) && KTILE_MIN[1] > 0 && B >= KTILE_MIN[1]) return PLAN_B_LANES;
+#endif
+    if (i8_kind(m->code) && B <= MAXB && m->K / m->bs <= MAX_RUNS) return PLAN_B_ROWS;
+    return PLAN_NONE;
+}
+
+/* batch-1 K-quants through the digits (0 where a scratch buffer cannot be had) */
+static int digits_product(const PnMat *m, const float *x, const PnScratch *s, float *out) {
+#if defined(PN_ZMM)
+    if (m->code == Q4K || m->code == Q5K) {
         quantize_digits(x, m->K, (int8_t *)s->xq, s->xd, s->xs, DIGIT_ORDER, NULL);
         DgArgs a = {m->qs, m->N, m->K, (const int8_t *)s->xq, s->xd, s->xs, out, piece_rows(m->N), NULL};
         pool_run(m->code == Q4K ? q4k_digits_chunk : q5k_digits_chunk, &a, (m->N + a.rows - 1) / a.rows);
         return 1;
     }
-    if ((m->code == Q6K || m->code == Q3K || m->code == Q2K) && B == 1 && DIGITS[0]) {
-        if (m->K / 16 > dg_sums_cap) {     /* 64-byte aligned: read 16 at a time */
-            int32_t *nb = aligned_alloc(64, sizeof(int32_t) * (size_t)((m->K / 16 + 15) / 16 * 16));
-            if (nb) free(dg_sums), dg_sums = nb, dg_sums_cap = m->K / 16;
-        }
-        if (m->K / 16 <= dg_sums_cap) {
-            quantize_digits(x, m->K, (int8_t *)s->xq, s->xd, s->xs, NATURAL_ORDER, dg_sums);
-            DgArgs a = {m->qs, m->N, m->K, (const int8_t *)s->xq, s->xd, s->xs, out,
-                        piece_rows(m->N), dg_sums};
-            pool_run(m->code == Q6K ? q6k_digits_chunk : m->code == Q3K ? q3k_digits_chunk
-                     : q2k_digits_chunk, &a, (m->N + a.rows - 1) / a.rows);
-            return 1;
-        }
+    if (m->K / 16 > dg_sums_cap) {     /* 64-byte aligned: read 16 at a time */
+        int32_t *nb = aligned_alloc(64, sizeof(int32_t) * (size_t)((m->K / 16 + 15) / 16 * 16));
+        if (!nb) return 0;
+        free(dg_sums), dg_sums = nb, dg_sums_cap = m->K / 16;
     }
+    quantize_digits(x, m->K, (int8_t *)s->xq, s->xd, s->xs, NATURAL_ORDER, dg_sums);
+    DgArgs a = {m->qs, m->N, m->K, (const int8_t *)s->xq, s->xd, s->xs, out,
+                piece_rows(m->N), dg_sums};
+    pool_run(m->code == Q6K ? q6k_digits_chunk : m->code == Q3K ? q3k_digits_chunk
+             : q2k_digits_chunk, &a, (m->N + a.rows - 1) / a.rows);
+    return 1;
 #else
-    if ((m->code == Q4K || m->code == Q5K) && B == 1 && DIGITS[0] && k45_digits2(m, x, s, out))
-        return 1;
-    if (m->code == Q6K && B == 1 && DIGITS[0] && q6k_digits2(m, x, s, out))
-        return 1;
+    return m->code == Q6K ? q6k_digits2(m, x, s, out) : k45_digits2(m, x, s, out);
 #endif
-    if (is_k(m->code)) {
-        pn_quantize_xk(x, B, m->K, s->xq, s->xd, s->xs);
+}
+
+/* out[B, N] = x @ W.T through the integer product pn_plan picks; 0 where none applies
+ * (the caller then takes another path). A plan whose scratch cannot be had falls back
+ * to the row kernels, which need none. */
+int pn_matmul_int(const PnMat *m, const float *x, int64_t B, const PnScratch *s, float *out) {
+    const int plan = pn_plan(m, B);
+    if (plan == PLAN_NONE) return 0;
+    Span_ next[3];
+    if (m->next) {
+        next_spans(m->next, next);
+        tl_next = next;             /* read by the pool_run below, on this thread */
+    }
+    switch (plan) {
+#if defined(PN_AMX)
+    case PLAN_AMX:
+        if (pn_matmul_amx(m, x, B, out)) return 1;
+        break;
+#endif
+    case PLAN_DIGITS:
+        if (digits_product(m, x, s, out)) return 1;
+        break;
+#if !defined(PN_ZMM)
+    case PLAN_X8:
+        if (x8_product(m, x, s, out)) return 1;
+        break;
+#endif
 #if defined(PN_ZMM)
-        if (KTILE_MIN[0] > 0 && B >= KTILE_MIN[0] && m->code != Q2K) {
-            gemm_k_tiled(m->code, m->qs, m->N, m->K, s->xq, s->xd, s->xs, B, out);
-            return 1;
-        }
+    case PLAN_K_LANES:
+        pn_quantize_xk(x, B, m->K, s->xq, s->xd, s->xs);
+        gemm_k_tiled(m->code, m->qs, m->N, m->K, s->xq, s->xd, s->xs, B, out);
+        return 1;
+    case PLAN_B_LANES:
+        gemm_b_tiled(m, x, B, s, out);
+        return 1;
 #endif
+    default:
+        break;
+    }
+    if (is_k(m->code)) {            /* PLAN_K_ROWS, or a plan above that could not run */
+        pn_quantize_xk(x, B, m->K, s->xq, s->xd, s->xs);
         pn_gemv_k(m->code, m->qs, m->N, m->K, s->xq, s->xd, s->xs, B, out);
         return 1;
     }
-#if defined(PN_ZMM)
-    if (blocks32(m) && KTILE_MIN[1] > 0 && B >= KTILE_MIN[1]) {
-        gemm_b_tiled(m, x, B, s, out);
-        return 1;
-    }
-#endif
     if (i8_kind(m->code) && B <= MAXB && m->K / m->bs <= MAX_RUNS) {
         pn_quantize_x(x, B, m->K, s->xq, s->xd, s->xs, pn_pairs_x(m->code, m->bs, B));
         pn_gemv_i8(m->code, m->qs, m->sc, m->mn, m->N, m->K, m->bs, s->xq, s->xd, s->xs, B, out);
@@ -2946,23 +3211,15 @@ int pn_matmul_int(const PnMat *m, const float *x, int64_t B, const PnScratch *s,
     return 0;
 }
 
-/* whether pn_matmul_int takes m at B rows (its conditions above, asked before a step) */
-int pn_int_ok(const PnMat *m, int64_t B) {
-#if defined(PN_AMX)
-    if (amx_takes(m, B)) return 1;
-#endif
-    if (is_k(m->code)) return 1;
-#if defined(PN_ZMM)
-    if (blocks32(m) && KTILE_MIN[1] > 0 && B >= KTILE_MIN[1])
-        return 1;                   /* the token lanes */
-#endif
-    return i8_kind(m->code) && B <= MAXB && m->K / m->bs <= MAX_RUNS;
-}
+/* whether pn_matmul_int takes m at B rows (asked before a step: the C decode layer) */
+int pn_int_ok(const PnMat *m, int64_t B) { return pn_plan(m, B) != PLAN_NONE; }
 
 int pn_has_i8(void) { return 1; }
 #else
 int pn_has_i8(void) { return 0; }
+int pn_has_x8(void) { return 0; }
 int pn_int_ok(const PnMat *m, int64_t B) { return 0; }
+int pn_plan(const PnMat *m, int64_t B) { (void)m; (void)B; return 0; }
 int pn_matmul_int(const PnMat *m, const float *x, int64_t B, const PnScratch *s, float *out) { return 0; }
 void pn_set_digits(int on) { (void)on; }
 void pn_set_xspan(int64_t bytes) { (void)bytes; }
@@ -2999,16 +3256,33 @@ void pn_gemv(int code, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn
     pool_run(gemv_chunk, &a, (N + a.rows - 1) / a.rows);
 }
 
-/* out[r1 - r0, K] = rows [r0, r1) of W as floats (the tile of the prefill path). */
+typedef struct {
+    int code; const uint8_t *qs; const uint16_t *sc, *mn; int64_t K, bs, r0, r1; float *out;
+} DequantArgs;
+
+/* rows [r0 + 16 c, r0 + 16 c + 16) of a DequantArgs */
+static void dequant_chunk(const void *p, int64_t c) {
+    const DequantArgs *a = p;
+    const int64_t run = block_of(a->code, a->bs), nb = a->K / run;
+    const int64_t lo = a->r0 + 16 * c, hi = lo + 16 < a->r1 ? lo + 16 : a->r1;
+    for (int64_t r = lo; r < hi; r++)
+        if (is_k(a->code)) dequant_k_row(a->code, a->qs, a->K, r, a->out + (r - a->r0) * a->K);
+        else for (int64_t blk = 0; blk < nb; blk++)
+            dequant_block(a->code, a->qs, a->sc, a->mn, a->K, run, r, blk,
+                          a->out + (r - a->r0) * a->K + blk * run);
+}
+
+/* out[r1 - r0, K] = rows [r0, r1) of W as floats (the tile of the prefill path): on the
+ * calling thread (threads == 1: the tile threads each dequantize their own), else over
+ * the kernels' pool */
 void pn_dequant_rows(int code, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn,
                      int64_t K, int64_t bs, int64_t r0, int64_t r1, float *out, int threads) {
-    int64_t run = block_of(code, bs), nb = K / run;
-    if (threads <= 0) threads = omp_get_max_threads();
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t r = r0; r < r1; r++)
-        if (is_k(code)) dequant_k_row(code, qs, K, r, out + (r - r0) * K);
-        else for (int64_t blk = 0; blk < nb; blk++)
-            dequant_block(code, qs, sc, mn, K, run, r, blk, out + (r - r0) * K + blk * run);
+    const DequantArgs a = {code, qs, sc, mn, K, bs, r0, r1, out};
+    const int64_t n = (r1 - r0 + 15) / 16;
+    if (threads == 1)
+        for (int64_t c = 0; c < n; c++) dequant_chunk(&a, c);
+    else
+        pool_run(dequant_chunk, &a, n);
 }
 
 /* out[T, K] = rows ids[0..T) of W (the embedding lookup). */
@@ -3482,10 +3756,16 @@ static inline uint16_t float_to_half(float f) {       /* round to nearest even, 
 
 /* Q4_K super-blocks (144 bytes) → q4 blocks: nibbles moved, scale = fp16(d * sc),
  * min = fp16(-(dmin * m)), per 32. */
-void pn_repack_q4_k(const uint8_t *restrict b, int64_t n, uint8_t *restrict qs,
-                    uint16_t *restrict sc, uint16_t *restrict mn) {
-    #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; i++) {
+typedef struct { const uint8_t *b; int64_t n; void *qs; uint16_t *sc, *mn; } RepackArgs;
+#define REPACK_PIECE 256                /* super-blocks per work item of the pool */
+
+static void repack_q4_k_chunk(const void *p, int64_t c) {
+    const RepackArgs *a = p;
+    const uint8_t *restrict b = a->b;
+    uint8_t *restrict qs = a->qs;
+    uint16_t *restrict sc = a->sc, *restrict mn = a->mn;
+    const int64_t i1 = (c + 1) * REPACK_PIECE < a->n ? (c + 1) * REPACK_PIECE : a->n;
+    for (int64_t i = c * REPACK_PIECE; i < i1; i++) {
         const uint8_t *blk = b + i * 144, *s = blk + 4, *g = blk + 16;
         uint16_t hd, hm;
         memcpy(&hd, blk, 2);
@@ -3511,11 +3791,19 @@ void pn_repack_q4_k(const uint8_t *restrict b, int64_t n, uint8_t *restrict qs,
     }
 }
 
+void pn_repack_q4_k(const uint8_t *b, int64_t n, uint8_t *qs, uint16_t *sc, uint16_t *mn) {
+    const RepackArgs a = {b, n, qs, sc, mn};
+    pool_run(repack_q4_k_chunk, &a, (n + REPACK_PIECE - 1) / REPACK_PIECE);
+}
+
 /* Q6_K super-blocks (210 bytes) → int8 values (q - 32) and fp16(d * scale) per 16. */
-void pn_repack_q6_k(const uint8_t *restrict b, int64_t n, int8_t *restrict qs,
-                    uint16_t *restrict sc) {
-    #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; i++) {
+static void repack_q6_k_chunk(const void *p, int64_t c) {
+    const RepackArgs *a = p;
+    const uint8_t *restrict b = a->b;
+    int8_t *restrict qs = a->qs;
+    uint16_t *restrict sc = a->sc;
+    const int64_t i1 = (c + 1) * REPACK_PIECE < a->n ? (c + 1) * REPACK_PIECE : a->n;
+    for (int64_t i = c * REPACK_PIECE; i < i1; i++) {
         const uint8_t *blk = b + i * 210, *ql = blk, *qh = blk + 128;
         const int8_t *scales = (const int8_t *)(blk + 192);
         uint16_t hd;
@@ -3534,6 +3822,11 @@ void pn_repack_q6_k(const uint8_t *restrict b, int64_t n, int8_t *restrict qs,
             }
         }
     }
+}
+
+void pn_repack_q6_k(const uint8_t *b, int64_t n, int8_t *qs, uint16_t *sc) {
+    const RepackArgs a = {b, n, qs, sc, NULL};
+    pool_run(repack_q6_k_chunk, &a, (n + REPACK_PIECE - 1) / REPACK_PIECE);
 }
 int pn_has_repack(void) { return 1; }
 #else

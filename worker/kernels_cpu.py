@@ -72,6 +72,7 @@ SOURCE = Path(__file__).with_name("kernels.c")
 _lib = None
 HAS_INT_PATH = [False]      # the build has the AVX2 integer decode path (set at load)
 HAS_AMX = [False]           # the build has the AMX tile products and the kernel grants them
+HAS_X8 = [False]            # the build has int8-activation products (AVX2 builds)
 _NO_SCALE = np.zeros((1, 1), dtype=np.uint16)
 
 
@@ -121,7 +122,7 @@ def build(force: bool = False) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so")
     os.close(fd)
-    cmd = [cc, "-O3", *flags, "-fopenmp", "-shared", "-fPIC", "-std=c11",
+    cmd = [cc, "-O3", *flags, "-pthread", "-shared", "-fPIC", "-std=c11",
            "-o", tmp, str(SOURCE), "-lm"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
@@ -133,21 +134,14 @@ def build(force: bool = False) -> Path:
 
 
 def threads() -> int:
-    """Threads of the decode kernels: OMP_NUM_THREADS (a worker sets it from --cores),
-    else the cores this process may run on."""
-    try:
-        return max(1, int(os.environ.get("OMP_NUM_THREADS", "")))
-    except ValueError:
-        return len(os.sched_getaffinity(0))
+    """Threads of the kernels' pool (every parallel loop of kernels.c runs on it): the
+    cores this process may run on (a worker pins itself to --cores first)."""
+    return len(os.sched_getaffinity(0))
 
 
 def library():
     global _lib
     if _lib is None:
-        # OpenMP threads that spin after each kernel take the cores from OpenBLAS (and
-        # from the other workers of a shared host): spin briefly, then sleep (read by
-        # libgomp when the library loads)
-        os.environ.setdefault("GOMP_SPINCOUNT", "20000")
         lib = ctypes.CDLL(str(build()))
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         lib.pn_gemv.argtypes = [ctypes.c_int, p, p, p, i64, i64, i64, p, i64, p]
@@ -180,6 +174,8 @@ def library():
         lib.pn_set_attn_generic.argtypes = [ctypes.c_int]
         lib.pn_set_attn_generic.restype = None
         lib.pn_int_ok.argtypes = [p, i64]
+        lib.pn_plan.argtypes = [p, i64]
+        lib.pn_has_x8.argtypes = []
         lib.pn_matmul_amx.argtypes = [p, p, i64, p]
         lib.pn_set_amx.argtypes = [i64]
         lib.pn_set_amx.restype = None
@@ -194,6 +190,7 @@ def library():
             fn.restype = None
         assert lib.pn_max_rows() == GEMV_MAX_ROWS
         HAS_INT_PATH[0] = bool(lib.pn_has_i8())
+        HAS_X8[0] = bool(lib.pn_has_x8())
         apply_amx_setting(lib)
         lib.pn_pool_init(threads(), POOL_SPIN_US)
         _lib = lib
@@ -227,7 +224,7 @@ def _ptr(a: np.ndarray) -> int:
 
 
 class _CMat(ctypes.Structure):      # kernels.c's PnMat
-    _fields_ = [("code", ctypes.c_int32), ("pad", ctypes.c_int32), ("qs", ctypes.c_void_p),
+    _fields_ = [("code", ctypes.c_int32), ("act8", ctypes.c_int32), ("qs", ctypes.c_void_p),
                 ("sc", ctypes.c_void_p), ("mn", ctypes.c_void_p), ("N", ctypes.c_int64),
                 ("K", ctypes.c_int64), ("bs", ctypes.c_int64), ("next", ctypes.c_void_p)]
 
@@ -242,9 +239,44 @@ def _cmat(m: QMatrix) -> int:
     if cached is not None and cached[0] is m.qs:
         return cached[2]
     code, qs, sc, mn, bs = _weights(m)
-    st = _CMat(code, 0, qs, sc, mn, m.rows, m.cols, bs, None)
+    st = _CMat(code, int(m.__dict__.get("_act8", False)), qs, sc, mn, m.rows, m.cols, bs, None)
     m.__dict__["_c_mat"] = (m.qs, st, ctypes.addressof(st))
     return m.__dict__["_c_mat"][2]
+
+
+X8_KINDS = ("q4k", "q5k", "q6k")    # the kinds kernels.c multiplies by int8 activations
+# kernels.c's plans (pn_plan), by number
+PLANS = ("none", "amx", "digits", "x8", "k_lanes", "k_rows", "b_lanes", "b_rows")
+
+
+def plan(m: QMatrix, rows: int) -> str:
+    """The product kernels.c runs for m at `rows` rows of x (its pn_plan): one of PLANS;
+    "none" where no integer product applies (matmul then takes fp32 gemv or dequantized
+    tiles and BLAS)."""
+    if not (isinstance(m, QMatrix) and isinstance(m.qs, np.ndarray) and m.kind in CODES):
+        return "none"
+    lib = library()
+    if not HAS_INT_PATH[0]:
+        return "none"
+    return PLANS[lib.pn_plan(_cmat(m), rows)]
+
+
+def takes_int8(m) -> bool:
+    """Whether this build multiplies m by int8 activations when asked (set_int8)."""
+    return (isinstance(m, QMatrix) and isinstance(m.qs, np.ndarray) and m.kind in X8_KINDS
+            and (library() and HAS_X8[0]))
+
+
+def set_int8(m: QMatrix, on: bool) -> None:
+    """m's products at batch 1 take int8 activations (127 steps per 256) instead of
+    int16 (16000): half the multiplies, coarser (worker/activations.py decides per
+    model). A no-op where takes_int8(m) is false."""
+    if not takes_int8(m):
+        return
+    m.__dict__["_act8"] = bool(on)
+    cached = m.__dict__.get("_c_mat")
+    if cached is not None:
+        cached[1].act8 = int(bool(on))
 
 
 def chain(items) -> None:

@@ -524,7 +524,8 @@ class Worker:
             engine = load_engine(msg.path, self.device, n_slots=msg.slots or self.slots,
                                  ctx=msg.ctx or None, prefill_chunk=msg.prefill_chunk,
                                  prefix_cache_bytes=self.prefix_cache_bytes, progress=progress,
-                                 quantize=msg.quantize, spec=spec_config(msg.spec))
+                                 quantize=msg.quantize, spec=spec_config(msg.spec),
+                                 activations=msg.activations)
             engine.warm_up()              # ready means warm: the first request pays nothing
             self.loads.put((msg, engine))
         except (ModelFileError, FormatError, stage_link.StageError) as exc:   # one line
@@ -567,7 +568,8 @@ class Worker:
         e = replica.engine
         return p.Loaded(replica.model_id, replica.name, len(e.scheduler.slots), e.model.ctx,
                         e.cfg.vocab_size, e.weight_bytes, e.state_bytes, e.load_seconds,
-                        e.scheduler.spec.kind if e.scheduler.spec else "")
+                        e.scheduler.spec.kind if e.scheduler.spec else "",
+                        activations=e.activations if e.device.kind == "cpu" else "")
 
     # -- generation ---------------------------------------------------------------------
     def admit(self, replica: Replica) -> None:

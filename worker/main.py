@@ -517,7 +517,8 @@ class Worker:
                 self.wake()
             if msg.stage is not None:       # a stage of a replica split across two dies
                 result = stage_link.load_stage(msg, self.device, self.slots,
-                                               self.prefix_cache_bytes, progress)
+                                               self.prefix_cache_bytes, progress,
+                                               spec=spec_config(msg.spec))
                 self.loads.put((msg, result))
                 self.wake()
                 return

@@ -480,12 +480,12 @@ def check_stage(stage) -> None:
                          f"{stage.end_layer}), link {stage.link!r}")
 
 
-def load_stage(msg, device, default_slots: int, prefix_cache_bytes: int, progress=None):
+def load_stage(msg, device, default_slots: int, prefix_cache_bytes: int, progress=None,
+               spec=None):
     """Load `msg`'s stage: stage 1 → a started TailStage (its link bound); stage 0 → an
     Engine whose forward runs through the tail (which must be up: the frontend loads it
     first), warm."""
     from .engine import load_engine
-    from .main import spec_config
     stage = msg.stage
     check_stage(stage)
     tail = stage.index == 1
@@ -493,7 +493,7 @@ def load_stage(msg, device, default_slots: int, prefix_cache_bytes: int, progres
                          ctx=msg.ctx or None, prefill_chunk=msg.prefill_chunk,
                          prefix_cache_bytes=0 if tail else prefix_cache_bytes,
                          progress=progress, quantize=msg.quantize,
-                         spec=None if tail else spec_config(msg.spec),
+                         spec=None if tail else spec,
                          layers=(stage.first_layer, stage.end_layer))
     if stage.end_layer > engine.cfg.n_layers or (tail and stage.end_layer != engine.cfg.n_layers):
         raise StageError(f"stage {stage.index} ends at layer {stage.end_layer}; the model "

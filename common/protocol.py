@@ -239,6 +239,22 @@ class Speculation:
 
 
 @dataclass(slots=True)
+class Stage:
+    """One stage of a replica split across two dies (worker/stage_link.py): layers
+    [first_layer, end_layer) of the stack. Stage 0 (the embedding, the scheduler, sampling)
+    connects to `link`; stage 1 (the last layers and the head) binds it. `server_key`:
+    the CURVE public key stage 1 serves the link with ("": none, an ipc link in a private
+    folder); stage 1 gets `secret_key` too."""
+
+    index: int
+    first_layer: int
+    end_layer: int
+    link: str = bounded(lim.MAX_TEXT_CHARS, default="")
+    server_key: str = bounded(64, default="")
+    secret_key: str = bounded(64, default="")
+
+
+@dataclass(slots=True)
 class Load:
     model_id: str            # the replica's id, unique in the fleet
     path: str
@@ -249,6 +265,7 @@ class Load:
     quantize: str = "auto"   # common/weight_format.QUANTIZE_MODES
     spec: Speculation | None = None   # None: none
     activations: str = "auto"  # the CPU products' activations: common/settings.ACTIVATIONS
+    stage: Stage | None = None        # None: the whole model on this die
 
 
 @dataclass(slots=True)
@@ -377,7 +394,7 @@ MESSAGES: dict[str, type] = {
     "admin_request": AdminRequest, "admin_reply": AdminReply,
 }
 KIND_OF = {cls: kind for kind, cls in MESSAGES.items()}
-NESTED = {Sampling, Resident, Tokens, ReplicaLoad, Speculation}
+NESTED = {Sampling, Resident, Tokens, ReplicaLoad, Speculation, Stage}
 
 
 def encode(msg) -> bytes:

@@ -31,6 +31,7 @@ from ..common.keys import KeyPair, curve_server
 from ..common.model_file import ModelFileError
 from ..common.weight_format import QUANTIZE_MODES, weight_bytes
 from .admission import Admission
+from . import split_placement
 from .dies import DieTable, PlacementError
 from .placement import Placer
 from .registry import MAX_ENTRIES, Registry, ReplicaState, open_model, same_model
@@ -197,6 +198,7 @@ class Admin:
                                   "(--model-dir)", "path")
         name = field(body, "name", str) or Path(path).stem
         dies = field(body, "dies", list)
+        split = field(body, "split", list)
         ctx, slots = field(body, "ctx", int, 0), field(body, "slots", int, 0)
         quantize = body.get("quantize") or ""
         if quantize is True:                           # the spec's boolean: true = q8_0
@@ -245,7 +247,7 @@ class Admin:
         self.loading.add(name)
         task = asyncio.ensure_future(self.place_and_upload(path, name, dies, ctx, slots,
                                                            on_progress, quantize, reason, spec,
-                                                           activations=activations))
+                                                           split=split, activations=activations))
         self.load_tasks.add(task)
         try:
             loaded = await task
@@ -263,7 +265,7 @@ class Admin:
 
     async def place_and_upload(self, path, name, dies, ctx, slots, on_progress,
                                quantize="", reason="admin", spec=None,
-                               activations="") -> dict:
+                               activations="", split=None) -> dict:
         if not Path(path).exists():
             raise AdminError(404, f"model file not found: {path}", "path")
         try:
@@ -291,14 +293,37 @@ class Admin:
                     speculation.check_draft, model.config, runs.draft, target, size)
         except ValueError as exc:
             raise AdminError(400, str(exc), "spec.draft") from exc
+        stages, why = None, ""
         try:
-            die, need = self.die_table.choose(model.path, model.config, dies,
-                                              slots or self.placer.slots, ctx or self.placer.ctx,
-                                              quantize or self.placer.quantize, draft)
+            if split is not None or (dies is not None and len(dies) != 1):
+                stages = await asyncio.to_thread(
+                    split_placement.plan, self.die_table, model.path, model.config, dies,
+                    split, slots or self.placer.slots, ctx or self.placer.ctx,
+                    quantize or self.placer.quantize)
+                die, need = stages[0].die, stages[0].reserved
+            else:
+                die, need = self.die_table.choose(model.path, model.config, dies,
+                                                  slots or self.placer.slots,
+                                                  ctx or self.placer.ctx,
+                                                  quantize or self.placer.quantize, draft)
         except PlacementError as exc:
-            raise AdminError(exc.status, str(exc), "dies") from exc
+            if dies is not None or exc.status != 507 or draft is not None:
+                raise AdminError(exc.status, str(exc), "split" if split else "dies") from exc
+            try:                           # no single die fits: two, if two do
+                stages = await asyncio.to_thread(
+                    split_placement.plan, self.die_table, model.path, model.config, None,
+                    None, slots or self.placer.slots, ctx or self.placer.ctx,
+                    quantize or self.placer.quantize)
+            except PlacementError:
+                raise AdminError(exc.status, str(exc), "dies") from exc
+            die, need = stages[0].die, stages[0].reserved
+            why = (f"no single die has room ({exc}); split across dies {stages[0].die} and "
+                   f"{stages[1].die}")
         worker = next(w for w in self.pool.live() if w.die == die)
         replica = self.registry.add(model, die)
+        if stages:
+            split_placement.apply(replica, stages)
+            replica.placement = why or f"split across dies {stages[0].die} and {stages[1].die}"
         replica.reserved, replica.want_slots, replica.want_ctx = need, slots, ctx
         replica.want_quantize, replica.reason = quantize, reason
         replica.want_activations = activations
@@ -380,6 +405,7 @@ class Admin:
                     await self.pool.unload(r.worker, r.model_id)
                 except (WorkerLost, asyncio.TimeoutError) as exc:
                     log.warning("unloading %s: %s", r.model_id, exc)
+            await split_placement.unload_tail(self.pool, r)     # a split replica's stage 1
             self.registry.remove(model, r)
             if self.metrics is not None:
                 self.metrics.unloads.labels(name, reason).inc()

@@ -22,8 +22,10 @@ def request_args(args) -> dict:
         # the server takes absolute paths only: a relative one is the caller's, resolved here
         out = {"path": os.path.abspath(args.path), "name": args.name, "ctx": args.ctx,
                "slots": args.slots}
-        if args.dies:
-            out["dies"] = args.dies
+        if args.dies or getattr(args, "dies_split", None):
+            out["dies"] = (args.dies or []) + (getattr(args, "dies_split", None) or [])
+        if getattr(args, "split", None) is not None:
+            out["split"] = [args.split]
         if args.pin:
             out["pin"] = True
         if args.activations:

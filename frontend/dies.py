@@ -109,6 +109,12 @@ class DieTable:
             if info is not None:
                 info.reserved += replica.reserved
                 info.models.append(f"{model.name} ({replica.model_id}, {replica.state})")
+            for stage in (replica.stages or [])[1:]:     # a split replica's second stage
+                if (other := dies.get(stage.die)) is not None:
+                    other.reserved += stage.reserved
+                    other.models.append(f"{model.name} ({replica.model_id} layers "
+                                        f"{stage.first_layer}-{stage.end_layer - 1}, "
+                                        f"{replica.state})")
         return sorted(dies.values(), key=lambda d: d.die)
 
     def choose(self, path: str, cfg: ModelConfig, pinned: list[str] | None, slots: int,
@@ -116,9 +122,8 @@ class DieTable:
                draft: tuple[str, ModelConfig] | None = None) -> tuple[str, int]:
         """(die, bytes to reserve) for a new replica; PlacementError if none fits."""
         if pinned is not None and len(pinned) != 1:
-            raise PlacementError(400, "a replica lives on one die: give exactly one die "
-                                 f"(got {pinned}); splitting a replica across dies is not "
-                                 "supported yet")
+            raise PlacementError(400, "give one die here (two: frontend/split_placement.py)"
+                                 f", got {pinned}")
         live = [d for d in self.snapshot() if d.alive]
         if pinned:
             live = [d for d in live if d.die == str(pinned[0])]

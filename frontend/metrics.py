@@ -296,6 +296,8 @@ class LiveFigures:
                 reserved[replica.die] += replica.reserved
                 if replica.state == ReplicaState.READY:
                     ready_slots[replica.die] += replica.slots
+            for stage in (replica.stages or [])[1:]:    # a split replica's second stage
+                reserved[stage.die] += stage.reserved
         for w in self.pool.latest():
             beat = w.heartbeat
             up.add_metric([w.die], 1.0 if w.alive else 0.0)

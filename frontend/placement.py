@@ -16,6 +16,7 @@ import logging
 
 from ..common import protocol as p
 from ..common import settings, speculation
+from . import split_placement
 from .dies import DieTable, PlacementError
 from .registry import Registry, Replica, ReplicaState, ServedModel, same_model
 from .workers import LoadError, WorkerInfo, WorkerLost, WorkerPool
@@ -42,6 +43,7 @@ class Placer:
         self.change = asyncio.Event()         # set when a replica becomes ready or fails
         pool.on_join.append(self.joined)
         pool.on_lost.append(self.lost)
+        self.split_watch = split_placement.SplitWatch(self)
 
     def joined(self, worker: WorkerInfo) -> None:
         held = {r.model_id: r for r in worker.hello.replicas}
@@ -109,11 +111,17 @@ class Placer:
             if replica.die is not None or replica.state != ReplicaState.PLACED:
                 continue
             try:
-                replica.die, replica.reserved = self.dies.choose(
-                    model.path, model.config, None, replica.want_slots or self.slots,
-                    replica.want_ctx or self.ctx, replica.want_quantize or self.quantize,
-                    self.draft_of(model, replica))
+                if replica.want_dies:                # serve --model-dies: two stages
+                    split_placement.place(self, model, replica, replica.want_dies)
+                else:
+                    replica.die, replica.reserved = self.dies.choose(
+                        model.path, model.config, None, replica.want_slots or self.slots,
+                        replica.want_ctx or self.ctx, replica.want_quantize or self.quantize,
+                        self.draft_of(model, replica))
             except (PlacementError, ValueError) as exc:     # ValueError: its draft
+                if split_placement.fallback(self, model, replica, exc):   # two dies fit
+                    self.start_load(model, replica, live[replica.die])
+                    continue
                 replica.state, replica.error = ReplicaState.FAILED, str(exc)
                 log.error("cannot place %s: %s", model.name, exc)
                 self.change.set()
@@ -132,6 +140,8 @@ class Placer:
         self.spawn(self.load(model, replica, worker))
 
     async def load(self, model: ServedModel, replica: Replica, worker: WorkerInfo) -> None:
+        if replica.stages:                        # across two dies (split_placement.py)
+            return await split_placement.load(self, model, replica, worker)
         try:
             async with self.upload_lock:
                 if not worker.alive:

@@ -69,6 +69,9 @@ class Replica:
     path: str = ""                 # its own file (a copy of the model's); "": the model's
     last_used: float = 0.0         # monotonic time a request last took or left a slot
     reason: str = "start"          # why it was loaded: start, request, admin (autoload.py)
+    stages: list | None = None     # split across two dies: split_placement.StagePlan each
+    want_dies: list | None = None  # serve --model-dies: the two dies to split it across
+    placement: str = ""            # why it was placed so (an automatic split says why)
     idle: asyncio.Event = field(default_factory=lambda: idle_event(), repr=False,
                                 compare=False)   # set while nothing is in flight
 
@@ -80,7 +83,9 @@ class Replica:
                 "ctx": self.ctx, "reserved_bytes": self.reserved,
                 "progress": {"done": self.progress[0], "total": self.progress[1]},
                 "error": self.error or None, "spec": self.spec or None,
-                "activations": self.activations or None}
+                "activations": self.activations or None,
+                **({"stages": [s.as_json() for s in self.stages]} if self.stages else {}),
+                **({"placement": self.placement} if self.placement else {})}
 
 
 @dataclass

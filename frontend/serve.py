@@ -45,6 +45,7 @@ class ServeConfig:
     """Everything `pantheon serve` runs with; built by name, defaults from settings."""
 
     models: list[tuple[str, str | None]]          # (path, served name or None)
+    model_dies: list = field(default_factory=list)  # per --model: [a, b] to split it, or None
     host: str = settings.HOST
     port: int = settings.PORT
     worker_addr: str = settings.WORKER_ADDR
@@ -140,10 +141,12 @@ async def serve(cfg: ServeConfig) -> int:
             cfg.insecure)
     created = int(time.time())
     registry = Registry()
-    for path, name in cfg.models:        # metadata and tokenizers: refuse bad files up front
+    for at, (path, name) in enumerate(cfg.models):   # metadata, tokenizers: bad files stop
         model = await asyncio.to_thread(open_model, path, name, created)
         if cfg.lifecycle.preload:        # else loaded on its first request
-            registry.add(model, die=None)
+            replica = registry.add(model, die=None)
+            if at < len(cfg.model_dies) and cfg.model_dies[at]:
+                replica.want_dies = cfg.model_dies[at]     # split_placement.py
         if cfg.spec == "draft":          # a draft that cannot serve this model: exit 1 now
             target = weight_bytes(path, cfg.quantize)
             try:
@@ -372,6 +375,8 @@ def main(args) -> int:
         stream_buffer_tokens=args.stream_buffer_tokens, allowed_hosts=args.allowed_hosts,
         cors_origins=args.cors_origins, max_request_slots=args.max_request_slots,
         prepare_timeout_s=args.prepare_timeout, lifecycle=LifecycleConfig.from_args(args),
+        model_dies=[[d for d in v.split(",") if d] if v else None
+                    for v in (getattr(args, "model_dies", None) or [])],
         responses_ttl_s=args.responses_ttl, responses_max_mb=args.responses_max_mb,
         pooling=args.pooling, **registry_settings())
     return asyncio.run(serve(cfg))

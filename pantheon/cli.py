@@ -60,6 +60,9 @@ def cmd_bench(args) -> int:
             args.model = synthetic_model(args.synthetic)
         else:
             args.model = model_path(args.model)
+        if getattr(args, "dies", None):
+            from pantheon.bench.two_die import main as split_main
+            return split_main(args)
         return main(args)
     if args.bench == "prefix":
         from pantheon.bench.prefix import main
@@ -266,6 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="GGUF file or Hugging Face folder; repeatable (default: SmolLM2)")
     serve.add_argument("--name", action="append", metavar="NAME",
                        help="served name of the --model at the same position")
+    serve.add_argument("--model-dies", action="append", metavar="A,B",
+                       help="split the --model at the same position across these two dies "
+                       "(pipeline stages, one per die)")
     serve.add_argument("--spawn-workers", default="cpu", metavar="DIES",
                        help="dies to spawn workers for: cpu, CUDA numbers, emu:INDEX[:SIZE] "
                        "(an emulated CUDA die), e.g. cpu,0,1")
@@ -365,6 +371,11 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("path")
     load.add_argument("--name")
     load.add_argument("--die", action="append", dest="dies", help="pin to this die")
+    load.add_argument("--dies", type=lambda v: [d for d in v.split(",") if d],
+                      dest="dies_split", metavar="A,B",
+                      help="split the replica across two dies (pipeline stages)")
+    load.add_argument("--split", type=int, metavar="K",
+                      help="with --dies A,B: the first layer of the second stage")
     load.add_argument("--ctx", type=int, default=0)
     load.add_argument("--slots", type=int, default=0)
     load.add_argument("--pin", action="store_true",
@@ -434,6 +445,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine = bench_sub.add_parser("engine", help="in-process forward speed, as JSON")
     engine.add_argument("-m", "--model")
     engine.add_argument("--die", default="cpu", help="cpu or a CUDA device number")
+    engine.add_argument("--dies", metavar="A,B",
+                        help="two CPU dies (cpu,cpu): the model split across them against "
+                        "one die (bench/two_die.py)")
     engine.add_argument("--steps", type=int, default=32, help="decode steps per batch size")
     engine.add_argument("--batches", metavar="N,N", default="1,4,8",
                         help="decode batch sizes (aggregate tokens/s each); default 1,4,8")

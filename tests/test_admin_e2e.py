@@ -160,7 +160,7 @@ def test_replicas_are_known_by_content_not_by_path(fleet):
     ({"path": str(Path(SMOL).parent / "no-such-model.gguf")}, 404),  # in a --model-dir
     ({"path": "/no/such/model.gguf"}, 403),                        # outside them
     ({"path": SMOL, "name": "big", "ctx": 10_000_000}, 507),       # KV would not fit
-    ({"path": SMOL, "name": "two", "dies": ["cpu", "cpu:1"]}, 400),
+    ({"path": SMOL, "name": "two", "dies": ["cpu", "cpu:1", "cpu:2"]}, 400),  # 3 dies
     ({"path": SMOL, "name": "q", "quantize": "q3"}, 400),             # lists the choices
     ({"path": SMOL, "name": "q", "quantize": 7}, 400),
     ({"path": SMOL, "name": "a", "activations": "int4"}, 400),       # lists the choices

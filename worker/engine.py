@@ -119,9 +119,11 @@ class OpenGrammar:
 def load_engine(path: str | Path, die: str | Device = "cpu", n_slots: int = 8,
                 ctx: int | None = None, prefill_chunk: int = 128, progress=None,
                 prefix_cache_bytes: int = 0, quantize: str = "auto",
-                spec: SpecConfig | None = None, activations: str = "int16") -> Engine:
+                spec: SpecConfig | None = None, activations: str = "int16",
+                layers: tuple[int, int] | None = None) -> Engine:
     """Load the model at `path` onto a die with `n_slots` KV slots of `ctx` positions;
-    `activations`: what its CPU products take (auto, int8, int16: worker/activations.py)."""
+    `activations`: what its CPU products take (auto, int8, int16: worker/activations.py);
+    `layers`: (lo, hi) for a stage of a replica split across two dies."""
     check_activations(activations)
     started = time.perf_counter()
     device = die if isinstance(die, Device) else open_device(die)
@@ -130,13 +132,13 @@ def load_engine(path: str | Path, die: str | Device = "cpu", n_slots: int = 8,
     if ctx < 2:
         raise ValueError(f"context must be at least 2 positions, got {ctx}")
     weights = load_weights(path, cfg, device, progress=progress, quantize=quantize,
-                           reader=reader)
+                           reader=reader, layers=layers)
     del reader                       # the parsed metadata is not kept for the replica's life
     # KV elements as the die table counts them (common/weight_format.kv_itemsize): a GPU
     # keeps fp16 whatever its weights (a K80 holds fp32 weights; its KV at fp32 was twice
     # what admission reserved), the CPU fp32 unless --kv-cache f16 applies
     kv_dtype = np.float16 if kv_itemsize(path, device.kind, quantize) == 2 else np.float32
-    model = Model(cfg, weights, device.xp, n_slots, ctx, kv_dtype=kv_dtype)
+    model = Model(cfg, weights, device.xp, n_slots, ctx, kv_dtype=kv_dtype, layers=layers)
     engine = Engine(cfg, device, model, None, 0.0, Sampler(device.xp, device.settle))
     verdict = choose_activations(model, path, activations, quantize)
     engine.activations = verdict.used

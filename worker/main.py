@@ -48,6 +48,7 @@ from .constraint import summary
 from .engine import Engine, load_engine
 from .scheduler import Request
 from .spec import SpecConfig
+from . import stage_link
 
 log = logging.getLogger("pantheon.worker")
 
@@ -157,6 +158,7 @@ class Worker:
         self.connected_once = False                  # a TCP connection was ever made
         self.sock.connect(frontend)
         self.replicas: dict[str, Replica] = {}
+        self.stages: dict = {}                       # replica id → a split replica's tail
         self.owner: dict[str, Replica] = {}          # request id → replica
         self.loads: queue.Queue = queue.Queue()      # (model_id, name, engine | exception)
         self.loading: set[str] = set()
@@ -432,6 +434,9 @@ class Worker:
                            out.prompt_tokens if out else 0, out.completion_tokens if out else 0))
 
     def on_load(self, msg: p.Load) -> None:
+        if msg.model_id in self.stages:             # a split replica's tail, held already
+            self.send(stage_link.loaded_message(msg.model_id, msg.name, self.stages[msg.model_id]))
+            return
         if msg.model_id in self.replicas or msg.model_id in self.loading:
             self.send(self.loaded_message(self.replicas[msg.model_id])
                       if msg.model_id in self.replicas else p.Error("load already running",
@@ -442,8 +447,15 @@ class Worker:
                          name=f"load-{msg.model_id}").start()
 
     def on_unload(self, msg: p.Unload) -> None:
+        if (tail := self.stages.pop(msg.model_id, None)) is not None:
+            tail.stop()
+            tail.join(timeout=5)
+            tail = None
+            self.release(None)
         replica = self.replicas.pop(msg.model_id, None)
         if replica is not None:
+            if getattr(replica.engine, "link", None) is not None:
+                replica.engine.link.close()         # a split replica's head
             for req_id in [r for r, rep in self.owner.items() if rep is replica]:
                 self.owner.pop(req_id)
                 self.preparing.pop(req_id, None)
@@ -503,6 +515,13 @@ class Worker:
             def progress(done, total):
                 self.loads.put((msg, p.LoadProgress(msg.model_id, done, total)))
                 self.wake()
+            if msg.stage is not None:       # a stage of a replica split across two dies
+                result = stage_link.load_stage(msg, self.device, self.slots,
+                                               self.prefix_cache_bytes, progress,
+                                               spec=spec_config(msg.spec))
+                self.loads.put((msg, result))
+                self.wake()
+                return
             engine = load_engine(msg.path, self.device, n_slots=msg.slots or self.slots,
                                  ctx=msg.ctx or None, prefill_chunk=msg.prefill_chunk,
                                  prefix_cache_bytes=self.prefix_cache_bytes, progress=progress,
@@ -510,7 +529,7 @@ class Worker:
                                  activations=msg.activations)
             engine.warm_up()              # ready means warm: the first request pays nothing
             self.loads.put((msg, engine))
-        except (ModelFileError, FormatError) as exc:      # the file's fault: one line
+        except (ModelFileError, FormatError, stage_link.StageError) as exc:   # one line
             log.error("loading %s failed: %s", msg.path, exc)
             self.loads.put((msg, exc))
         except Exception as exc:
@@ -533,6 +552,10 @@ class Worker:
                 else:   # MemoryError: CuPy's OutOfMemoryError (the emulated die's too) or the host's
                     code = p.OUT_OF_MEMORY if isinstance(result, MemoryError) else ""
                     self.send(p.LoadFailed(msg.model_id, f"{type(result).__name__}: {result}", code))
+                continue
+            if isinstance(result, stage_link.TailStage):
+                self.stages[msg.model_id] = result
+                self.send(stage_link.loaded_message(msg.model_id, msg.name, result))
                 continue
             replica = Replica(msg.model_id, msg.name, msg.path, result)
             # ready for its first constrained request before it comes (failures surface

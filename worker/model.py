@@ -121,12 +121,14 @@ class Model:
     """Weights, rotary tables and sequence state of one model replica on one die."""
 
     def __init__(self, cfg: ModelConfig, weights: Weights, xp, n_slots: int, ctx: int,
-                 kv_dtype=F32):
+                 kv_dtype=F32, layers: tuple[int, int] | None = None):
         self.cfg, self.w, self.xp = cfg, weights, xp
         self.ctx = ctx
+        # a stage of a replica split across dies holds layers [lo, hi) only
+        self.layers = layers or (0, cfg.n_layers)
         tables: dict = {}
         self.blocks, states = [], []
-        for spec, bw in zip(cfg.blocks, weights.blocks):
+        for spec, bw in zip(cfg.blocks[self.layers[0]:self.layers[1]], weights.blocks):
             kind = MIXERS[spec.mixer.kind]
             rope = getattr(spec.mixer, "rope", None)
             if rope is not None and rope not in tables:
@@ -155,10 +157,15 @@ class Model:
 
         tokens: the spans' new token ids, concatenated in span order.
         """
-        xp, cfg, w = self.xp, self.cfg, self.w
         for s in spans:
             if s.n < 1 or s.start + s.n > self.ctx:
                 raise ValueError(f"span {s} does not fit the context of {self.ctx}")
+        x, batch = self.embed(tokens, spans)
+        return self.finish(self.layers_forward(x, batch), batch)
+
+    def embed(self, tokens, spans: list[Span]):
+        """The embedded tokens x [T, D] (padded rows zero) and the step's Batch."""
+        xp, cfg, w = self.xp, self.cfg, self.w
         tokens = xp.asarray(tokens, dtype=xp.int64)
         batch = Batch(spans, xp, self.row_multiple)
         if tokens.shape[0] != batch.n:
@@ -167,11 +174,20 @@ class Model:
         x[:batch.n] = w.embed_rows(tokens)
         if cfg.embed_scale != 1.0:
             x *= cfg.embed_scale
+        return x, batch
+
+    def layers_forward(self, x, batch: Batch):
+        """This model's layers over x [T, D], in place; returns x."""
         step = self.decode_c.step(batch) if self.decode_c is not None else None
         for i, block in enumerate(self.blocks):
             if step is None or not step.run(i, x):
                 block(x, batch)
         assert x.dtype == F32, f"activations drifted to {x.dtype}"
+        return x
+
+    def finish(self, x, batch: Batch):
+        """The output norm and head over the rows that need logits (and pooling)."""
+        xp, cfg, w, spans = self.xp, self.cfg, self.w, batch.spans
         self.pooled = [(i, self.pool(x, batch, i, s.pool)) for i, s in enumerate(spans) if s.pool]
         rows = [r for i, s in enumerate(spans) if s.logits
                 for r in range(int(batch.rows[i + 1]) - min(s.verify, s.n), int(batch.rows[i + 1]))]

@@ -332,9 +332,16 @@ class Scheduler:
         return stops
 
     def step(self) -> list[Output]:
+        pending = self.begin()
+        return self.finish(pending) if pending is not None else []
+
+    def begin(self, submit: Callable | None = None):
+        """A step's first half: plan it and start its forward (`submit`, default the
+        forward itself, whose answer `finish` then takes as is); None when idle. A
+        pipelined replica (worker/pipeline.py) finishes it a step later."""
         plan = self.plan()
         if not plan:
-            return []
+            return None
         tokens, spans = [], []
         for slot, n in plan:
             tokens += slot.feed[:n]
@@ -345,13 +352,26 @@ class Scheduler:
                               else 1))
         started = self.clock()
         try:
-            logits = self.forward(np.asarray(tokens, dtype=np.int64), spans)
+            handle = (submit or self.forward)(np.asarray(tokens, dtype=np.int64), spans)
         except Exception:
             # a step that failed part way may have advanced some layers' states and not
             # others: nothing these slots hold is to be resumed
             for slot, _ in plan:
                 slot.history = []
             raise
+        return plan, tokens, spans, started, handle
+
+    def finish(self, pending, collect: Callable | None = None) -> list[Output]:
+        """A step's second half: its logits (`collect(handle)`, or the handle itself),
+        sampled, and its outputs."""
+        plan, tokens, spans, started, logits = pending
+        if collect is not None:
+            try:
+                logits = collect(logits)
+            except Exception:
+                for slot, _ in plan:
+                    slot.history = []
+                raise
         sampled = [(slot, span.verify) for (slot, _), span in zip(plan, spans) if span.logits]
         pooled = self.pooled() if any(span.pool for span in spans) else []
         runs = Speculator.verify(self.sample, logits, sampled) if sampled else []

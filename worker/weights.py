@@ -420,12 +420,14 @@ class Loader:
 
 
 def load_weights(path: str | Path, cfg: ModelConfig, device: Device, progress=None,
-                 quantize: str = "auto", reader=None) -> Weights:
+                 quantize: str = "auto", reader=None,
+                 layers: tuple[int, int] | None = None) -> Weights:
     """Read and place every tensor, layer by layer as the config's stack says;
     `progress(done, total)` per layer.
 
     quantize: "auto" (GGUF blocks as stored, floats as stored), "q8_0" / "q4" (floats
-    quantized at load), "none" (everything dequantized to dense fp32: the reference)."""
+    quantized at load), "none" (everything dequantized to dense fp32: the reference).
+    layers: (lo, hi) to hold only those blocks (a stage of a replica split across dies)."""
     from .layers import MIXERS, load_mlp
     if quantize not in QUANTIZE_MODES:
         raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_MODES)}, "
@@ -434,7 +436,10 @@ def load_weights(path: str | Path, cfg: ModelConfig, device: Device, progress=No
     src = open_source(Path(path), cfg, reader)
     ld = Loader(src, cfg, device, quantize)
     blocks = []
+    lo, hi = layers or (0, cfg.n_layers)
     for i, spec in enumerate(cfg.blocks):
+        if not lo <= i < hi:
+            continue
         p = f"blk.{i}."
         if spec.mixer.kind not in MIXERS:
             raise ModelFileError(f"layer {i}: no implementation of mixer {spec.mixer.kind!r}")
@@ -446,7 +451,7 @@ def load_weights(path: str | Path, cfg: ModelConfig, device: Device, progress=No
             post_mixer_norm=ld.norm(p + "post_attention_norm.weight", d) if spec.sandwich else None,
             post_mlp_norm=ld.norm(p + "post_ffw_norm.weight", d) if spec.sandwich else None))
         if progress:
-            progress(i + 1, cfg.n_layers)
+            progress(i + 1 - lo, hi - lo)
     tied = cfg.tied_embeddings or "output.weight" not in src
     vd = (cfg.vocab_size, d)
     head = ld.proj(["token_embd.weight" if tied else "output.weight"], [vd])   # one: no list

@@ -1,0 +1,168 @@
+"""`pantheon bench engine --dies cpu,cpu`: a replica split across two CPU dies (one core
+each, stages in two processes joined by the stage link) against the same model on one
+die with both cores.
+
+Rounds alternate: one die, then two, then one die on one core, each in fresh processes
+pinned as `serve --spawn-workers cpu,cpu` pins its workers (one core per die; the one-die
+run gets both). Against one core, two dies show the overlap alone: ~1x if the stages ran
+in turn, up to 2x when both dies work all the time.
+Prints one JSON object: per arrangement the median aggregate decode tokens/s at each
+batch size (after 64-token prompts), the two-die / one-die ratios, and the link's cost:
+bytes a decode step moves each way per sequence, and the median round trip of a frame
+that size (the head's hidden state out, the logits row back) over the ipc link.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from ..common import protocol as p
+
+
+def cores() -> list[int]:
+    return sorted(os.sched_getaffinity(0))
+
+
+def child(role: str, model: str, argv: list[str], core_list: list[int]) -> subprocess.Popen:
+    # the kernels take as many threads as the process has cores (its affinity)
+    return subprocess.Popen([sys.executable, "-m", "pantheon.bench.two_die", role, model,
+                             *argv], stdout=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: os.sched_setaffinity(0, core_list))
+
+
+def run_round(model: str, batches: str, steps: int, quantize: str, split: bool,
+              one_core: bool = False) -> dict:
+    have = cores()
+    if not split:
+        out = child("one", model, [batches, str(steps), quantize],
+                    have[:1] if one_core else have).communicate()[0]
+        return json.loads(out)
+    folder = tempfile.mkdtemp(prefix="pantheon-bench-link-")
+    link = f"ipc://{folder}/link"
+    tail = child("tail", model, [batches, str(steps), quantize, link], have[-1:])
+    try:
+        out = child("head", model, [batches, str(steps), quantize, link],
+                    have[:1]).communicate()[0]
+    finally:
+        tail.kill()
+        tail.wait()
+    return json.loads(out)
+
+
+def scheduled_rate(engine, batch: int, steps: int, prompt_len: int = 64) -> float:
+    """Aggregate decode tokens/s of `batch` greedy streams through the replica's own
+    scheduler (a split replica's lanes overlap there), after their prompts."""
+    from ..worker.sampler import SamplingParams
+    from ..worker.scheduler import Request
+    sched = engine.scheduler
+    rng = np.random.default_rng(batch)
+    for i in range(batch):
+        prompt = rng.integers(3, engine.cfg.vocab_size, prompt_len).tolist()
+        sched.add(Request(f"b{batch}-{i}-{time.monotonic_ns()}", prompt,
+                          SamplingParams(temperature=0), max_tokens=10**6))
+    while any(s.feed and s.state.value == "prefill" for s in sched.slots):
+        sched.step()
+    for _ in range(4):
+        sched.step()
+    t0, made = time.perf_counter(), 0
+    for _ in range(steps):
+        made += sum(len(o.tokens) for o in sched.step())
+    seconds = time.perf_counter() - t0
+    for req_id in list(sched.by_id):
+        sched.abort(req_id)
+    while sched.step():                    # what the abort left in flight
+        pass
+    return made / seconds
+
+
+def rates(engine, batches: list[int], steps: int) -> dict:
+    return {str(b): scheduled_rate(engine, b, steps) for b in batches}
+
+
+def role_main(argv: list[str]) -> int:
+    from ..worker.engine import load_engine
+    from ..worker import stage_link
+    role, model, batches, steps, quantize = argv[:5]
+    batches_l, steps_i = [int(b) for b in batches.split(",")], int(steps)
+    n_slots = max(batches_l)
+    if role == "one":
+        engine = load_engine(model, "cpu", n_slots=n_slots, ctx=512, quantize=quantize)
+        print(json.dumps({"decode_tok_s": rates(engine, batches_l, steps_i)}))
+        return 0
+    link = argv[5]
+    from ..common.model_file import read_config
+    n = read_config(model).n_layers
+    k = n // 2
+    if role == "tail":
+        engine = load_engine(model, "cpu", n_slots=n_slots, ctx=512, quantize=quantize,
+                             layers=(k, n))
+        tail = stage_link.TailStage(engine, p.Stage(index=1, first_layer=k, end_layer=n,
+                                                    link=link))
+        tail.run()
+        return 0
+    engine = load_engine(model, "cpu", n_slots=n_slots, ctx=512, quantize=quantize,
+                         layers=(0, k))
+    deadline = time.monotonic() + 120
+    while True:                      # the tail is loading: wait for its answer
+        try:
+            link_ = stage_link.connect_head(engine, p.Stage(index=0, first_layer=0,
+                                                            end_layer=k, link=link), 5)
+            break
+        except stage_link.StageError:
+            if time.monotonic() > deadline:
+                raise
+    out = {"decode_tok_s": rates(engine, batches_l, steps_i)}
+    d, v = engine.cfg.d_model, engine.cfg.vocab_size
+    hidden = np.zeros((1, d), dtype=np.float32)
+    rtts = []
+    for _ in range(50):
+        t0 = time.perf_counter()
+        link_.call({"op": "echo", "reply_bytes": v * 4}, hidden.data)
+        rtts.append(time.perf_counter() - t0)
+    out["link"] = {"bytes_out_per_seq": d * 4, "bytes_back_per_seq": v * 4,
+                   "round_trip_us": round(float(np.median(rtts)) * 1e6, 1),
+                   "round_trips_per_step": 2}
+    print(json.dumps(out))
+    return 0
+
+
+def median_of(rounds: list[dict]) -> dict:
+    keys = rounds[0]["decode_tok_s"]
+    return {b: round(float(np.median([r["decode_tok_s"][b] for r in rounds])), 1) for b in keys}
+
+
+def main(args) -> int:
+    dies = [d for d in args.dies.split(",") if d]
+    if len(dies) != 2 or any(d != "cpu" and not d.startswith("cpu:") for d in dies):
+        print("error: --dies takes two CPU dies, e.g. cpu,cpu", file=sys.stderr)
+        return 2
+    if len(cores()) < 2:
+        print("error: two CPU dies need two cores", file=sys.stderr)
+        return 2
+    batches = args.batches if args.batches != "1,4,8" else "1,8"
+    one, two, single = [], [], []
+    for _ in range(max(1, getattr(args, "rounds", 1))):
+        one.append(run_round(args.model, batches, args.steps, args.quantize, False))
+        two.append(run_round(args.model, batches, args.steps, args.quantize, True))
+        single.append(run_round(args.model, batches, args.steps, args.quantize, False, True))
+    a, b, c = median_of(one), median_of(two), median_of(single)
+    load1, load5, load15 = os.getloadavg()
+    print(json.dumps({"model": os.path.basename(str(args.model)),
+                      "one_die_decode_tok_s": a, "two_die_decode_tok_s": b,
+                      "ratio": {k: round(b[k] / a[k], 3) for k in a},
+                      # the overlap alone: each stage has one core, as this run has
+                      "one_die_one_core_decode_tok_s": c,
+                      "ratio_vs_one_core": {k: round(b[k] / c[k], 3) for k in c},
+                      "link": two[-1]["link"], "rounds": len(one),
+                      "load_average": [load1, load5, load15]}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(role_main(sys.argv[1:]))

@@ -1,0 +1,137 @@
+"""The two-die pieces one at a time: split placement's plan (stages sized to the dies'
+free budgets), the stage link's frames (bounded headers, sizes checked against shapes,
+a tail that survives bad messages) and the micro-batches."""
+import numpy as np
+import pytest
+import zmq
+
+import tiny_models as tm
+from pantheon.common import protocol as p
+from pantheon.common.model_file import read_config
+from pantheon.frontend import split_placement as sp
+from pantheon.frontend.dies import DieInfo, PlacementError
+from pantheon.worker import stage_link as sl
+from pantheon.worker.engine import load_engine
+from pantheon.worker.model import Span
+
+
+class Table:
+    """The die table's snapshot, as plan() reads it."""
+
+    def __init__(self, *free):
+        self.dies = [DieInfo(f"cpu:{i}" if i else "cpu", "cpu", "cpu", True, f, 0, f, f, [],
+                             {}) for i, f in enumerate(free)]
+
+    def snapshot(self):
+        return self.dies
+
+
+@pytest.fixture(scope="module")
+def qwen35(tmp_path_factory):
+    path = tm.write_gguf("qwen35", tmp_path_factory.mktemp("q") / "q.gguf")
+    return str(path), read_config(path)
+
+
+def test_stages_are_sized_to_each_die_free_budget(qwen35):
+    path, cfg = qwen35
+    n = cfg.n_layers
+    whole = sp.stage_bytes(path, cfg, "cpu", 4, 256, "auto", 0, n)
+    even = sp.plan(Table(whole, whole), path, cfg, ["cpu", "cpu:1"], None, 4, 256, "auto")
+    assert [(s.first_layer, s.end_layer) for s in even] == [(0, n // 2), (n // 2, n)]
+    # the second die has little room: it gets the fewest layers that still fit
+    small = sp.stage_bytes(path, cfg, "cpu", 4, 256, "auto", n - 1, n)
+    lop = sp.plan(Table(whole, small), path, cfg, ["cpu", "cpu:1"], None, 4, 256, "auto")
+    assert (lop[1].first_layer, lop[1].end_layer) == (n - 1, n)
+    assert lop[1].reserved <= small and lop[0].reserved <= whole
+    # auto: the two dies with the most room
+    auto = sp.plan(Table(1, whole, whole), path, cfg, None, None, 4, 256, "auto")
+    assert {s.die for s in auto} == {"cpu:1", "cpu:2"}
+
+
+def test_a_split_that_does_not_fit_is_507_and_bad_requests_400(qwen35):
+    path, cfg = qwen35
+    table = Table(1 << 20, 1 << 20)
+    with pytest.raises(PlacementError) as e:
+        sp.plan(table, path, cfg, ["cpu", "cpu:1"], None, 4, 10**7, "auto")
+    assert e.value.status == 507 and "does not fit" in str(e.value)
+    for dies, split, words in ((["cpu", "gpu"], None, "unknown die"),
+                               (["cpu", "cpu"], None, "twice"),
+                               (["cpu", "cpu:1", "x"], None, "at most two"),
+                               (["cpu", "cpu:1"], [cfg.n_layers], "each stage"),
+                               (["cpu", "cpu:1"], [True], "each stage"),
+                               (["cpu"], [1], "split needs two dies")):
+        with pytest.raises(PlacementError) as e:
+            sp.plan(Table(1 << 30, 1 << 30), path, cfg, dies, split, 4, 256, "auto")
+        assert e.value.status == 400 and words in str(e.value)
+
+
+def test_admin_load_takes_two_dies_and_a_split():
+    from pantheon.cli import build_parser
+    from pantheon.frontend.admin_cli import request_args
+    args = build_parser().parse_args(["admin", "load", "/m.gguf", "--dies", "cpu,cpu:1",
+                                      "--split", "12"])
+    body = request_args(args)
+    assert body["dies"] == ["cpu", "cpu:1"] and body["split"] == [12]
+
+
+def test_frames_are_checked_against_their_header():
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    assert np.array_equal(sl.array(sl.meta(a), a.tobytes(), 3), a)
+    for m, buf in (({"dtype": "float64", "shape": [2, 3]}, a.tobytes()),
+                   ({"dtype": "float32", "shape": [2, 3]}, a.tobytes()[:-4]),
+                   ({"dtype": "float32", "shape": [2, 4]}, a.tobytes()),
+                   ({"dtype": "float32", "shape": [sl.MAX_ROWS + 1, 3]}, b""),
+                   ({"dtype": "float32", "shape": "x"}, b"")):
+        with pytest.raises(sl.StageError):
+            sl.array(m, buf, 3)
+    with pytest.raises(sl.StageError):
+        sl.unpack(b"\xdd\xff\xff\xff\xff")          # an array claiming 4 G entries
+    with pytest.raises(sl.StageError):
+        sl.unpack(bytes(sl.HEADER_BYTES + 1))
+    with pytest.raises(sl.StageError):
+        sl.unpack(sl.pack([1, 2]))                  # not a map with an op
+
+
+def test_micro_batches_cut_by_tokens_and_a_lone_chunk_in_halves():
+    toks = np.arange(40)
+    spans = [Span(0, 0, 20), Span(1, 0, 1), Span(2, 0, 1), Span(3, 0, 18)]
+    parts = sl.micro_batches(toks, spans)
+    assert [len(g) for _, g in parts] == [1, 3] and sum(len(t) for t, _ in parts) == 40
+    (t1, g1), (t2, g2) = sl.micro_batches(np.arange(32), [Span(5, 10, 32)])
+    assert g1 == [Span(5, 10, 16, False)] and g2 == [Span(5, 26, 16)]
+    assert len(sl.micro_batches(np.arange(4), [Span(0, 0, 4)])) == 1
+
+
+def test_a_tail_survives_bad_messages(tmp_path):
+    path = tm.write_gguf("llama", tmp_path / "l.gguf")
+    link = f"ipc://{tmp_path}/link"
+    tail = sl.TailStage(load_engine(path, "cpu", n_slots=2, ctx=32, layers=(1, 2)),
+                        p.Stage(index=1, first_layer=1, end_layer=2, link=link))
+    tail.start()
+    try:
+        taken = zmq.Context.instance().socket(zmq.ROUTER)
+        taken.bind("tcp://127.0.0.1:*")
+        with pytest.raises(sl.StageError, match="cannot be bound"):   # a port in use
+            sl.TailStage(tail.engine, p.Stage(index=1, first_layer=1, end_layer=2,
+                                              link=taken.last_endpoint.decode()))
+        taken.close(0)
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.connect(link)
+        bad = [[b"\xc1"], [sl.pack({"op": "forward", "seq": 1, "spans": [[9, 0, 1, True, "", 1]],
+                                    "x": {"dtype": "float32", "shape": [1, 64]}}), bytes(256)],
+               [sl.pack({"op": "forward", "seq": 2, "spans": [[0, 0, 2, True, "", 1]],
+                         "x": {"dtype": "float32", "shape": [1, 64]}}), bytes(256)],
+               [sl.pack({"op": "restore", "seq": 3, "slot": 0, "handle": 7})],
+               [sl.pack({"op": "nope", "seq": 4})]]
+        for frames in bad:
+            sock.send_multipart(frames)
+            assert sock.poll(5000)
+            assert sl.unpack(sock.recv_multipart()[0])["op"] == "error"
+        link_ = sl.HeadLink(p.Stage(index=0, first_layer=0, end_layer=1, link=link))
+        hello, _ = link_.call({"op": "hello"})
+        assert hello["truncatable"] and hello["state_bytes"] > 0
+        link_.close()
+        sock.close(0)
+    finally:
+        tail.stop()
+        tail.join(5)

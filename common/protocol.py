@@ -247,6 +247,8 @@ class Load:
     prefill_chunk: int = PREFILL_CHUNK
     quantize: str = "auto"   # common/weight_format.QUANTIZE_MODES
     spec: Speculation | None = None   # None: none
+    kv_cache_k: str = ""     # common/kv_cache.KV_TYPE_NAMES; "": the worker's default
+    kv_cache_v: str = ""
 
 
 @dataclass(slots=True)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ..common import settings
 from ..common.chat_template import ChatTemplate
+from ..common.kv_cache import KVCacheTypes
 from ..common.model_file import ModelConfig, ModelFileError, check_tensors, read_config
 from ..common.weight_format import READABLE, tensor_list, unreadable
 from ..common.tokenizer import Tokenizer, open_tokenizer
@@ -57,6 +58,7 @@ class Replica:
     want_slots: int = 0            # as asked (0: the server's default)
     want_ctx: int = 0
     want_quantize: str = ""        # "" : the server's --quantize
+    want_kv: KVCacheTypes = KVCacheTypes()   # "" halves: the server's --kv-cache
     want_spec: object = None       # protocol.Speculation (kind "": none); None: the server's
     spec: str = ""                 # the speculation its worker runs (as loaded)
     reserved: int = 0              # bytes admitted on its die

@@ -3051,12 +3051,53 @@ static inline __m512 exp512(__m512 x) {
 
 typedef struct {
     const float *q; int64_t q_stride, Hq, Hkv, hd; const void *K, *V; int64_t ctx;
-    const int64_t *slots, *first, *last; float *out; int64_t out_stride; int f16;
+    const int64_t *slots, *first, *last; float *out; int64_t out_stride; int kv;
 } AttnArgs;
+
+/* -- KV cache element types (common/kv_cache.py): kv = k type | v type << 2, each
+ * 0 f32, 1 f16, 2 q8_0, 3 q4_0. A quantized row is head_dim / 32 blocks of llama.cpp's
+ * layout: an fp16 scale d, then q8_0 32 int8 (x = d q), q4_0 16 bytes (element j in the
+ * low nibble of byte j, j + 16 in its high nibble; x = d (nibble - 8)). Rows are
+ * quantized once when stored and read a row at a time: no dequantized copy of a cache. */
+static inline int64_t kv_row_bytes(int t, int64_t hd) {
+    return t == 0 ? 4 * hd : t == 1 ? 2 * hd : t == 2 ? hd / 32 * 34 : hd / 32 * 18;
+}
+
+static float f32_of_half(uint16_t h);
+
+/* x [hd] → one stored row of type t (the reference quantizers of llama.cpp's ggml) */
+static void kv_store_row(int t, void *restrict dst, const float *restrict x, int64_t hd);
+
+/* one stored row of type t → y [hd] floats */
+static inline void kv_load_row(int t, const void *restrict src, float *restrict y, int64_t hd) {
+    if (t == 0) { memcpy(y, src, sizeof(float) * hd); return; }
+    if (t == 1) {
+        for (int64_t i = 0; i < hd; i++) y[i] = f32_of_half(((const uint16_t *)src)[i]);
+        return;
+    }
+    const uint8_t *b = src;
+    for (int64_t blk = 0; blk < hd / 32; blk++, y += 32) {
+        uint16_t dh;
+        memcpy(&dh, b, 2);
+        const float d = f32_of_half(dh);
+        if (t == 2) {
+            const int8_t *qs = (const int8_t *)(b + 2);
+            for (int i = 0; i < 32; i++) y[i] = d * (float)qs[i];
+            b += 34;
+        } else {
+            const uint8_t *qs = b + 2;
+            for (int i = 0; i < 16; i++) {
+                y[i] = d * (float)((qs[i] & 15) - 8);
+                y[i + 16] = d * (float)((qs[i] >> 4) - 8);
+            }
+            b += 18;
+        }
+    }
+}
 
 static __thread float *attn_buf;
 static __thread int64_t attn_cap;
-static __thread float *attn_wide;      /* an fp16 item's keys and values, widened */
+static __thread float *attn_wide;      /* one key or value row, widened */
 static __thread int64_t attn_wide_cap;
 
 /* float -> fp16, round to nearest even (NumPy's astype), overflow to infinity */
@@ -3077,6 +3118,41 @@ static inline uint16_t f32_to_f16(float f) {
     const uint32_t e = ax - 0x38000000u;             /* exponent rebiased by 127 - 15 */
     return (uint16_t)(sign | ((e + 0xFFF + ((e >> 13) & 1)) >> 13));
 #endif
+}
+
+static float f32_of_half(uint16_t h) { return half_to_float(h); }
+
+static void kv_store_row(int t, void *restrict dst, const float *restrict x, int64_t hd) {
+    if (t == 0) { memcpy(dst, x, sizeof(float) * hd); return; }
+    if (t == 1) {
+        for (int64_t i = 0; i < hd; i++) ((uint16_t *)dst)[i] = f32_to_f16(x[i]);
+        return;
+    }
+    uint8_t *b = dst;
+    for (int64_t blk = 0; blk < hd / 32; blk++, x += 32) {
+        if (t == 2) {                                   /* quantize_row_q8_0_ref */
+            float amax = 0.0f;
+            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(x[i]));
+            const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            const uint16_t dh = f32_to_f16(d);
+            memcpy(b, &dh, 2);
+            for (int i = 0; i < 32; i++) ((int8_t *)(b + 2))[i] = (int8_t)roundf(x[i] * id);
+            b += 34;
+        } else {                                        /* quantize_row_q4_0_ref */
+            float amax = 0.0f, max = 0.0f;
+            for (int i = 0; i < 32; i++)
+                if (amax < fabsf(x[i])) { amax = fabsf(x[i]); max = x[i]; }
+            const float d = max / -8.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            const uint16_t dh = f32_to_f16(d);
+            memcpy(b, &dh, 2);
+            for (int i = 0; i < 16; i++) {
+                const int8_t a0 = (int8_t)(x[i] * id + 8.5f), a1 = (int8_t)(x[i + 16] * id + 8.5f);
+                const uint8_t q0 = a0 < 15 ? (uint8_t)a0 : 15, q1 = a1 < 15 ? (uint8_t)a1 : 15;
+                b[2 + i] = (uint8_t)(q0 | (q1 << 4));
+            }
+            b += 18;
+        }
+    }
 }
 
 static inline float dotf(const float *restrict a, const float *restrict b, int64_t n) {
@@ -3204,9 +3280,10 @@ static void attn_item(const void *p, int64_t it) {
     const AttnArgs *a = p;
     const int64_t b = it / a->Hkv, h = it % a->Hkv, g = a->Hq / a->Hkv, hd = a->hd;
     const int64_t lo = a->first[b], L = a->last[b] + 1 - lo;
-    const int64_t base = ((a->slots[b] * a->Hkv + h) * a->ctx + lo) * hd;
-    const size_t esz = a->f16 ? 2 : 4;
-    const void *Kh = (const char *)a->K + base * esz, *Vh = (const char *)a->V + base * esz;
+    const int64_t base = (a->slots[b] * a->Hkv + h) * a->ctx + lo;
+    const int kt = a->kv & 3, vt = a->kv >> 2;
+    const int64_t krb = kv_row_bytes(kt, hd), vrb = kv_row_bytes(vt, hd);
+    const char *Kh = (const char *)a->K + base * krb, *Vh = (const char *)a->V + base * vrb;
     const float *qb = a->q + b * a->q_stride + h * g * hd;
     float *ob = a->out + b * a->out_stride + h * g * hd;
     if (L * g > attn_cap) {
@@ -3217,7 +3294,8 @@ static void attn_item(const void *p, int64_t it) {
     }
     float *sc = attn_buf;           /* [g][L] */
 #if defined(__AVX512F__)
-    if (a->f16) switch (attn_generic ? 0 : hd) {
+    if (kt != vt || kt > 1) {}            /* mixed or block types: the row loops below */
+    else if (kt == 1) switch (attn_generic ? 0 : hd) {
     case 64: attn_fast(qb, Kh, Vh, L, g, sc, ob, 4, 1); return;
     case 128: attn_fast(qb, Kh, Vh, L, g, sc, ob, 8, 1); return;
     case 256: attn_fast(qb, Kh, Vh, L, g, sc, ob, 16, 1); return;
@@ -3229,22 +3307,20 @@ static void attn_item(const void *p, int64_t it) {
     default: break;
     }
 #endif
-    const float *Kf = Kh, *Vf = Vh;
-    if (a->f16) {                   /* the portable loops read floats: widen the rows */
-        if (2 * L * hd > attn_wide_cap) {
-            float *nb = realloc(attn_wide, sizeof(float) * 2 * L * hd);
-            if (!nb) return;
-            attn_wide = nb;
-            attn_wide_cap = 2 * L * hd;
-        }
-        for (int64_t i = 0; i < L * hd; i++) {
-            attn_wide[i] = half_to_float(((const uint16_t *)Kh)[i]);
-            attn_wide[L * hd + i] = half_to_float(((const uint16_t *)Vh)[i]);
-        }
-        Kf = attn_wide, Vf = attn_wide + L * hd;
+    /* the portable loops read float rows: one key or value row at a time is widened
+     * (fp16) or dequantized (q8_0, q4_0) into a row of scratch; f32 rows are read as
+     * they are */
+    if (hd > attn_wide_cap) {
+        float *nb = realloc(attn_wide, sizeof(float) * hd);
+        if (!nb) return;
+        attn_wide = nb;
+        attn_wide_cap = hd;
     }
-    for (int64_t l = 0; l < L; l++)
-        for (int64_t j = 0; j < g; j++) sc[j * L + l] = dotf(qb + j * hd, Kf + l * hd, hd);
+    for (int64_t l = 0; l < L; l++) {
+        const float *kr = (const float *)(Kh + l * krb);
+        if (kt) kv_load_row(kt, Kh + l * krb, attn_wide, hd), kr = attn_wide;
+        for (int64_t j = 0; j < g; j++) sc[j * L + l] = dotf(qb + j * hd, kr, hd);
+    }
     for (int64_t j = 0; j < g; j++) {
         float *s = sc + j * L, m = s[0], sum = 0.0f;
         for (int64_t l = 1; l < L; l++) m = s[l] > m ? s[l] : m;
@@ -3264,7 +3340,8 @@ static void attn_item(const void *p, int64_t it) {
     }
     for (int64_t j = 0; j < g; j++) memset(ob + j * hd, 0, sizeof(float) * hd);
     for (int64_t l = 0; l < L; l++) {
-        const float *vr = Vf + l * hd;
+        const float *vr = (const float *)(Vh + l * vrb);
+        if (vt) kv_load_row(vt, Vh + l * vrb, attn_wide, hd), vr = attn_wide;
         for (int64_t j = 0; j < g; j++) {
             const float w = sc[j * L + l];
             float *o = ob + j * hd;
@@ -3287,22 +3364,16 @@ void pn_attend_decodes(const float *q, int64_t q_stride, int64_t B, int64_t Hq, 
                        int64_t hd, void *K, void *V, int64_t ctx, const int64_t *slots,
                        const int64_t *first, const int64_t *last, const float *knew,
                        int64_t k_stride, const float *vnew, int64_t v_stride, float *out,
-                       int64_t out_stride, int f16) {
+                       int64_t out_stride, int kv) {
+    const int kt = kv & 3, vt = kv >> 2;
+    const int64_t krb = kv_row_bytes(kt, hd), vrb = kv_row_bytes(vt, hd);
     for (int64_t b = 0; b < B; b++)
         for (int64_t h = 0; h < Hkv; h++) {
-            const int64_t at = ((slots[b] * Hkv + h) * ctx + last[b]) * hd;
-            const float *kr = knew + b * k_stride + h * hd, *vr = vnew + b * v_stride + h * hd;
-            if (!f16) {
-                memcpy((float *)K + at, kr, sizeof(float) * hd);
-                memcpy((float *)V + at, vr, sizeof(float) * hd);
-                continue;
-            }
-            for (int64_t i = 0; i < hd; i++) {
-                ((uint16_t *)K)[at + i] = f32_to_f16(kr[i]);
-                ((uint16_t *)V)[at + i] = f32_to_f16(vr[i]);
-            }
+            const int64_t at = (slots[b] * Hkv + h) * ctx + last[b];
+            kv_store_row(kt, (char *)K + at * krb, knew + b * k_stride + h * hd, hd);
+            kv_store_row(vt, (char *)V + at * vrb, vnew + b * v_stride + h * hd, hd);
         }
-    AttnArgs a = {q, q_stride, Hq, Hkv, hd, K, V, ctx, slots, first, last, out, out_stride, f16};
+    AttnArgs a = {q, q_stride, Hq, Hkv, hd, K, V, ctx, slots, first, last, out, out_stride, kv};
     pool_run(attn_item, &a, B * Hkv);
 }
 
@@ -3416,7 +3487,7 @@ typedef struct {
     const float *bqkv, *norm1, *norm2, *q_norm, *k_norm;   /* bqkv, q/k norms: or NULL */
     float eps, scale;
     int64_t D, Hq, Hkv, hd, d_ff, half;
-    void *K, *V; int64_t ctx, kv16;                        /* the layer's caches (fp16: kv16) */
+    void *K, *V; int64_t ctx, kv16;                        /* caches; kv16: their types, k | v << 2 */
 } PnLayer;
 
 typedef struct {                  /* one step: its queries and scratch rows */

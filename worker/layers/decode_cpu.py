@@ -85,7 +85,7 @@ class _Layer:
         c.D, c.Hq, c.Hkv, c.hd = d_model, spec.n_heads, spec.n_kv_heads, spec.head_dim
         c.d_ff, c.half = block.mlp.d_ff, half
         c.K, c.V, c.ctx = ptr(mixer.state.k), ptr(mixer.state.v), mixer.state.k.shape[2]
-        c.kv16 = mixer.state.k.dtype == kernels_cpu.F16
+        c.kv16 = kernels_cpu.kv_code(mixer.state.k, mixer.state.v, spec.head_dim)
         self.addr = ctypes.addressof(c)
         self.cache_shape = mixer.state.k.shape
 
@@ -99,9 +99,8 @@ class _Layer:
             return None
         spec, w, kv = mixer.spec, mixer.w, mixer.state
         qd, kvd, hd = mixer.qd, mixer.kvd, spec.head_dim
-        if not (isinstance(kv.k, np.ndarray) and kv.k.dtype in kernels_cpu.KV_DTYPES
-                and kv.k.flags.c_contiguous and kv.v.dtype == kv.k.dtype
-                and kv.v.flags.c_contiguous) \
+        if not (isinstance(kv.k, np.ndarray) and isinstance(kv.v, np.ndarray)
+                and kernels_cpu.kv_code(kv.k, kv.v, hd) is not None) \
                 or 2 * mixer.rope.cos.shape[-1] > hd:
             return None
         if not (_vector(block.mixer_norm, d_model) and _vector(block.mlp_norm, d_model)

@@ -14,6 +14,7 @@ from pantheon.frontend.dies import replica_bytes
 from pantheon.worker import kernels_cpu
 from pantheon.worker.engine import load_engine
 from pantheon.worker.kv_quant import dequantize, quantize
+from pantheon.worker.model import Span
 from test_quantized_model import REFERENCE, TINY_SEQS, against, compare, reference_rows, \
     smollm2_seqs
 
@@ -121,3 +122,36 @@ def test_smollm2_against_an_fp16_cache(smollm2_f16, k, v, top1, kl_bound):
     agree, kl, n = against(rows, engine, seqs)
     print(f"kv {k}/{v}: top-1 {agree:.4f}, KL {kl:.2e} over {n} positions")
     assert n > 140 and agree >= top1 and kl <= kl_bound, (agree, kl)
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+def test_the_emulated_gpu_die_holds_blocks_and_matches_the_cpu(tmp_path, kind):
+    """A GPU die (here the emulated one: device arrays, the xp path) holds the same
+    uint8 blocks at the same size, and its logits are the CPU's."""
+    path = tm.write_gguf("qwen3", tmp_path / "q3.gguf", tensor_type="Q8_0")
+    kv = KVCacheTypes.of(kind)
+    cpu = load_engine(path, n_slots=2, ctx=64, kv_cache=kv)
+    emu = load_engine(path, die="emu:0", n_slots=2, ctx=64, kv_cache=kv)
+    layer = emu.model.state.layers[0]
+    assert layer.kinds == (kind, kind) and layer.k.shape == (2, 2, 64, row_bytes(kind, 32))
+    assert emu.model.state.nbytes == cpu.model.state.nbytes
+    assert replica_bytes(path, read_config(path), "cuda", 2, 64, kv=kv) - emu.model.w.nbytes() \
+        == emu.model.state.nbytes
+    agree, kl, n = compare(cpu, emu, TINY_SEQS[:1])
+    assert n == 20 and agree == 1.0 and kl < 1e-4, (agree, kl)
+
+
+def test_a_saved_prefix_is_held_as_blocks(tmp_path):
+    """The prefix cache's host copy of a slot is the blocks themselves: a q4_0 slot's
+    save is 18 / 64 of an fp16 one's."""
+    path = tm.write_gguf("qwen3", tmp_path / "q3.gguf", tensor_type="Q8_0")
+    sizes = {}
+    for kind in ("f16", "q4_0"):
+        engine = load_engine(path, n_slots=2, ctx=64, kv_cache=KVCacheTypes.of(kind))
+        engine.forward(np.arange(3, 13), [Span(0, 0, 10)])
+        saved, sizes[kind] = engine.model.state.save(0, 10)
+        engine.model.state.restore(1, saved)
+        a = engine.forward(np.array([20]), [Span(0, 10, 1)])
+        b = engine.forward(np.array([20]), [Span(1, 10, 1)])
+        np.testing.assert_array_equal(a, b)
+    assert sizes["q4_0"] * 64 == sizes["f16"] * 18

@@ -10,12 +10,13 @@ from __future__ import annotations
 import numpy as np
 
 from ..common.kv_cache import BLOCK, row_bytes
+from .device import array_module
 
 F32, F16 = np.float32, np.float16
 
 
 def _xp(a):
-    return np if isinstance(a, np.ndarray) else __import__("cupy")
+    return np if isinstance(a, np.ndarray) else array_module(a)
 
 
 def storage(kind: str, shape: tuple, head_dim: int):
@@ -51,7 +52,7 @@ def quantize(x, kind: str):
         body = q[..., :16] | (q[..., 16:] << 4)
     else:
         raise ValueError(f"unknown KV type {kind!r}")
-    scale = d.astype(F16).view(np.uint8)                        # [..., nb, 2]
+    scale = xp.ascontiguousarray(d.astype(F16)).view(np.uint8)  # [..., nb, 2]
     return xp.concatenate([scale, body], axis=-1).reshape(lead + (-1,))
 
 

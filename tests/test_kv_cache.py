@@ -155,3 +155,13 @@ def test_a_saved_prefix_is_held_as_blocks(tmp_path):
         b = engine.forward(np.array([20]), [Span(1, 10, 1)])
         np.testing.assert_array_equal(a, b)
     assert sizes["q4_0"] * 64 == sizes["f16"] * 18
+
+
+def test_admin_load_sends_the_types_it_is_given():
+    from pantheon.cli import build_parser
+    from pantheon.frontend.admin_cli import request_args
+    args = build_parser().parse_args(["admin", "load", "/m/x.gguf", "--kv-cache", "Q4_0",
+                                      "--kv-cache-k", "q8_0"])
+    body = request_args(args)
+    assert (body["kv_cache"], body["kv_cache_k"]) == ("q4_0", "q8_0") and "kv_cache_v" not in body
+    assert "kv_cache" not in request_args(build_parser().parse_args(["admin", "load", "/m/x"]))

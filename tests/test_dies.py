@@ -50,7 +50,7 @@ def test_weights_are_counted_as_the_worker_holds_them(path, cfg, kv_cache, tmp_p
     from pantheon.worker.engine import load_engine
     model, config = path, cfg
     if kv_cache.startswith("q"):
-        model = str(tm.write_gguf("llama_hd32", tmp_path / "t32.gguf", "Q8_0"))
+        model = str(tm.write_gguf(tm.head32("llama"), tmp_path / "t32.gguf", "Q8_0"))
         config = read_config(model)
     kv_types = KVCacheTypes.of(kv_cache)
     half = {"f32": 4, "f16": 2, "q8_0": 34 / 32, "q4_0": 18 / 32}[kv_cache]

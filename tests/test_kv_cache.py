@@ -87,12 +87,12 @@ def test_hybrid_models_quantize_attention_only(tmp_path, arch):
 # weights: near-flat logits, where a 1e-3-nat tie decides a pick, and no outliers a block
 # scale could spare, so their bounds are KL ones (measured: q8_0 <= 7e-4, q4_0 0.0004 to
 # 0.13 nats; top-1 q8_0 96.7-100 %).
-TINY = ["llama_hd32", "qwen2_hd32", "qwen3", "gemma3", "qwen35"]
+TINY = ["llama", "qwen2", "qwen3", "gemma3", "qwen35"]      # llama, qwen2: heads of 32
 
 
 @pytest.mark.parametrize("arch", TINY)
 def test_tiny_models_of_every_family_against_an_fp16_cache(tmp_path, arch):
-    path = tm.write_gguf(arch, tmp_path / f"{arch}.gguf", tensor_type="Q8_0")
+    path = tm.write_gguf(tm.head32(arch), tmp_path / f"{arch}.gguf", tensor_type="Q8_0")
     ref = reference_rows(load_engine(path, n_slots=1, ctx=64, kv_cache=KVCacheTypes.of("f16")),
                          TINY_SEQS)
     for kind, kl_bound, top1 in (("q8_0", 0.005, 0.95), ("q4_0", 0.15, 0.5)):

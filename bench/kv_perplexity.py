@@ -46,14 +46,16 @@ def main(argv=None) -> int:
     ap.add_argument("-f", "--file", required=True)
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--chunks", type=int, default=8)
-    ap.add_argument("--types", default="f16,q8_0,q4_0")
+    ap.add_argument("--types", default="f16,q8_0,q4_0", help="comma-separated; K/V for two")
     a = ap.parse_args(argv)
     tok = open_tokenizer(a.model)
     ids = tok.encode(open(a.file, encoding="utf-8").read())
     bos = tok.bos_id if getattr(tok, "bos_id", None) is not None else ids[0]
     out = {"model": os.path.basename(a.model), "tokens": len(ids), "ctx": a.ctx}
     for t in a.types.split(","):
-        engine = load_engine(a.model, n_slots=1, ctx=a.ctx, kv_cache=KVCacheTypes.of(t))
+        k, _, v = t.partition("/")                # "q8_0/q4_0": keys q8_0, values q4_0
+        engine = load_engine(a.model, n_slots=1, ctx=a.ctx,
+                             kv_cache=KVCacheTypes.of(k=k, v=v or k))
         out[t] = round(perplexity(engine, ids, a.ctx, a.chunks, bos), 4)
     print(json.dumps(out))
     return 0

@@ -174,15 +174,23 @@ def median_round(rounds: list[dict]) -> dict:
     return out
 
 
+def kv_bytes_per_position(engine) -> int:
+    """The bytes a position of one slot takes in the worker's KV caches (all layers)."""
+    state = engine.model.state
+    kv = [layer for layer in state.layers if hasattr(layer, "kinds")]
+    return sum(layer.nbytes for layer in kv) // (state.n_slots * state.ctx)
+
+
 def run_bench(model_path, die: str = "cpu", steps: int = 32, batches=(1, 4, 8),
               quantize: str = "auto", contexts=(), rounds: int = 1, between=None,
-              activations: str = "int16") -> dict:
+              activations: str = "int16", kv_cache=None) -> dict:
     """The figures of `rounds` rounds (medians; each round's own under "rounds" when there
     are several), `between()` called after each round: a shared machine's speed moves
     by minutes, and alternating with the reference puts both on the same minutes."""
     ctx = max([1024] + [c + steps + 8 for c in contexts])
     engine = load_engine(model_path, die=die, n_slots=max([*batches, len(contexts)]), ctx=ctx,
-                         quantize=quantize, activations=activations)
+                         quantize=quantize, activations=activations,
+                         **({"kv_cache": kv_cache} if kv_cache else {}))
     engine.warm_up()
     result = {
         "model": str(model_path),
@@ -210,8 +218,10 @@ def run_bench(model_path, die: str = "cpu", steps: int = 32, batches=(1, 4, 8),
     result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
     result["weight_bytes"] = engine.model.w.nbytes()
     result["kv_bytes"] = engine.model.state.nbytes
-    caches = [layer.k.dtype.name for layer in engine.model.state.layers if hasattr(layer, "k")]
-    result["kv_dtype"] = caches[0] if caches else None
+    caches = [layer.kinds for layer in engine.model.state.layers if hasattr(layer, "kinds")]
+    result["kv_cache"] = ("/".join(caches[0]) if caches[0][0] != caches[0][1] else caches[0][0]) \
+        if caches else None
+    result["kv_bytes_per_position"] = kv_bytes_per_position(engine)
     result["formats"] = engine.model.w.formats()
     if Path(model_path).is_file():
         size = Path(model_path).stat().st_size
@@ -317,7 +327,8 @@ def main(args) -> int:
         result = run_bench(args.model, die=args.die, steps=args.steps, batches=batches,
                            quantize=getattr(args, "quantize", "auto"), contexts=contexts,
                            rounds=rounds, between=between,
-                           activations=getattr(args, "activations", "int16"))
+                           activations=getattr(args, "activations", "int16"),
+                           kv_cache=getattr(args, "kv", None))
     except LlamaBenchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -72,7 +72,7 @@ class ModelConfig:
     def family(self) -> Family:
         return family(self.arch)
 
-    def kv_bytes_per_token(self, itemsize: int = 4) -> int:
+    def kv_bytes_per_token(self, itemsize: float = 4) -> int:
         """Sequence-state bytes that grow with each position (attention KV), all layers."""
         return sum(b.mixer.bytes_per_token(itemsize) for b in self.blocks)
 
@@ -80,7 +80,7 @@ class ModelConfig:
         """Sequence-state bytes of a slot whatever its length (recurrent layers)."""
         return sum(b.mixer.bytes_per_slot() for b in self.blocks)
 
-    def state_bytes(self, n_slots: int, ctx: int, itemsize: int = 4) -> int:
+    def state_bytes(self, n_slots: int, ctx: int, itemsize: float = 4) -> int:
         """What `n_slots` slots of `ctx` positions take on a die."""
         return n_slots * (ctx * self.kv_bytes_per_token(itemsize) + self.fixed_bytes_per_slot())
 

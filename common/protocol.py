@@ -266,6 +266,8 @@ class Load:
     spec: Speculation | None = None   # None: none
     activations: str = "auto"  # the CPU products' activations: common/settings.ACTIVATIONS
     stage: Stage | None = None        # None: the whole model on this die
+    kv_cache_k: str = ""     # common/kv_cache.KV_TYPE_NAMES; "": the worker's default
+    kv_cache_v: str = ""
 
 
 @dataclass(slots=True)

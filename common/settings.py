@@ -140,16 +140,13 @@ def refused_knobs() -> list[str]:
         refused.append("QWEN35_BS_DRIVER_SAMPLE=0 asks for the legacy lockstep sampling "
                        "outside the step; Pantheon always samples in the worker, on the die: "
                        "unset the variable")
-    if os.environ.get("QWEN35_KV_Q4", "") not in ("", "0"):
-        refused.append("QWEN35_KV_Q4 asks admission to count the KV cache at 4 bits; Pantheon "
-                       "holds it at the die's float precision and counts it at that size (what "
-                       "QWEN35_KV_Q4=0 means): unset the variable or set it to 0")
     if gpu_full_logits():
         refused.append(FULL_LOGITS_REFUSED)
     try:
         batch_slots()
         prefill_chunk()
         async_poll_us()
+        kv_cache()
     except ValueError as exc:
         refused.append(str(exc))
     return refused
@@ -299,20 +296,28 @@ def _http_url(name: str, raw: str) -> str:
     return raw.strip().rstrip("/")
 
 
-KV_CACHE_TYPES = ("f32", "f16")
+KV_CACHE_TYPES = ("f32", "f16", "q8_0", "q4_0")     # common/kv_cache.KV_TYPE_NAMES
 # what a CPU die's K-quant products take as activations (worker/activations.py)
 ACTIVATIONS = ("auto", "int8", "int16")
 
 
 def kv_cache() -> str:
-    """The CPU's KV cache element (`PANTHEON_KV_CACHE`, set by `--kv-cache`): f32 (the
-    default) or f16 (half the memory and the bytes a decode step reads; a GPU always
-    keeps fp16, and the exact fp32 mode fp32)."""
-    raw = os.environ.get("PANTHEON_KV_CACHE", "").strip().lower() or "f32"
-    if raw not in KV_CACHE_TYPES:
-        raise ValueError(f"PANTHEON_KV_CACHE must be one of {', '.join(KV_CACHE_TYPES)}, "
-                         f"not {raw!r}")
-    return raw
+    """The default KV cache type of keys and values (`--kv-cache` overrides it, and
+    `--kv-cache-k` / `--kv-cache-v` each half): `PANTHEON_KV_CACHE` (f32, f16, q8_0,
+    q4_0), else q4_0 where `QWEN35_KV_Q4=1` (the spec's variable), else "" (the die's
+    default: fp32 on a CPU, fp16 on a GPU). Read once at start; the choice then travels
+    in each load message."""
+    raw = os.environ.get("PANTHEON_KV_CACHE", "").strip().lower()
+    if raw:
+        if raw not in KV_CACHE_TYPES:
+            raise ValueError(f"PANTHEON_KV_CACHE must be one of {', '.join(KV_CACHE_TYPES)}, "
+                             f"not {raw!r}")
+        return raw
+    q4 = os.environ.get("QWEN35_KV_Q4", "").strip()
+    if q4 not in ("", "0", "1"):
+        raise ValueError(f"QWEN35_KV_Q4 must be 1 (keys and values in q4_0) or 0 (the "
+                         f"default), not {q4!r}")
+    return "q4_0" if q4 == "1" else ""
 
 
 AMX_MODES = ("auto", "off")

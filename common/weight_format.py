@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from . import settings
 from .formats import FORMATS, QUANTIZED_AT_LOAD, kind_bytes
+from .kv_cache import KVCacheTypes, pair_bytes
 from .regular_file import require_regular
 
 QUANTIZE_MODES = ("auto", "none", "q8_0", "q4")   # `auto`: as stored (the default)
@@ -72,22 +72,28 @@ def weight_bytes(path: str | Path, quantize: str = "auto", dense_itemsize: int =
                for _, kind, shape in tensor_list(path))
 
 
-def kv_itemsize(path: str | Path, die_kind: str, quantize: str = "auto") -> int:
-    """Bytes per cached key or value element: the exact mode (`quantize` none) keeps fp32
-    on every die; otherwise fp16 on a GPU (whatever its weights: a K80's are fp32); on a
-    CPU fp32 unless `--kv-cache f16` (settings.kv_cache) asks for fp16 and the weights are
-    held in a block or 16-bit format (the C attention widens each row as it reads it); a
-    file of F32 matrices held as they are keeps fp32."""
-    if quantize == "none":
-        return 4
-    if die_kind != "cpu":
-        return 2
-    if settings.kv_cache() == "f32":
-        return 4
-    if quantize in QUANTIZED_AT_LOAD:
-        return 2
-    held = [kind for _, kind, shape in tensor_list(path) if len(shape) == 2 and shape[-1] % 32 == 0]
-    return 2 if any(kind != "F32" for kind in held) else 4
+def kv_types(path: str | Path, die_kind: str, quantize: str = "auto",
+             kv: KVCacheTypes = KVCacheTypes()) -> tuple[str, str]:
+    """(k, v) element types the KV cache of the model at `path` is held in on a die of
+    `die_kind` (common/kv_cache.KVCacheTypes.held): q8_0 / q4_0 as asked on every die;
+    else the exact mode (`quantize` none) fp32, a GPU fp16 (whatever its weights: a K80's
+    are fp32), a CPU fp32 unless f16 is asked and the weights are held in a block or
+    16-bit format (a file of F32 matrices held as they are keeps fp32)."""
+    def f16_readable() -> bool:
+        if quantize in QUANTIZED_AT_LOAD:
+            return True
+        held = [kind for _, kind, shape in tensor_list(path)
+                if len(shape) == 2 and shape[-1] % 32 == 0]
+        return any(kind != "F32" for kind in held)
+    wants_f16 = die_kind == "cpu" and quantize != "none" and "f16" in (kv.k, kv.v)
+    return kv.held(die_kind, quantize == "none", wants_f16 and f16_readable())
+
+
+def kv_itemsize(path: str | Path, die_kind: str, quantize: str = "auto",
+                kv: KVCacheTypes = KVCacheTypes()) -> float:
+    """Mean bytes per cached key or value element (common/kv_cache.pair_bytes): what
+    ModelConfig.kv_bytes_per_token is given on both sides of the wire."""
+    return pair_bytes(*kv_types(path, die_kind, quantize, kv))
 
 
 READABLE = frozenset(FORMATS)

@@ -27,6 +27,7 @@ from ..common import limits as wire
 from ..common import protocol as p
 from ..common import settings, speculation
 from ..common.key_set import KeySet
+from ..common.kv_cache import KV_TYPE_NAMES, KV_TYPES, KVCacheTypes
 from ..common.keys import KeyPair, curve_server
 from ..common.model_file import ModelFileError
 from ..common.weight_format import QUANTIZE_MODES, weight_bytes
@@ -44,6 +45,20 @@ ERROR_TYPES = {400: "invalid_request_error", 403: "permission_error", 404: "not_
                409: "conflict_error", 507: "insufficient_storage", 500: "server_error",
                401: "authentication_error", 503: "service_unavailable"}
 
+
+
+def kv_cache_field(body: dict) -> KVCacheTypes:
+    """The load body's KV types: "kv_cache" for keys and values, "kv_cache_k" /
+    "kv_cache_v" for one of them; absent or "": the server's --kv-cache."""
+    values = {}
+    for name in ("kv_cache", "kv_cache_k", "kv_cache_v"):
+        value = body.get(name)
+        if value is not None and value != "" and (not isinstance(value, str)
+                                                 or value.strip().lower() not in KV_TYPES):
+            raise AdminError(400, f"{name} must be one of {', '.join(KV_TYPE_NAMES)}, "
+                                  f"not {value!r}", name)
+        values[name] = value or None
+    return KVCacheTypes.of(values["kv_cache"], values["kv_cache_k"], values["kv_cache_v"])
 
 class AdminError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None):
@@ -206,6 +221,7 @@ class Admin:
         if not isinstance(quantize, str) or quantize and quantize not in QUANTIZE_MODES:
             raise AdminError(400, f"quantize must be one of {', '.join(QUANTIZE_MODES)}, "
                                   f"not {quantize!r}", "quantize")
+        kv = kv_cache_field(body)
         if ctx < 0 or slots < 0:
             raise AdminError(400, "ctx and slots must be >= 0")
         activations = body.get("activations") or ""
@@ -247,7 +263,8 @@ class Admin:
         self.loading.add(name)
         task = asyncio.ensure_future(self.place_and_upload(path, name, dies, ctx, slots,
                                                            on_progress, quantize, reason, spec,
-                                                           split=split, activations=activations))
+                                                           split=split, activations=activations,
+                                                           kv=kv))
         self.load_tasks.add(task)
         try:
             loaded = await task
@@ -265,7 +282,8 @@ class Admin:
 
     async def place_and_upload(self, path, name, dies, ctx, slots, on_progress,
                                quantize="", reason="admin", spec=None,
-                               activations="", split=None) -> dict:
+                               activations="", split=None,
+                               kv: KVCacheTypes = KVCacheTypes()) -> dict:
         if not Path(path).exists():
             raise AdminError(404, f"model file not found: {path}", "path")
         try:
@@ -299,13 +317,14 @@ class Admin:
                 stages = await asyncio.to_thread(
                     split_placement.plan, self.die_table, model.path, model.config, dies,
                     split, slots or self.placer.slots, ctx or self.placer.ctx,
-                    quantize or self.placer.quantize)
+                    quantize or self.placer.quantize, kv.over(self.placer.kv_cache))
                 die, need = stages[0].die, stages[0].reserved
             else:
                 die, need = self.die_table.choose(model.path, model.config, dies,
                                                   slots or self.placer.slots,
                                                   ctx or self.placer.ctx,
-                                                  quantize or self.placer.quantize, draft)
+                                                  quantize or self.placer.quantize, draft,
+                                                  kv=kv.over(self.placer.kv_cache))
         except PlacementError as exc:
             if dies is not None or exc.status != 507 or draft is not None:
                 raise AdminError(exc.status, str(exc), "split" if split else "dies") from exc
@@ -325,7 +344,7 @@ class Admin:
             split_placement.apply(replica, stages)
             replica.placement = why or f"split across dies {stages[0].die} and {stages[1].die}"
         replica.reserved, replica.want_slots, replica.want_ctx = need, slots, ctx
-        replica.want_quantize, replica.reason = quantize, reason
+        replica.want_quantize, replica.reason, replica.want_kv = quantize, reason, kv
         replica.want_activations = activations
         replica.want_spec = spec
         replica.state = ReplicaState.LOADING

@@ -21,7 +21,9 @@ def request_args(args) -> dict:
     if args.admin_command == "load":
         # the server takes absolute paths only: a relative one is the caller's, resolved here
         out = {"path": os.path.abspath(args.path), "name": args.name, "ctx": args.ctx,
-               "slots": args.slots}
+               "slots": args.slots, "kv_cache": getattr(args, "kv_cache", None),
+               "kv_cache_k": getattr(args, "kv_cache_k", None),
+               "kv_cache_v": getattr(args, "kv_cache_v", None)}
         if args.dies or getattr(args, "dies_split", None):
             out["dies"] = (args.dies or []) + (getattr(args, "dies_split", None) or [])
         if getattr(args, "split", None) is not None:

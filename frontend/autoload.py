@@ -238,7 +238,7 @@ class AutoLoader:
             if not over:
                 try:
                     self.admin.die_table.choose(entry.path, cfg, None, placer.slots,
-                                                placer.ctx, placer.quantize)
+                                                placer.ctx, placer.quantize, kv=placer.kv_cache)
                     return
                 except PlacementError as exc:
                     if exc.status != 507:
@@ -286,7 +286,8 @@ class AutoLoader:
             if not die.alive:
                 continue
             need = replica_bytes(entry.path, cfg, die.kind, placer.slots or
-                                 self.admin.die_table.slots, placer.ctx, placer.quantize)
+                                 self.admin.die_table.slots, placer.ctx, placer.quantize,
+                                 placer.kv_cache)
             here = [(m, r) for m, r in pairs if r.die == die.die]
             if need <= die.free_budget + sum(r.reserved for _, r in here):
                 useful += here

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..common.model_file import ModelConfig
+from ..common.kv_cache import KVCacheTypes
 from ..common.weight_format import kv_itemsize, weight_bytes
 from .registry import Registry
 from .workers import WorkerPool
@@ -35,7 +36,7 @@ def file_weight_bytes(path: str, quantize: str, dense_itemsize: int) -> int:
 
 
 def replica_bytes(path: str, cfg: ModelConfig, kind: str, slots: int, ctx: int,
-                  quantize: str = "auto") -> int:
+                  quantize: str = "auto", kv: KVCacheTypes = KVCacheTypes()) -> int:
     """Weights as the worker will hold them (dense ones fp32 on a CPU die, fp16 on a GPU)
     plus the sequence state of `slots` slots of the context (or the guess): KV per
     position (in the worker's dtype: common/weight_format.kv_itemsize), and any fixed
@@ -43,17 +44,17 @@ def replica_bytes(path: str, cfg: ModelConfig, kind: str, slots: int, ctx: int,
     itemsize = 4 if kind == "cpu" else 2
     guess = ctx or min(cfg.context_length, ADMIT_CTX_GUESS)
     return file_weight_bytes(str(path), quantize, itemsize) + \
-        cfg.state_bytes(slots, guess, kv_itemsize(path, kind, quantize))
+        cfg.state_bytes(slots, guess, kv_itemsize(path, kind, quantize, kv))
 
 
 def what_fits(path: str, cfg: ModelConfig, die: DieInfo, slots: int, ctx: int,
-              quantize: str) -> str:
+              quantize: str, kv: KVCacheTypes = KVCacheTypes()) -> str:
     """What would fit on `die` instead: the context at these slots, the slots at this
     context (the tail of a refusal)."""
     room = die.free_budget - file_weight_bytes(str(path), quantize, 4 if die.kind == "cpu" else 2)
     if room <= 0:
         return "; the weights alone do not fit"
-    itemsize = kv_itemsize(path, die.kind, quantize)
+    itemsize = kv_itemsize(path, die.kind, quantize, kv)
     per_token, fixed = cfg.kv_bytes_per_token(itemsize), cfg.fixed_bytes_per_slot()
     guess = ctx or min(cfg.context_length, ADMIT_CTX_GUESS)
     max_ctx = (room // slots - fixed) // per_token if per_token else 0
@@ -119,7 +120,8 @@ class DieTable:
 
     def choose(self, path: str, cfg: ModelConfig, pinned: list[str] | None, slots: int,
                ctx: int, quantize: str = "auto",
-               draft: tuple[str, ModelConfig] | None = None) -> tuple[str, int]:
+               draft: tuple[str, ModelConfig] | None = None,
+               kv: KVCacheTypes = KVCacheTypes()) -> tuple[str, int]:
         """(die, bytes to reserve) for a new replica; PlacementError if none fits."""
         if pinned is not None and len(pinned) != 1:
             raise PlacementError(400, "give one die here (two: frontend/split_placement.py)"
@@ -131,9 +133,9 @@ class DieTable:
                 raise PlacementError(507, f"die {pinned[0]!r} has no live worker")
         if not live:
             raise PlacementError(507, "no worker is connected")
-        need = {d.die: replica_bytes(path, cfg, d.kind, slots or self.slots, ctx, quantize)
+        need = {d.die: replica_bytes(path, cfg, d.kind, slots or self.slots, ctx, quantize, kv)
                 + (replica_bytes(draft[0], draft[1], d.kind, slots or self.slots,
-                                 ctx or min(cfg.context_length, ADMIT_CTX_GUESS), quantize)
+                                 ctx or min(cfg.context_length, ADMIT_CTX_GUESS), quantize, kv)
                    if draft else 0)     # speculation's draft: its weights and its own KV
                 for d in live}
         fits = [d for d in live if need[d.die] <= d.free_budget]
@@ -144,6 +146,7 @@ class DieTable:
                                  f"{ctx or min(cfg.context_length, ADMIT_CTX_GUESS)} positions x "
                                  f"{slots or self.slots} slots); the most free is "
                                  f"{best.free_budget / 2**20:.0f} MiB on die {best.die}"
-                                 + what_fits(path, cfg, best, slots or self.slots, ctx, quantize))
+                                 + what_fits(path, cfg, best, slots or self.slots, ctx, quantize,
+                                             kv))
         die = max(fits, key=lambda d: d.free_budget)
         return die.die, need[die.die]

@@ -17,6 +17,7 @@ import logging
 from ..common import protocol as p
 from ..common import settings, speculation
 from . import split_placement
+from ..common.kv_cache import KVCacheTypes
 from .dies import DieTable, PlacementError
 from .registry import Registry, Replica, ReplicaState, ServedModel, same_model
 from .workers import LoadError, WorkerInfo, WorkerLost, WorkerPool
@@ -28,12 +29,14 @@ class Placer:
     def __init__(self, registry: Registry, pool: WorkerPool, dies: DieTable, slots: int = 0,
                  ctx: int = 0, prefill_chunk: int = settings.PREFILL_CHUNK, expected_dies: list[str] | None = None,
                  grace_s: float = 60.0, quantize: str = "auto", metrics=None,
+                 kv_cache: KVCacheTypes = KVCacheTypes(),
                  spec: p.Speculation | None = None, activations: str = "auto"):
         self.registry, self.pool, self.dies = registry, pool, dies
         self.metrics = metrics                # metrics.Metrics: loads by outcome, seconds
         self.slots, self.ctx, self.prefill_chunk = slots, ctx, prefill_chunk
         self.quantize = quantize
         self.activations = activations
+        self.kv_cache = kv_cache       # --kv-cache: what a load that names none holds
         self.spec = spec                      # serve --spec: every replica's unless its load says
         # auto-placement waits (up to grace_s) for every die we spawned, to spread models
         self.expected = set(expected_dies or [])
@@ -117,7 +120,8 @@ class Placer:
                     replica.die, replica.reserved = self.dies.choose(
                         model.path, model.config, None, replica.want_slots or self.slots,
                         replica.want_ctx or self.ctx, replica.want_quantize or self.quantize,
-                        self.draft_of(model, replica))
+                        self.draft_of(model, replica),
+                        kv=replica.want_kv.over(self.kv_cache))
             except (PlacementError, ValueError) as exc:     # ValueError: its draft
                 if split_placement.fallback(self, model, replica, exc):   # two dies fit
                     self.start_load(model, replica, live[replica.die])
@@ -154,7 +158,9 @@ class Placer:
                     replica.want_ctx or self.ctx, self.prefill_chunk,
                     replica.want_quantize or self.quantize,
                     replica.want_spec if replica.want_spec is not None else self.spec,
-                    activations=replica.want_activations or self.activations))
+                    activations=replica.want_activations or self.activations,
+                    kv_cache_k=replica.want_kv.over(self.kv_cache).k,
+                    kv_cache_v=replica.want_kv.over(self.kv_cache).v))
         except LoadError as exc:
             replica.state, replica.error = ReplicaState.FAILED, str(exc)
             replica.error_code = exc.code

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ..common import settings
 from ..common.chat_template import ChatTemplate
+from ..common.kv_cache import KVCacheTypes
 from ..common.model_file import ModelConfig, ModelFileError, check_tensors, read_config
 from ..common.weight_format import READABLE, tensor_list, unreadable
 from ..common.tokenizer import Tokenizer, open_tokenizer
@@ -58,6 +59,7 @@ class Replica:
     want_ctx: int = 0
     want_quantize: str = ""        # "" : the server's --quantize
     want_activations: str = ""     # "" : the server's --activations
+    want_kv: KVCacheTypes = KVCacheTypes()   # "" halves: the server's --kv-cache
     want_spec: object = None       # protocol.Speculation (kind "": none); None: the server's
     spec: str = ""                 # the speculation its worker runs (as loaded)
     activations: str = ""          # what its CPU products take, as loaded (int8, int16)

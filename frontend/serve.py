@@ -16,6 +16,7 @@ import zmq.asyncio
 from ..common import protocol as p
 from ..common import settings, speculation
 from ..common.key_set import KeySet
+from ..common.kv_cache import KVCacheTypes
 from ..common.weight_format import weight_bytes
 from .admission import Admission
 from .admin import Admin, AdminSocket
@@ -66,6 +67,7 @@ class ServeConfig:
     worker_lost_after_s: float = settings.WORKER_LOST_AFTER_S   # unanswered silence: lost
     quantize: str = "auto"
     activations: str = "auto"             # the CPU products' activations (auto, int8, int16)
+    kv_cache: KVCacheTypes = KVCacheTypes()   # --kv-cache: "" halves, each worker's default
     spec: str = ""                        # speculative decoding of every --model: "" or a kind
     spec_n: int = speculation.DEFAULT_N   # prompt lookup's longest n-gram
     spec_k: int = speculation.DEFAULT_K   # the longest proposal
@@ -179,6 +181,7 @@ async def serve(cfg: ServeConfig) -> int:
     metrics = Metrics()
     placer = Placer(registry, pool, die_table, cfg.slots, cfg.ctx, cfg.prefill_chunk,
                     expected_dies=dies, quantize=cfg.quantize, metrics=metrics,
+                    kv_cache=cfg.kv_cache,
                     spec=p.Speculation(cfg.spec, cfg.spec_n, cfg.spec_k,
                                        str(Path(cfg.draft_model).resolve())
                                        if cfg.draft_model else "") if cfg.spec else None,
@@ -357,6 +360,7 @@ def main(args) -> int:
         context_cap=not args.no_context_cap, worker_lost_after_s=args.worker_lost_after,
         quantize=args.quantize, activations=args.activations,
         shutdown_timeout_s=args.shutdown_timeout,
+        kv_cache=getattr(args, "kv", None) or KVCacheTypes.of(settings.kv_cache()),
         spec=args.spec, spec_n=args.spec_n, spec_k=args.spec_k, draft_model=args.draft_model or "",
         metrics_auth=args.metrics_auth, log_format=args.log_format or settings.log_format(),
         log_prompts=args.log_prompts, keys_dir=args.keys, insecure=args.insecure,

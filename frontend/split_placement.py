@@ -28,6 +28,7 @@ from pathlib import Path
 
 from ..common import protocol as p
 from ..common.model_file import ModelConfig
+from ..common.kv_cache import KVCacheTypes
 from ..common.weight_format import held_as, kv_itemsize, tensor_list
 from .dies import ADMIT_CTX_GUESS, DieTable, PlacementError
 from .registry import ReplicaState
@@ -70,11 +71,11 @@ def layer_weights(path: str, quantize: str, itemsize: int, n_layers: int) -> tup
 
 
 def stage_bytes(path: str, cfg: ModelConfig, kind: str, slots: int, ctx: int, quantize: str,
-                lo: int, hi: int) -> int:
+                lo: int, hi: int, kv_types: KVCacheTypes = KVCacheTypes()) -> int:
     """One stage's weights (its layers, the shared embedding / head) and state."""
     itemsize = 4 if kind == "cpu" else 2
     shared, per = layer_weights(str(path), quantize, itemsize, cfg.n_layers)
-    kv = kv_itemsize(path, kind, quantize)
+    kv = kv_itemsize(path, kind, quantize, kv_types)
     guess = ctx or min(cfg.context_length, ADMIT_CTX_GUESS)
     state = sum(slots * (guess * b.mixer.bytes_per_token(kv) + b.mixer.bytes_per_slot())
                 for b in cfg.blocks[lo:hi])
@@ -82,7 +83,8 @@ def stage_bytes(path: str, cfg: ModelConfig, kind: str, slots: int, ctx: int, qu
 
 
 def plan(table: DieTable, path: str, cfg: ModelConfig, dies: list[str] | None,
-         split: list | None, slots: int, ctx: int, quantize: str) -> list[StagePlan]:
+         split: list | None, slots: int, ctx: int, quantize: str,
+         kv: KVCacheTypes = KVCacheTypes()) -> list[StagePlan]:
     """The two stages of a split replica; PlacementError 400 for a bad request, 507 when
     it does not fit. `dies` None: the two live dies with the most free budget."""
     if split is not None and (dies is None or len(dies) != 2):
@@ -119,8 +121,8 @@ def plan(table: DieTable, path: str, cfg: ModelConfig, dies: list[str] | None,
         ks = list(range(1, n))
 
     def need(k):
-        return (stage_bytes(path, cfg, pair[0].kind, slots, ctx, quantize, 0, k),
-                stage_bytes(path, cfg, pair[1].kind, slots, ctx, quantize, k, n))
+        return (stage_bytes(path, cfg, pair[0].kind, slots, ctx, quantize, 0, k, kv),
+                stage_bytes(path, cfg, pair[1].kind, slots, ctx, quantize, k, n, kv))
 
     options = []
     for k in ks:
@@ -161,7 +163,10 @@ async def load(placer, model, replica, worker) -> None:
     base = dict(path=replica.path or model.path, name=model.name,
                 slots=replica.want_slots or placer.slots, ctx=replica.want_ctx or placer.ctx,
                 prefill_chunk=placer.prefill_chunk,
-                quantize=replica.want_quantize or placer.quantize)
+                quantize=replica.want_quantize or placer.quantize,
+                activations=replica.want_activations or placer.activations,
+                kv_cache_k=replica.want_kv.over(placer.kv_cache).k,
+                kv_cache_v=replica.want_kv.over(placer.kv_cache).v)
     head_msg = p.Load(model_id=replica.model_id, **base,
                       spec=replica.want_spec if replica.want_spec is not None else placer.spec,
                       stage=p.Stage(index=0, first_layer=0, end_layer=stages[0].end_layer,
@@ -278,7 +283,8 @@ def place(placer, model, replica, dies: list[str] | None, why: str = "") -> None
     """Plan and record a split placement for a startup replica (PlacementError if not)."""
     stages = plan(placer.dies, model.path, model.config, dies, None,
                   replica.want_slots or placer.slots, replica.want_ctx or placer.ctx,
-                  replica.want_quantize or placer.quantize)
+                  replica.want_quantize or placer.quantize,
+                  replica.want_kv.over(placer.kv_cache))
     apply(replica, stages)
     replica.placement = why or f"split across dies {stages[0].die} and {stages[1].die}"
 

@@ -48,7 +48,7 @@ def cmd_run(args) -> int:
                             seed=args.seed)
     run_chat(model_path(args.model), args.prompt, system=args.system,
              max_tokens=args.max_tokens, params=params, quantize=args.quantize,
-             activations=args.activations)
+             activations=args.activations, kv_cache=args.kv)
     return 0
 
 
@@ -390,6 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--activations", choices=settings.ACTIVATIONS,
                       help="its CPU products' activations (default: the server's "
                            "--activations)")
+    add_kv_cache(load)
     unload = admin_sub.add_parser("unload", help="unload every replica of a name, one die's, "
                                   "or one replica (--id)")
     unload.add_argument("name", nargs="?", help="the model's name (optional with --id)")
@@ -487,9 +488,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_kv_cache(parser) -> None:
-    parser.add_argument("--kv-cache", choices=settings.KV_CACHE_TYPES,
-                        help="CPU KV cache elements: f32 (default) or f16 (half the memory; "
-                             "env PANTHEON_KV_CACHE; a GPU keeps fp16, --quantize none fp32)")
+    kinds = settings.KV_CACHE_TYPES
+    parser.add_argument("--kv-cache", choices=kinds, type=str.lower,
+                        help="KV cache type of keys and values: f32 (a CPU's default), f16 "
+                             "(a GPU's), q8_0 or q4_0 (blocks of 32 with an fp16 scale, "
+                             "llama.cpp's layout); env PANTHEON_KV_CACHE, QWEN35_KV_Q4=1: q4_0")
+    parser.add_argument("--kv-cache-k", choices=kinds, type=str.lower,
+                        help="the keys' type alone (llama.cpp's -ctk)")
+    parser.add_argument("--kv-cache-v", choices=kinds, type=str.lower,
+                        help="the values' type alone (llama.cpp's -ctv)")
+
+
+def kv_cache_of(args):
+    """The KV types a command's flags (and the environment's default) ask for."""
+    from pantheon.common.kv_cache import KVCacheTypes
+    return KVCacheTypes.of(getattr(args, "kv_cache", None) or settings.kv_cache(),
+                           getattr(args, "kv_cache_k", None), getattr(args, "kv_cache_v", None))
 
 
 def add_activations(parser, default: str = "auto") -> None:
@@ -503,14 +517,12 @@ def add_activations(parser, default: str = "auto") -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "kv_cache", None):     # read where the KV is sized: here and in workers
-        os.environ["PANTHEON_KV_CACHE"] = args.kv_cache
     try:
         logs.setup(settings.log_level(),
                    getattr(args, "log_format", None) or settings.log_format())
         logging.getLogger("httpx").setLevel(logging.WARNING)   # one line per request: noise
         if args.command in ("run", "serve", "worker", "bench"):
-            settings.kv_cache()             # a bad PANTHEON_KV_CACHE stops here, named
+            args.kv = kv_cache_of(args)     # a bad PANTHEON_KV_CACHE stops here, named
             settings.amx()                  # and a bad PANTHEON_AMX
         return args.func(args) or 0
     except KeyboardInterrupt:

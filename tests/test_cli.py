@@ -41,17 +41,25 @@ def test_bench_engine_prints_the_promised_json(tmp_path):
         assert result[key] > 0
 
 
-def test_bench_engine_with_an_fp16_kv_cache_halves_the_kv(tmp_path):
-    path = tm.write_gguf("llama", tmp_path / "tiny.gguf", tensor_type="Q8_0")
+def test_bench_engine_kv_cache_types_hold_their_bytes(tmp_path):
+    """fp16 halves the KV; q8_0 holds 34 bytes per 32 elements, q4_0 18 (the worker's
+    own figures); -k / -v set one half each."""
+    path = tm.write_gguf(tm.head32("llama"), tmp_path / "tiny.gguf", tensor_type="Q8_0")
     runs = {}
-    for kv in ("f32", "f16"):
-        proc = pantheon("bench", "engine", "-m", str(path), "--steps", "2", "--kv-cache", kv)
+    for kv in (["f32"], ["f16"], ["q8_0"], ["q4_0"], ["f16", "--kv-cache-v", "q4_0"]):
+        proc = pantheon("bench", "engine", "-m", str(path), "--steps", "2", "--batch", "1",
+                        "--kv-cache", *kv)
         assert proc.returncode == 0, proc.stderr
-        runs[kv] = json.loads(proc.stdout)
-    assert (runs["f32"]["kv_dtype"], runs["f16"]["kv_dtype"]) == ("float32", "float16")
-    assert runs["f16"]["kv_bytes"] * 2 == runs["f32"]["kv_bytes"]
+        runs[" ".join(kv)] = json.loads(proc.stdout)
+    assert [r["kv_cache"] for r in runs.values()] == ["f32", "f16", "q8_0", "q4_0", "f16/q4_0"]
+    f16 = runs["f16"]["kv_bytes"]
+    assert runs["f32"]["kv_bytes"] == 2 * f16
+    assert runs["q8_0"]["kv_bytes"] * 64 == f16 * 34 and runs["q4_0"]["kv_bytes"] * 64 == f16 * 18
+    assert runs["f16 --kv-cache-v q4_0"]["kv_bytes"] * 128 == f16 * (64 + 18)
+    assert runs["q4_0"]["kv_bytes_per_position"] * 64 == runs["f16"]["kv_bytes_per_position"] * 18
     bad = pantheon("bench", "engine", "-m", str(path), env={"PANTHEON_KV_CACHE": "f8"})
-    assert bad.returncode == 1 and "PANTHEON_KV_CACHE must be one of f32, f16, not 'f8'" in bad.stderr
+    assert bad.returncode == 1 and \
+        "PANTHEON_KV_CACHE must be one of f32, f16, q8_0, q4_0, not 'f8'" in bad.stderr
     assert "Traceback" not in bad.stderr
     bad = pantheon("bench", "engine", "-m", str(path), "--kv-cache", "q8")
     assert bad.returncode == 2 and "invalid choice: 'q8'" in bad.stderr
@@ -150,7 +158,7 @@ def test_serve_refuses_to_ship_full_logits_to_the_host(value):
                                                                 "tcp://127.0.0.1:1"]])
 @pytest.mark.parametrize("env,says", [
     ({"QWEN35_BS_DRIVER_SAMPLE": "0"}, "always samples in the worker"),
-    ({"QWEN35_KV_Q4": "1"}, "QWEN35_KV_Q4=0 means"),
+    ({"QWEN35_KV_Q4": "4"}, "QWEN35_KV_Q4 must be 1 (keys and values in q4_0) or 0"),
     ({"QWEN35_BATCH_SLOTS": "8"}, "--slots N"),
     ({"QWEN35_BS_PREFILL_CHUNK": "lots"}, "QWEN35_BS_PREFILL_CHUNK must be a whole number"),
     ({"QWEN35_BS_PREFILL_BATCH": "2"}, "QWEN35_BS_PREFILL_BATCH must be 0 or 1"),
@@ -185,8 +193,16 @@ def test_the_specs_variables_map_onto_flags(monkeypatch):
     for fine in ("", "0", "1"):
         monkeypatch.setenv("QWEN35_BATCH_SLOTS", fine)
         monkeypatch.setenv("QWEN35_BS_DRIVER_SAMPLE", fine if fine != "0" else "1")
-        monkeypatch.setenv("QWEN35_KV_Q4", "0" if fine else "")
+        monkeypatch.setenv("QWEN35_KV_Q4", fine)
         assert settings.refused_knobs() == []
+    monkeypatch.delenv("PANTHEON_KV_CACHE", raising=False)
+    monkeypatch.setenv("QWEN35_KV_Q4", "1")                     # the seed's default
+    assert settings.kv_cache() == "q4_0"
+    monkeypatch.setenv("PANTHEON_KV_CACHE", "q8_0")             # ours wins
+    assert settings.kv_cache() == "q8_0"
+    monkeypatch.setenv("QWEN35_KV_Q4", "0")
+    monkeypatch.delenv("PANTHEON_KV_CACHE")
+    assert settings.kv_cache() == ""
     monkeypatch.setenv("QWEN35_BS_STATS", "1")
     assert settings.bs_stats()
 

@@ -10,7 +10,9 @@ import pytest
 
 import tiny_models as tm
 from kquants import rewrite_as_k_quants
+from pantheon.common.kv_cache import KVCacheTypes
 from pantheon.worker import kernels_cpu as kc
+from pantheon.worker.kv_quant import dequantize
 from pantheon.worker.engine import load_engine
 from pantheon.worker.layers import decode_cpu
 from pantheon.worker.layers.decode_cpu import DecodeLayers, Step
@@ -70,22 +72,24 @@ def assert_same(a, b):
         np.testing.assert_array_equal(v1, v2)
 
 
-@pytest.mark.parametrize("kv_cache", ["f32", "f16"])
+@pytest.mark.parametrize("kv_cache", ["f32", "f16", "q8_0", "q4_0", "q8_0/f16"])
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q4_1", "Q4_0"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_c_layers_give_the_python_layers_bits(tmp_path, arch, fmt, kv_cache, counted,
-                                              monkeypatch):
+def test_c_layers_give_the_python_layers_bits(tmp_path, arch, fmt, kv_cache, counted):
     """qwen2: qkv biases; qwen3: q / k norms; every block goes the C way at decode, with
-    either KV cache (`--kv-cache`)."""
-    monkeypatch.setenv("PANTHEON_KV_CACHE", kv_cache)
+    every KV cache type (`--kv-cache`, and keys and values apart)."""
+    kv = KVCacheTypes.of(*kv_cache.split("/")) if "/" not in kv_cache else \
+        KVCacheTypes.of(None, *kv_cache.split("/"))
+    if kv_cache.startswith("q"):
+        arch = tm.head32(arch)              # blocks of 32 along the head
     path = tm.write_gguf(arch, tmp_path / f"{arch}-{fmt}.gguf", tensor_type=fmt)
-    engine = load_engine(path, n_slots=3, ctx=64)
-    assert engine.model.blocks[0].mixer.state.k.itemsize == (2 if kv_cache == "f16" else 4)
+    engine = load_engine(path, n_slots=3, ctx=64, kv_cache=kv)
+    assert engine.model.blocks[0].mixer.state.kinds == (kv.k, kv.v)
     n_layers = len(engine.model.blocks)
     assert len(engine.model.decode_c.layers) == n_layers
     python = steps(engine, False)
     assert counted[0] == 0
-    engine = load_engine(path, n_slots=3, ctx=64)
+    engine = load_engine(path, n_slots=3, ctx=64, kv_cache=kv)
     assert_same(python, steps(engine, True))
     assert counted[0] == 6 * n_layers            # the decode steps, not the mixed one
 
@@ -189,20 +193,19 @@ def test_silu_mul_and_head_norms_in_c_equal_the_numpy_expressions():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("kv_cache", ["f32", "f16"])
+@pytest.mark.parametrize("kv_cache", ["f32", "f16", "q8_0", "q4_0"])
 def test_prefill_chunks_attend_in_c_as_the_numpy_expression_does(tmp_path, kv_cache,
-                                                                   monkeypatch, no_amx):
+                                                                   no_amx):
     """A chunk's queries run through the decode kernel (each writes its key and value,
     then attends causally, within its window): the NumPy expression's logits, the same
     cache bits. F16 weights: products with float activations (an int16-quantized one
     turns a 1e-6 difference into a step of its grid)."""
     from pantheon.worker.layers import attention
-    monkeypatch.setenv("PANTHEON_KV_CACHE", kv_cache)
-    path = tm.write_gguf("qwen2", tmp_path / "q.gguf", tensor_type="F16")
+    path = tm.write_gguf(tm.head32("qwen2"), tmp_path / "q.gguf", tensor_type="F16")
     ids = np.random.default_rng(3).integers(3, 300, 40)
     runs = []
     for c_attention in (False, True):
-        engine = load_engine(path, n_slots=2, ctx=64)
+        engine = load_engine(path, n_slots=2, ctx=64, kv_cache=KVCacheTypes.of(kv_cache))
         block = engine.model.blocks[0]
         block.mixer.spec = dataclasses.replace(block.mixer.spec, window=7)
         attention.C_ATTENTION[0] = c_attention
@@ -218,6 +221,9 @@ def test_prefill_chunks_attend_in_c_as_the_numpy_expression_does(tmp_path, kv_ca
     (k1, v1), (k2, v2) = runs[0][1][0], runs[1][1][0]
     np.testing.assert_array_equal(k1, k2)       # layer 0's keys and values: the same bits
     np.testing.assert_array_equal(v1, v2)       # (the later layers' inputs differ by ~1e-6)
+    hd = engine.model.blocks[0].mixer.spec.head_dim
     for (k1, v1), (k2, v2) in zip(runs[0][1], runs[1][1]):
-        np.testing.assert_allclose(k1.astype(np.float32), k2.astype(np.float32), rtol=1e-3, atol=1e-5)
-        np.testing.assert_allclose(v1.astype(np.float32), v2.astype(np.float32), rtol=1e-3, atol=1e-5)
+        for a, b in ((k1, k2), (v1, v2)):           # blocks: within one step of their grid
+            a, b = dequantize(a, kv_cache, hd), dequantize(b, kv_cache, hd)
+            step = 1e-5 if kv_cache in ("f32", "f16") else np.abs(a).max() / 4
+            np.testing.assert_allclose(a, b, rtol=1e-3, atol=step)

@@ -4,6 +4,7 @@ from types import SimpleNamespace
 import pytest
 
 import tiny_models as tm
+from pantheon.common.kv_cache import KVCacheTypes
 from pantheon.common.model_file import read_config
 from pantheon.frontend.dies import DieTable, PlacementError, replica_bytes
 from pantheon.common import protocol as p
@@ -40,20 +41,28 @@ def test_most_free_budget_that_fits_wins(path, cfg):
     assert t.choose(path, cfg, ["cpu"], 4, 64) == ("cpu", need)
 
 
-@pytest.mark.parametrize("kv_cache", ["f32", "f16"])
-def test_weights_are_counted_as_the_worker_holds_them(path, cfg, kv_cache, monkeypatch):
+@pytest.mark.parametrize("kv_cache", ["f32", "f16", "q8_0", "q4_0"])
+def test_weights_are_counted_as_the_worker_holds_them(path, cfg, kv_cache, tmp_path):
     """The admission figure is the loaded engine's own, before any upload: with
-    `--kv-cache f16` the KV in fp16 beside quantized weights, in fp32 in the exact mode."""
+    `--kv-cache f16` the KV in fp16 beside quantized weights, in fp32 in the exact mode;
+    q8_0 / q4_0 blocks (34 / 18 bytes per 32 elements) whatever the weights (heads of 32:
+    whole blocks)."""
     from pantheon.worker.engine import load_engine
-    monkeypatch.setenv("PANTHEON_KV_CACHE", kv_cache)
-    half = 2 if kv_cache == "f16" else 4
-    for mode, itemsize in (("auto", half), ("none", 4), ("q4", half)):
-        kv = 4 * 64 * cfg.kv_bytes_per_token(itemsize)
-        engine = load_engine(path, n_slots=4, ctx=64, quantize=mode)
+    model, config = path, cfg
+    if kv_cache.startswith("q"):
+        model = str(tm.write_gguf(tm.head32("llama"), tmp_path / "t32.gguf", "Q8_0"))
+        config = read_config(model)
+    kv_types = KVCacheTypes.of(kv_cache)
+    half = {"f32": 4, "f16": 2, "q8_0": 34 / 32, "q4_0": 18 / 32}[kv_cache]
+    exact = half if kv_cache.startswith("q") else 4
+    for mode, itemsize in (("auto", half), ("none", exact), ("q4", half)):
+        kv = 4 * 64 * config.kv_bytes_per_token(itemsize)
+        engine = load_engine(model, n_slots=4, ctx=64, quantize=mode, kv_cache=kv_types)
         held = engine.model.w.nbytes()
-        assert replica_bytes(path, cfg, "cpu", 4, 64, mode) == held + kv, mode
+        assert replica_bytes(model, config, "cpu", 4, 64, mode, kv_types) == held + kv, mode
         assert engine.model.state.nbytes == kv
-        assert engine.model.state.layers[0].k.itemsize == itemsize
+        assert engine.model.state.layers[0].kinds[0] == \
+            {4: "f32", 2: "f16"}.get(itemsize, kv_cache)
     # quantize applies to float tensors: Q8_0 ones stay as they are
     assert replica_bytes(path, cfg, "cpu", 1, 64, "q4") == replica_bytes(path, cfg, "cpu", 1, 64)
     assert replica_bytes(path, cfg, "cpu", 1, 64) < replica_bytes(path, cfg, "cpu", 1, 64, "none") / 3

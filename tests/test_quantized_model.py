@@ -14,6 +14,7 @@ import pytest
 
 import tiny_models as tm
 from pantheon.common.default_model import cached_path
+from pantheon.common.kv_cache import KVCacheTypes
 from pantheon.worker.engine import load_engine
 from pantheon.worker.model import Span
 from pantheon.worker.qmatrix import QMatrix
@@ -115,7 +116,7 @@ def smollm2_seqs():
 
 @pytest.fixture(scope="module")
 def smollm2_reference():
-    """SmolLM2's fp32 forward (fp32 KV whatever PANTHEON_KV_CACHE says), once a module."""
+    """SmolLM2's fp32 forward (fp32 KV: the exact mode), once a module."""
     seqs = smollm2_seqs()
     reference = load_engine(cached_path(), n_slots=1, ctx=1024, quantize="none")
     assert reference.model.state.layers[0].k.itemsize == 4
@@ -125,11 +126,11 @@ def smollm2_reference():
 @pytest.mark.skipif(not cached_path().exists() or not REFERENCE.exists(),
                     reason="default model or reference data missing")
 @pytest.mark.parametrize("kv_cache", ["f32", "f16"])
-def test_smollm2_quantized_matches_its_fp32_forward(kv_cache, monkeypatch, smollm2_reference):
+def test_smollm2_quantized_matches_its_fp32_forward(kv_cache, smollm2_reference):
     """Also with `--kv-cache f16` (the fp32 reference keeps fp32 KV)."""
-    monkeypatch.setenv("PANTHEON_KV_CACHE", kv_cache)
     seqs, rows = smollm2_reference
-    quantized = load_engine(cached_path(), n_slots=1, ctx=1024)
+    quantized = load_engine(cached_path(), n_slots=1, ctx=1024,
+                            kv_cache=KVCacheTypes.of(kv_cache))
     assert kinds(quantized) == {"q4/32+min", "q8/32"}
     assert quantized.model.state.layers[0].k.itemsize == (2 if kv_cache == "f16" else 4)
     assert quantized.model.w.nbytes() <= cached_path().stat().st_size * 1.02

@@ -202,6 +202,19 @@ GGUF_ARCH = {"llama": "llama", "llama3": "llama", "qwen2": "qwen2", "qwen3": "qw
              "gemma3": "gemma3", "qwen35": "qwen35"}
 
 
+def head32(name: str) -> str:
+    """`name` ("llama", "qwen2") with heads of 32, registered when first asked (not at
+    import: tests that run every config have golden logits for the configs above only):
+    a q8_0 / q4_0 KV cache holds whole blocks of 32 along the head (16 has none)."""
+    if "head_dim" in CONFIGS[name]:
+        return name
+    wide = name + "_hd32"
+    if wide not in CONFIGS:
+        CONFIGS[wide] = {**CONFIGS[name], "head_dim": 32}
+        _SEEDS[wide], GGUF_ARCH[wide] = _SEEDS[name] + 10, GGUF_ARCH[name]
+    return wide
+
+
 def golden_tokens(name: str) -> list[list[int]]:
     """The token sequences the golden logits of `name` are for."""
     return GOLDEN_TOKENS_BY_NAME.get(name, GOLDEN_TOKENS)

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ..common.kv_cache import KVCacheTypes
 from ..common.model_file import ModelConfig, ModelFileError, open_model_file
-from ..common.weight_format import kv_itemsize
+from ..common.weight_format import kv_types
 from .activations import apply as choose_activations
 from .activations import check as check_activations
 from .device import Device, open_device
@@ -83,7 +84,8 @@ class Engine:
 
 
 def load_draft(path: str, target: ModelConfig, device: Device, n_slots: int, ctx: int,
-               quantize: str, activations: str = "int16") -> Model:
+               quantize: str, activations: str = "int16",
+               kv_cache: KVCacheTypes = KVCacheTypes()) -> Model:
     """Speculation's draft model: same vocabulary as the target, attention only (its
     state is rolled back by length), its own state in the same slot numbers."""
     cfg, reader = open_model_file(path)
@@ -93,8 +95,8 @@ def load_draft(path: str, target: ModelConfig, device: Device, n_slots: int, ctx
                              "its tokenizer")
     weights = load_weights(path, cfg, device, quantize=quantize, reader=reader)
     del reader
-    kv_dtype = np.float16 if kv_itemsize(path, device.kind, quantize) == 2 else np.float32
-    draft = Model(cfg, weights, device.xp, n_slots, ctx, kv_dtype)
+    draft = Model(cfg, weights, device.xp, n_slots, ctx, kv_types(path, device.kind, quantize,
+                                                                  kv_cache))
     if not draft.state.truncatable:
         raise ModelFileError("spec.draft: a draft model with recurrent layers cannot be "
                              "rolled back; choose an attention-only model")
@@ -120,10 +122,12 @@ def load_engine(path: str | Path, die: str | Device = "cpu", n_slots: int = 8,
                 ctx: int | None = None, prefill_chunk: int = 128, progress=None,
                 prefix_cache_bytes: int = 0, quantize: str = "auto",
                 spec: SpecConfig | None = None, activations: str = "int16",
-                layers: tuple[int, int] | None = None) -> Engine:
-    """Load the model at `path` onto a die with `n_slots` KV slots of `ctx` positions;
-    `activations`: what its CPU products take (auto, int8, int16: worker/activations.py);
-    `layers`: (lo, hi) for a stage of a replica split across two dies."""
+                layers: tuple[int, int] | None = None,
+                kv_cache: KVCacheTypes = KVCacheTypes()) -> Engine:
+    """Load the model at `path` onto a die with `n_slots` KV slots of `ctx` positions,
+    its attention KV held as `kv_cache` asks (common/kv_cache.py); `activations`: what
+    its CPU products take (auto, int8, int16: worker/activations.py); `layers`: (lo, hi)
+    for a stage of a replica split across two dies."""
     check_activations(activations)
     started = time.perf_counter()
     device = die if isinstance(die, Device) else open_device(die)
@@ -134,11 +138,12 @@ def load_engine(path: str | Path, die: str | Device = "cpu", n_slots: int = 8,
     weights = load_weights(path, cfg, device, progress=progress, quantize=quantize,
                            reader=reader, layers=layers)
     del reader                       # the parsed metadata is not kept for the replica's life
-    # KV elements as the die table counts them (common/weight_format.kv_itemsize): a GPU
-    # keeps fp16 whatever its weights (a K80 holds fp32 weights; its KV at fp32 was twice
-    # what admission reserved), the CPU fp32 unless --kv-cache f16 applies
-    kv_dtype = np.float16 if kv_itemsize(path, device.kind, quantize) == 2 else np.float32
-    model = Model(cfg, weights, device.xp, n_slots, ctx, kv_dtype=kv_dtype, layers=layers)
+    # KV types as the die table counts them (common/weight_format.kv_types): a GPU keeps
+    # fp16 whatever its weights (a K80 holds fp32 weights; its KV at fp32 was twice what
+    # admission reserved), the CPU fp32 unless --kv-cache asks f16; q8_0 / q4_0 as asked.
+    # Recurrent state (Qwen3.5's DeltaNet) stays fp32 whatever this says.
+    kv = kv_types(path, device.kind, quantize, kv_cache)
+    model = Model(cfg, weights, device.xp, n_slots, ctx, kv_dtype=kv, layers=layers)
     engine = Engine(cfg, device, model, None, 0.0, Sampler(device.xp, device.settle))
     verdict = choose_activations(model, path, activations, quantize)
     engine.activations = verdict.used
@@ -146,17 +151,17 @@ def load_engine(path: str | Path, die: str | Device = "cpu", n_slots: int = 8,
     proposer = None
     if spec is not None and spec.kind == "draft" and model.state.truncatable:
         engine.draft = load_draft(spec.draft, cfg, device, n_slots, ctx, quantize,
-                                  activations)
+                                  activations, kv_cache)
         proposer = DraftProposer(engine.draft, n_slots)
     engine.scheduler = Scheduler(engine.logits, n_slots, ctx, prefill_chunk, model.state, cache,
                                  sample=engine.sample, pooled=engine.pooled, spec=spec,
                                  proposer=proposer)
     engine.load_seconds = time.perf_counter() - started
     log.info("loaded %s (%s, %d layers) on die %s in %.1f s: %.0f MB weights (%s), "
-             "%.0f MB KV", Path(path).name, cfg.arch, cfg.n_layers, device.die_id,
+             "%.0f MB KV (%s)", Path(path).name, cfg.arch, cfg.n_layers, device.die_id,
              engine.load_seconds, weights.nbytes() / 1e6,
              ", ".join(f"{n} {k}" for k, n in sorted(weights.formats().items())),
-             model.state.nbytes / 1e6)
+             model.state.nbytes / 1e6, kv[0] if kv[0] == kv[1] else f"k {kv[0]}, v {kv[1]}")
     if model.decode_c is not None:      # which decode layers run fused in C, and why not
         for line in model.decode_c.describe():
             log.info("decode layers of %s: %s", Path(path).name, line)

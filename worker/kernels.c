@@ -3325,12 +3325,53 @@ static inline __m512 exp512(__m512 x) {
 
 typedef struct {
     const float *q; int64_t q_stride, Hq, Hkv, hd; const void *K, *V; int64_t ctx;
-    const int64_t *slots, *first, *last; float *out; int64_t out_stride; int f16;
+    const int64_t *slots, *first, *last; float *out; int64_t out_stride; int kv;
 } AttnArgs;
+
+/* -- KV cache element types (common/kv_cache.py): kv = k type | v type << 2, each
+ * 0 f32, 1 f16, 2 q8_0, 3 q4_0. A quantized row is head_dim / 32 blocks of llama.cpp's
+ * layout: an fp16 scale d, then q8_0 32 int8 (x = d q), q4_0 16 bytes (element j in the
+ * low nibble of byte j, j + 16 in its high nibble; x = d (nibble - 8)). Rows are
+ * quantized once when stored and read a row at a time: no dequantized copy of a cache. */
+static inline int64_t kv_row_bytes(int t, int64_t hd) {
+    return t == 0 ? 4 * hd : t == 1 ? 2 * hd : t == 2 ? hd / 32 * 34 : hd / 32 * 18;
+}
+
+static float f32_of_half(uint16_t h);
+
+/* x [hd] → one stored row of type t (the reference quantizers of llama.cpp's ggml) */
+static void kv_store_row(int t, void *restrict dst, const float *restrict x, int64_t hd);
+
+/* one stored row of type t → y [hd] floats */
+static inline void kv_load_row(int t, const void *restrict src, float *restrict y, int64_t hd) {
+    if (t == 0) { memcpy(y, src, sizeof(float) * hd); return; }
+    if (t == 1) {
+        for (int64_t i = 0; i < hd; i++) y[i] = f32_of_half(((const uint16_t *)src)[i]);
+        return;
+    }
+    const uint8_t *b = src;
+    for (int64_t blk = 0; blk < hd / 32; blk++, y += 32) {
+        uint16_t dh;
+        memcpy(&dh, b, 2);
+        const float d = f32_of_half(dh);
+        if (t == 2) {
+            const int8_t *qs = (const int8_t *)(b + 2);
+            for (int i = 0; i < 32; i++) y[i] = d * (float)qs[i];
+            b += 34;
+        } else {
+            const uint8_t *qs = b + 2;
+            for (int i = 0; i < 16; i++) {
+                y[i] = d * (float)((qs[i] & 15) - 8);
+                y[i + 16] = d * (float)((qs[i] >> 4) - 8);
+            }
+            b += 18;
+        }
+    }
+}
 
 static __thread float *attn_buf;
 static __thread int64_t attn_cap;
-static __thread float *attn_wide;      /* an fp16 item's keys and values, widened */
+static __thread float *attn_wide;      /* one key or value row, widened */
 static __thread int64_t attn_wide_cap;
 
 /* float -> fp16, round to nearest even (NumPy's astype), overflow to infinity */
@@ -3351,6 +3392,41 @@ static inline uint16_t f32_to_f16(float f) {
     const uint32_t e = ax - 0x38000000u;             /* exponent rebiased by 127 - 15 */
     return (uint16_t)(sign | ((e + 0xFFF + ((e >> 13) & 1)) >> 13));
 #endif
+}
+
+static float f32_of_half(uint16_t h) { return half_to_float(h); }
+
+static void kv_store_row(int t, void *restrict dst, const float *restrict x, int64_t hd) {
+    if (t == 0) { memcpy(dst, x, sizeof(float) * hd); return; }
+    if (t == 1) {
+        for (int64_t i = 0; i < hd; i++) ((uint16_t *)dst)[i] = f32_to_f16(x[i]);
+        return;
+    }
+    uint8_t *b = dst;
+    for (int64_t blk = 0; blk < hd / 32; blk++, x += 32) {
+        if (t == 2) {                                   /* quantize_row_q8_0_ref */
+            float amax = 0.0f;
+            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(x[i]));
+            const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            const uint16_t dh = f32_to_f16(d);
+            memcpy(b, &dh, 2);
+            for (int i = 0; i < 32; i++) ((int8_t *)(b + 2))[i] = (int8_t)roundf(x[i] * id);
+            b += 34;
+        } else {                                        /* quantize_row_q4_0_ref */
+            float amax = 0.0f, max = 0.0f;
+            for (int i = 0; i < 32; i++)
+                if (amax < fabsf(x[i])) { amax = fabsf(x[i]); max = x[i]; }
+            const float d = max / -8.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            const uint16_t dh = f32_to_f16(d);
+            memcpy(b, &dh, 2);
+            for (int i = 0; i < 16; i++) {
+                const int8_t a0 = (int8_t)(x[i] * id + 8.5f), a1 = (int8_t)(x[i + 16] * id + 8.5f);
+                const uint8_t q0 = a0 < 15 ? (uint8_t)a0 : 15, q1 = a1 < 15 ? (uint8_t)a1 : 15;
+                b[2 + i] = (uint8_t)(q0 | (q1 << 4));
+            }
+            b += 18;
+        }
+    }
 }
 
 static inline float dotf(const float *restrict a, const float *restrict b, int64_t n) {
@@ -3403,28 +3479,56 @@ static inline __m512 reduce16(const __m512 *v) {
  * time (rows past the last repeat it and are not stored), values with the group's
  * accumulators in registers, 16 / NC heads at a time, each value row read once. */
 /* 16 cached values from p (floats, or fp16 widened) */
-static inline __attribute__((always_inline)) __m512 load16(const void *p, int64_t at, const int F16) {
-    if (F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + at)));
-    return _mm512_loadu_ps((const float *)p + at);
+static inline __attribute__((always_inline)) __m512 load16(const void *p, int64_t at, const int T,
+                                                            const int64_t hd) {
+    if (T == 1) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + at)));
+    if (T == 0) return _mm512_loadu_ps((const float *)p + at);
+    /* a block type: elements at .. at + 15 are half of one block of 32 (hd / 32 blocks a row) */
+    const int64_t r = at / hd, c = at % hd, bb = T == 2 ? 34 : 18;
+    const uint8_t *blk = (const uint8_t *)p + (r * (hd / 32) + c / 32) * bb;
+    uint16_t dh;
+    memcpy(&dh, blk, 2);
+    const __m512 d = _mm512_set1_ps(half_to_float(dh));
+    if (T == 2)
+        return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128((const __m128i *)(blk + 2 + (c & 31))))));
+    __m128i b = _mm_loadu_si128((const __m128i *)(blk + 2));
+    if (c & 16) b = _mm_srli_epi16(b, 4);
+    b = _mm_and_si128(b, _mm_set1_epi8(15));
+    return _mm512_mul_ps(d, _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)),
+                                          _mm512_set1_ps(8.0f)));
 }
 
 static inline __attribute__((always_inline)) void
 attn_fast(const float *restrict qb, const void *restrict Kh, const void *restrict Vh,
           int64_t L, int64_t g, float *restrict sc, float *restrict ob, const int NC,
-          const int F16) {
+          const int KT, const int VT) {
     const int64_t hd = 16 * NC;
     for (int64_t l0 = 0; l0 < L; l0 += 16) {
         const int64_t n = L - l0 < 16 ? L - l0 : 16;
         int64_t rows[16];
         for (int i = 0; i < 16; i++) rows[i] = (l0 + (i < n ? i : n - 1)) * hd;
+        /* block keys: the tile's 16 rows widened once into scratch (16 rows x hd floats,
+         * in L1), then read by each head of the group as float rows */
+        float tile[KT >= 2 ? 16 * 16 * NC : 1] __attribute__((aligned(64)));
+        const void *Kt = Kh;
+        int T = KT;
+        if (KT >= 2) {
+            for (int i = 0; i < 16; i++) {
+                for (int c = 0; c < NC; c++)
+                    _mm512_store_ps(tile + i * hd + 16 * c, load16(Kh, rows[i] + 16 * c, KT, hd));
+                rows[i] = i * hd;
+            }
+            Kt = tile, T = 0;
+        }
         for (int64_t j = 0; j < g; j++) {
             const float *qj = qb + j * hd;
             __m512 p[16];
             for (int i = 0; i < 16; i++) {
-                __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qj), load16(Kh, rows[i], F16));
+                __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qj), load16(Kt, rows[i], T, hd));
                 for (int c = 1; c < NC; c++)
                     acc = _mm512_fmadd_ps(_mm512_loadu_ps(qj + 16 * c),
-                                          load16(Kh, rows[i] + 16 * c, F16), acc);
+                                          load16(Kt, rows[i] + 16 * c, T, hd), acc);
                 p[i] = acc;
             }
             _mm512_mask_storeu_ps(sc + j * L + l0, (__mmask16)((1u << n) - 1), reduce16(p));
@@ -3459,7 +3563,7 @@ attn_fast(const float *restrict qb, const void *restrict Kh, const void *restric
         for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
         for (int64_t l = 0; l < L; l++) {
             __m512 vr[16];
-            for (int c = 0; c < NC; c++) vr[c] = load16(Vh, l * hd + 16 * c, F16);
+            for (int c = 0; c < NC; c++) vr[c] = load16(Vh, l * hd + 16 * c, VT, hd);
             for (int jj = 0; jj < per; jj++) {
                 if (jj >= jn) break;
                 const __m512 w = _mm512_set1_ps(sc[(j0 + jj) * L + l]);
@@ -3478,9 +3582,10 @@ static void attn_item(const void *p, int64_t it) {
     const AttnArgs *a = p;
     const int64_t b = it / a->Hkv, h = it % a->Hkv, g = a->Hq / a->Hkv, hd = a->hd;
     const int64_t lo = a->first[b], L = a->last[b] + 1 - lo;
-    const int64_t base = ((a->slots[b] * a->Hkv + h) * a->ctx + lo) * hd;
-    const size_t esz = a->f16 ? 2 : 4;
-    const void *Kh = (const char *)a->K + base * esz, *Vh = (const char *)a->V + base * esz;
+    const int64_t base = (a->slots[b] * a->Hkv + h) * a->ctx + lo;
+    const int kt = a->kv & 3, vt = a->kv >> 2;
+    const int64_t krb = kv_row_bytes(kt, hd), vrb = kv_row_bytes(vt, hd);
+    const char *Kh = (const char *)a->K + base * krb, *Vh = (const char *)a->V + base * vrb;
     const float *qb = a->q + b * a->q_stride + h * g * hd;
     float *ob = a->out + b * a->out_stride + h * g * hd;
     if (L * g > attn_cap) {
@@ -3491,34 +3596,37 @@ static void attn_item(const void *p, int64_t it) {
     }
     float *sc = attn_buf;           /* [g][L] */
 #if defined(__AVX512F__)
-    if (a->f16) switch (attn_generic ? 0 : hd) {
-    case 64: attn_fast(qb, Kh, Vh, L, g, sc, ob, 4, 1); return;
-    case 128: attn_fast(qb, Kh, Vh, L, g, sc, ob, 8, 1); return;
-    case 256: attn_fast(qb, Kh, Vh, L, g, sc, ob, 16, 1); return;
-    default: break;
-    } else switch (attn_generic ? 0 : hd) {
-    case 64: attn_fast(qb, Kh, Vh, L, g, sc, ob, 4, 0); return;
-    case 128: attn_fast(qb, Kh, Vh, L, g, sc, ob, 8, 0); return;
-    case 256: attn_fast(qb, Kh, Vh, L, g, sc, ob, 16, 0); return;
+#define ATTN_FAST(KT, VT) switch (attn_generic ? 0 : hd) { \
+    case 64: attn_fast(qb, Kh, Vh, L, g, sc, ob, 4, KT, VT); return; \
+    case 128: attn_fast(qb, Kh, Vh, L, g, sc, ob, 8, KT, VT); return; \
+    case 256: attn_fast(qb, Kh, Vh, L, g, sc, ob, 16, KT, VT); return; \
+    default: break; }
+    /* the cache types taken here (others: the row loops below) */
+    switch (a->kv) {
+    case 0: ATTN_FAST(0, 0) break;
+    case 1 | 1 << 2: ATTN_FAST(1, 1) break;
+    case 2 | 2 << 2: ATTN_FAST(2, 2) break;
+    case 3 | 3 << 2: ATTN_FAST(3, 3) break;
+    case 2 | 3 << 2: ATTN_FAST(2, 3) break;
+    case 1 | 3 << 2: ATTN_FAST(1, 3) break;
     default: break;
     }
+#undef ATTN_FAST
 #endif
-    const float *Kf = Kh, *Vf = Vh;
-    if (a->f16) {                   /* the portable loops read floats: widen the rows */
-        if (2 * L * hd > attn_wide_cap) {
-            float *nb = realloc(attn_wide, sizeof(float) * 2 * L * hd);
-            if (!nb) return;
-            attn_wide = nb;
-            attn_wide_cap = 2 * L * hd;
-        }
-        for (int64_t i = 0; i < L * hd; i++) {
-            attn_wide[i] = half_to_float(((const uint16_t *)Kh)[i]);
-            attn_wide[L * hd + i] = half_to_float(((const uint16_t *)Vh)[i]);
-        }
-        Kf = attn_wide, Vf = attn_wide + L * hd;
+    /* the portable loops read float rows: one key or value row at a time is widened
+     * (fp16) or dequantized (q8_0, q4_0) into a row of scratch; f32 rows are read as
+     * they are */
+    if (hd > attn_wide_cap) {
+        float *nb = realloc(attn_wide, sizeof(float) * hd);
+        if (!nb) return;
+        attn_wide = nb;
+        attn_wide_cap = hd;
     }
-    for (int64_t l = 0; l < L; l++)
-        for (int64_t j = 0; j < g; j++) sc[j * L + l] = dotf(qb + j * hd, Kf + l * hd, hd);
+    for (int64_t l = 0; l < L; l++) {
+        const float *kr = (const float *)(Kh + l * krb);
+        if (kt) kv_load_row(kt, Kh + l * krb, attn_wide, hd), kr = attn_wide;
+        for (int64_t j = 0; j < g; j++) sc[j * L + l] = dotf(qb + j * hd, kr, hd);
+    }
     for (int64_t j = 0; j < g; j++) {
         float *s = sc + j * L, m = s[0], sum = 0.0f;
         for (int64_t l = 1; l < L; l++) m = s[l] > m ? s[l] : m;
@@ -3538,7 +3646,8 @@ static void attn_item(const void *p, int64_t it) {
     }
     for (int64_t j = 0; j < g; j++) memset(ob + j * hd, 0, sizeof(float) * hd);
     for (int64_t l = 0; l < L; l++) {
-        const float *vr = Vf + l * hd;
+        const float *vr = (const float *)(Vh + l * vrb);
+        if (vt) kv_load_row(vt, Vh + l * vrb, attn_wide, hd), vr = attn_wide;
         for (int64_t j = 0; j < g; j++) {
             const float w = sc[j * L + l];
             float *o = ob + j * hd;
@@ -3561,22 +3670,16 @@ void pn_attend_decodes(const float *q, int64_t q_stride, int64_t B, int64_t Hq, 
                        int64_t hd, void *K, void *V, int64_t ctx, const int64_t *slots,
                        const int64_t *first, const int64_t *last, const float *knew,
                        int64_t k_stride, const float *vnew, int64_t v_stride, float *out,
-                       int64_t out_stride, int f16) {
+                       int64_t out_stride, int kv) {
+    const int kt = kv & 3, vt = kv >> 2;
+    const int64_t krb = kv_row_bytes(kt, hd), vrb = kv_row_bytes(vt, hd);
     for (int64_t b = 0; b < B; b++)
         for (int64_t h = 0; h < Hkv; h++) {
-            const int64_t at = ((slots[b] * Hkv + h) * ctx + last[b]) * hd;
-            const float *kr = knew + b * k_stride + h * hd, *vr = vnew + b * v_stride + h * hd;
-            if (!f16) {
-                memcpy((float *)K + at, kr, sizeof(float) * hd);
-                memcpy((float *)V + at, vr, sizeof(float) * hd);
-                continue;
-            }
-            for (int64_t i = 0; i < hd; i++) {
-                ((uint16_t *)K)[at + i] = f32_to_f16(kr[i]);
-                ((uint16_t *)V)[at + i] = f32_to_f16(vr[i]);
-            }
+            const int64_t at = (slots[b] * Hkv + h) * ctx + last[b];
+            kv_store_row(kt, (char *)K + at * krb, knew + b * k_stride + h * hd, hd);
+            kv_store_row(vt, (char *)V + at * vrb, vnew + b * v_stride + h * hd, hd);
         }
-    AttnArgs a = {q, q_stride, Hq, Hkv, hd, K, V, ctx, slots, first, last, out, out_stride, f16};
+    AttnArgs a = {q, q_stride, Hq, Hkv, hd, K, V, ctx, slots, first, last, out, out_stride, kv};
     pool_run(attn_item, &a, B * Hkv);
 }
 
@@ -3694,7 +3797,7 @@ typedef struct {
     const float *bqkv, *norm1, *norm2, *q_norm, *k_norm;   /* bqkv, q/k norms: or NULL */
     float eps, scale;
     int64_t D, Hq, Hkv, hd, d_ff, half;
-    void *K, *V; int64_t ctx, kv16;                        /* the layer's caches (fp16: kv16) */
+    void *K, *V; int64_t ctx, kv16;                        /* caches; kv16: their types, k | v << 2 */
     /* the spec's flags (0 / NULL: a llama block) */
     const float *post1, *post2;       /* post-mixer / post-MLP norms (Gemma 3) */
     int64_t gelu;                     /* the MLP's gate: 0 SiLU, 1 tanh-GELU */

@@ -590,26 +590,52 @@ def _cache_ptr(a: np.ndarray) -> int:
 
 
 F16 = np.dtype(np.float16)
-KV_DTYPES = (np.dtype(F32), F16)     # what the C attention reads and writes
+U8 = np.dtype(np.uint8)
+KV_DTYPES = (np.dtype(F32), F16, U8)     # what the C attention reads and writes (uint8: blocks)
+_KV_CODES = {"f32": 0, "f16": 1, "q8_0": 2, "q4_0": 3}
+
+
+def kv_kind(a: np.ndarray, head_dim: int) -> str | None:
+    """The KV type a cache array [slots, Hkv, ctx, row] holds (common/kv_cache.py): fp32,
+    fp16, or uint8 rows of q8_0 (34 bytes per 32) or q4_0 (18 per 32) blocks."""
+    if a.dtype == F16:
+        return "f16"
+    if a.dtype == F32:
+        return "f32"
+    if a.dtype == U8 and head_dim % 32 == 0:
+        return {head_dim // 32 * 34: "q8_0", head_dim // 32 * 18: "q4_0"}.get(a.shape[-1])
+    return None
+
+
+def kv_code(k: np.ndarray, v: np.ndarray, head_dim: int) -> int | None:
+    """The C attention's `kv` argument for caches k, v (k type | v type << 2), or None
+    where it cannot read them."""
+    kk, vk = kv_kind(k, head_dim), kv_kind(v, head_dim)
+    if kk is None or vk is None or not (k.flags.c_contiguous and v.flags.c_contiguous) \
+            or k.shape[:3] != v.shape[:3]:
+        return None
+    return _KV_CODES[kk] | _KV_CODES[vk] << 2
 
 
 def attend_decodes(q: np.ndarray, k_new: np.ndarray, v_new: np.ndarray, k: np.ndarray,
                    v: np.ndarray, bounds: DecodeBounds, out: np.ndarray) -> None:
     """Store the step's keys and values k_new, v_new [B, Hkv, hd] at each query's last
-    position of the caches k, v [slots, Hkv, ctx, hd] (float32, or float16: rounded to
-    nearest as NumPy's astype), then write into out [B,
+    position of the caches k, v [slots, Hkv, ctx, row] (float32; float16: rounded to
+    nearest as NumPy's astype; q8_0 / q4_0 blocks, kv_kind: quantized as llama.cpp's
+    reference quantizers), then write into out [B,
     Hq * hd] the attention of q [B, Hq, hd] (scaled) over them as `bounds` says. q,
     k_new, v_new and out may be rows of wider matrices (each row contiguous)."""
     n, n_heads, hd = q.shape
     qr, kr, vr, orow = _rows(q), _rows(k_new), _rows(v_new), _rows(out)
     assert None not in (qr, kr, vr, orow) and n == bounds.n and out.shape == (n, n_heads * hd)
     assert k_new.shape == v_new.shape == (n, k.shape[1], hd)
-    assert k.dtype in KV_DTYPES and v.dtype == k.dtype and k.shape == v.shape == bounds.cache_shape \
-        and k.flags.c_contiguous and v.flags.c_contiguous and n_heads % k.shape[1] == 0
+    code = kv_code(k, v, hd)
+    assert code is not None and k.shape[:3] == bounds.cache_shape[:3] \
+        and n_heads % k.shape[1] == 0
     slots, first, last = bounds.ptrs
     (_lib or library()).pn_attend_decodes(
         qr[1], qr[0], n, n_heads, k.shape[1], hd, _cache_ptr(k), _cache_ptr(v), k.shape[2],
-        slots, first, last, kr[1], kr[0], vr[1], vr[0], orow[1], orow[0], k.dtype == F16)
+        slots, first, last, kr[1], kr[0], vr[1], vr[0], orow[1], orow[0], code)
 
 
 def dequantize_rows(m: QMatrix, r0: int, r1: int) -> np.ndarray:

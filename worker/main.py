@@ -42,6 +42,7 @@ from ..common import settings
 from ..common.formats import FormatError
 from ..common.gguf_file import forget_cached
 from ..common.keys import KeyPair, curve_client, is_local_address, server_public, worker_pair
+from ..common.kv_cache import KVCacheTypes
 from ..common.model_file import ModelFileError
 from .device import Device, open_device
 from .constraint import summary
@@ -130,8 +131,10 @@ class Heartbeats(threading.Thread):
 class Worker:
     def __init__(self, device: Device, frontend: str, die: str, slots: int = settings.SLOTS,
                  prefix_cache_bytes: int = 0, parent_pid: int = 0, budget: int = 0,
-                 keys: tuple[bytes, KeyPair] | None = None, proof: str = ""):
+                 keys: tuple[bytes, KeyPair] | None = None, proof: str = "",
+                 kv_cache: KVCacheTypes = KVCacheTypes()):
         self.device, self.die, self.slots = device, die, slots
+        self.kv_cache = kv_cache         # for loads whose message names no KV type
         self.keys = keys                 # (server public key, own pair): CURVE
         self.proof = proof               # from the frontend that spawned us: our hello's
         self.refused_at = -60.0          # the last refused hello logged
@@ -515,10 +518,12 @@ class Worker:
             def progress(done, total):
                 self.loads.put((msg, p.LoadProgress(msg.model_id, done, total)))
                 self.wake()
+            kv = KVCacheTypes.of(None, msg.kv_cache_k or self.kv_cache.k,
+                                 msg.kv_cache_v or self.kv_cache.v)   # ValueError: refused
             if msg.stage is not None:       # a stage of a replica split across two dies
                 result = stage_link.load_stage(msg, self.device, self.slots,
                                                self.prefix_cache_bytes, progress,
-                                               spec=spec_config(msg.spec))
+                                               spec=spec_config(msg.spec), kv_cache=kv)
                 self.loads.put((msg, result))
                 self.wake()
                 return
@@ -526,7 +531,7 @@ class Worker:
                                  ctx=msg.ctx or None, prefill_chunk=msg.prefill_chunk,
                                  prefix_cache_bytes=self.prefix_cache_bytes, progress=progress,
                                  quantize=msg.quantize, spec=spec_config(msg.spec),
-                                 activations=msg.activations)
+                                 activations=msg.activations, kv_cache=kv)
             engine.warm_up()              # ready means warm: the first request pays nothing
             self.loads.put((msg, engine))
         except (ModelFileError, FormatError, stage_link.StageError) as exc:   # one line
@@ -686,7 +691,8 @@ def main(args) -> int:
     worker = Worker(device, args.frontend, args.die, slots=args.slots,
                     prefix_cache_bytes=int(args.prefix_cache_mb * (1 << 20)),
                     parent_pid=args.parent_pid or 0,
-                    budget=int((args.budget_mb or 0) * (1 << 20)), keys=keys, proof=proof)
+                    budget=int((args.budget_mb or 0) * (1 << 20)), keys=keys, proof=proof,
+                    kv_cache=getattr(args, "kv", None) or KVCacheTypes())
     signal.signal(signal.SIGTERM, lambda *_: worker.stop())    # after this step
     if args.parent_pid:
         # a Ctrl-C reaches the whole process group: the frontend drains, then stops us

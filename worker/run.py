@@ -13,7 +13,7 @@ from .scheduler import Request
 
 def run_chat(model_path, prompt: str, system: str | None = None, max_tokens: int = 256,
              params: SamplingParams | None = None, out=sys.stdout, stats=sys.stderr,
-             quantize: str = "auto", activations: str = "auto") -> str:
+             quantize: str = "auto", activations: str = "auto", kv_cache=None) -> str:
     tokenizer = open_tokenizer(model_path)
     template = ChatTemplate(tokenizer.chat_template, tokenizer.bos_text, tokenizer.eos_text,
                             tokenizer.control_texts)
@@ -21,7 +21,8 @@ def run_chat(model_path, prompt: str, system: str | None = None, max_tokens: int
         [{"role": "user", "content": prompt}]
     ids = tokenizer.encode(template.render(messages, add_generation_prompt=True))
     engine = load_engine(model_path, n_slots=1, ctx=None, quantize=quantize,
-                         activations=activations)
+                         activations=activations,
+                         **({"kv_cache": kv_cache} if kv_cache is not None else {}))
     params = (params or SamplingParams(temperature=0.0)).check(engine.cfg.vocab_size)
     if len(ids) >= engine.model.ctx:
         raise ValueError(f"prompt of {len(ids)} tokens does not fit the context of "

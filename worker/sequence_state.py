@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..common.kv_cache import BLOCK, QUANTIZED
+from .kv_quant import dequantize, quantize, storage
+
 F32 = np.float32
 
 
@@ -46,14 +49,32 @@ class KVState:
     truncatable = True
 
     def __init__(self, n_slots: int, n_kv_heads: int, ctx: int, head_dim: int, xp, dtype):
+        """dtype: float32 / float16, or (k, v) KV type names (common/kv_cache.py): a
+        q8_0 / q4_0 cache holds each head's row as uint8 blocks [.., ctx, row bytes]."""
         shape = (n_slots, n_kv_heads, ctx, head_dim)
-        self.xp, self.ctx = xp, ctx
+        self.xp, self.ctx, self.head_dim = xp, ctx, head_dim
+        if isinstance(dtype, str):
+            dtype = (dtype, dtype)
+        if not isinstance(dtype, tuple):
+            kind = "f16" if np.dtype(dtype) == np.float16 else "f32"
+            dtype = (kind, kind)
+        self.kinds = dtype
+        if any(k in QUANTIZED for k in dtype) and head_dim % BLOCK:
+            raise ValueError(f"a {'/'.join(dtype)} KV cache needs a head size that is a "
+                             f"multiple of {BLOCK}; this model's is {head_dim}: use "
+                             f"--kv-cache f16 or f32")
         # committed now: zeros() maps pages lazily, so write every page at load; the RSS
         # after a load is then the steady state and no request needs new memory
-        self.k = xp.empty(shape, dtype=dtype)
-        self.v = xp.empty(shape, dtype=dtype)
+        kd, ks = storage(dtype[0], shape, head_dim)
+        vd, vs = storage(dtype[1], shape, head_dim)
+        self.k = xp.empty(ks, dtype=kd)
+        self.v = xp.empty(vs, dtype=vd)
         for a in (self.k, self.v):
             _commit_zeros(a)
+
+    @property
+    def quantized(self) -> bool:
+        return self.kinds[0] in QUANTIZED or self.kinds[1] in QUANTIZED
 
     @property
     def nbytes(self) -> int:
@@ -62,12 +83,31 @@ class KVState:
     def write(self, slot: int, start: int, k, v) -> None:
         """Store k, v [n, n_kv_heads, head_dim] at positions [start, start + n)."""
         n = k.shape[0]
-        self.k[slot, :, start:start + n] = k.transpose(1, 0, 2)
-        self.v[slot, :, start:start + n] = v.transpose(1, 0, 2)
+        self.k[slot, :, start:start + n] = quantize(k.transpose(1, 0, 2), self.kinds[0])
+        self.v[slot, :, start:start + n] = quantize(v.transpose(1, 0, 2), self.kinds[1])
+
+    def write_rows(self, slots, pos, k, v) -> None:
+        """Store k, v [B, n_kv_heads, head_dim] at (slots[b], pos[b])."""
+        self.k[slots, :, pos] = quantize(k, self.kinds[0])
+        self.v[slots, :, pos] = quantize(v, self.kinds[1])
 
     def view(self, slot: int, lo: int, hi: int):
-        """Keys and values [n_kv_heads, hi - lo, head_dim] of positions [lo, hi), no copy."""
-        return self.k[slot, :, lo:hi], self.v[slot, :, lo:hi]
+        """Keys and values [n_kv_heads, hi - lo, head_dim] of positions [lo, hi): no copy
+        of a float cache; the NumPy path's float rows of a quantized one (the C attention
+        reads blocks in place and never asks)."""
+        if not self.quantized:
+            return self.k[slot, :, lo:hi], self.v[slot, :, lo:hi]
+        k, v = self.window(slice(slot, slot + 1), lo, hi)
+        return k[0], v[0]
+
+    def window(self, slots: slice, lo: int, hi: int):
+        """Keys and values [S, n_kv_heads, hi - lo, head_dim] of slots, positions [lo, hi):
+        float views, or float rows of quantized blocks (the NumPy path)."""
+        k, v = self.k[slots, :, lo:hi], self.v[slots, :, lo:hi]
+        if not self.quantized:
+            return k, v
+        return (dequantize(k, self.kinds[0], self.head_dim),
+                dequantize(v, self.kinds[1], self.head_dim))
 
     def save(self, slot: int, length: int):
         to_host = _to_host(self.xp)

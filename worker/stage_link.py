@@ -481,7 +481,7 @@ def check_stage(stage) -> None:
 
 
 def load_stage(msg, device, default_slots: int, prefix_cache_bytes: int, progress=None,
-               spec=None):
+               spec=None, kv_cache=None):
     """Load `msg`'s stage: stage 1 → a started TailStage (its link bound); stage 0 → an
     Engine whose forward runs through the tail (which must be up: the frontend loads it
     first), warm."""
@@ -493,8 +493,9 @@ def load_stage(msg, device, default_slots: int, prefix_cache_bytes: int, progres
                          ctx=msg.ctx or None, prefill_chunk=msg.prefill_chunk,
                          prefix_cache_bytes=0 if tail else prefix_cache_bytes,
                          progress=progress, quantize=msg.quantize,
-                         spec=None if tail else spec,
-                         layers=(stage.first_layer, stage.end_layer))
+                         spec=None if tail else spec, activations=msg.activations,
+                         layers=(stage.first_layer, stage.end_layer),
+                         **({"kv_cache": kv_cache} if kv_cache is not None else {}))
     if stage.end_layer > engine.cfg.n_layers or (tail and stage.end_layer != engine.cfg.n_layers):
         raise StageError(f"stage {stage.index} ends at layer {stage.end_layer}; the model "
                          f"has {engine.cfg.n_layers}")

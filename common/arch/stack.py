@@ -55,8 +55,10 @@ class Attention:
     qk_norm: bool = False                 # RMSNorm over each head's q and k, before rope
     kind = "attention"
 
-    def bytes_per_token(self, itemsize: int) -> int:
-        return 2 * self.n_kv_heads * self.head_dim * itemsize
+    def bytes_per_token(self, itemsize: float) -> int:
+        # itemsize: mean bytes per element (q8_0 34/32, q4_0 18/32: exact for a head_dim
+        # of whole blocks)
+        return int(2 * self.n_kv_heads * self.head_dim * itemsize)
 
     def tensors(self, p: str, d_model: int) -> dict[str, tuple[int, ...]]:
         """GGUF name → shape ([out, in] for a matrix) of every tensor the layer reads."""
@@ -93,8 +95,10 @@ class GatedAttention:
     def scale(self) -> float:
         return float(self.head_dim) ** -0.5
 
-    def bytes_per_token(self, itemsize: int) -> int:
-        return 2 * self.n_kv_heads * self.head_dim * itemsize
+    def bytes_per_token(self, itemsize: float) -> int:
+        # itemsize: mean bytes per element (q8_0 34/32, q4_0 18/32: exact for a head_dim
+        # of whole blocks)
+        return int(2 * self.n_kv_heads * self.head_dim * itemsize)
 
     def bytes_per_slot(self) -> int:
         return 0

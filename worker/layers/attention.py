@@ -154,7 +154,8 @@ class DecodeGroup:
 
     def run(self, kv: KVState, q, k, v, out, window: int | None) -> None:
         """Write the group's k, v into the cache and its attention into `out` rows."""
-        if self.xp is np and kv.k.dtype in kernels_cpu.KV_DTYPES and C_ATTENTION[0]:  # one C call
+        if self.xp is np and C_ATTENTION[0] \
+                and kernels_cpu.kv_code(kv.k, kv.v, q.shape[2]) is not None:     # one C call
             bounds = self.bounds(window, kv.k.shape)
             if self.leading:                  # rows 0 .. size - 1: read and written in place
                 kernels_cpu.attend_decodes(q[:self.size], k[:self.size], v[:self.size],
@@ -165,11 +166,9 @@ class DecodeGroup:
                                        bounds, res)
             out[self.rows] = res
             return
-        kv.k[self.slots, :, self.pos] = k[self.rows]
-        kv.v[self.slots, :, self.pos] = v[self.rows]
+        kv.write_rows(self.slots, self.pos, k[self.rows], v[self.rows])
         lo, bias = self.mask(window)
-        kc = kv.k[self.lo:self.hi, :, lo:self.length]
-        vc = kv.v[self.lo:self.hi, :, lo:self.length]
+        kc, vc = kv.window(slice(self.lo, self.hi), lo, self.length)
         out[self.rows] = attend_decodes(q[self.rows], kc, vc, bias, self.sel)
 
 
@@ -214,7 +213,8 @@ def attend_batch(state: KVState, q, k, v, batch, window: int | None):
         decodes.run(state, q, k, v, attn, window)
     for row, s in batch.chunks:
         end, stop = row + s.n, s.start + s.n
-        if isinstance(q, np.ndarray) and C_ATTENTION[0] and state.k.dtype in kernels_cpu.KV_DTYPES:
+        if isinstance(q, np.ndarray) and C_ATTENTION[0] \
+                and kernels_cpu.kv_code(state.k, state.v, q.shape[2]) is not None:
             # the CPU: a chunk is n queries of one slot at positions start .. stop - 1, each
             # writing its own key and value first: the decode kernel, causal as it stands
             pos = np.arange(s.start, stop)

@@ -155,9 +155,9 @@ class _Layer:
         qw = 2 * qd if gated else qd
         _need(mixer.rope is not None and isinstance(mixer.rope.cos, np.ndarray)
               and 2 * mixer.rope.cos.shape[-1] <= hd, "no rotary table on the CPU")
-        _need(isinstance(kv.k, np.ndarray) and kv.k.dtype in kernels_cpu.KV_DTYPES
-              and kv.k.flags.c_contiguous and kv.v.dtype == kv.k.dtype
-              and kv.v.flags.c_contiguous, f"a KV cache the C attention lacks ({kv.k.dtype})")
+        _need(isinstance(kv.k, np.ndarray) and isinstance(kv.v, np.ndarray)
+              and kernels_cpu.kv_code(kv.k, kv.v, hd) is not None,
+              f"a KV cache the C attention lacks ({kv.k.dtype})")
         bias = getattr(w, "bqkv", None)
         _need(bias is None or _vector(bias, qw + 2 * kvd), "a qkv bias of another shape")
         _need((w.q_norm is None and not gated)
@@ -169,7 +169,7 @@ class _Layer:
         c.scale, c.gated = spec.scale, gated
         c.Hq, c.Hkv, c.hd, c.half = spec.n_heads, spec.n_kv_heads, hd, mixer.rope.cos.shape[-1]
         c.K, c.V, c.ctx = self._ptr(kv.k), self._ptr(kv.v), kv.k.shape[2]
-        c.kv16 = kv.k.dtype == kernels_cpu.F16
+        c.kv16 = kernels_cpu.kv_code(kv.k, kv.v, hd)     # k type | v type << 2
         self.cache_shape = kv.k.shape
 
     def _deltanet(self, mixer, d_model: int) -> None:

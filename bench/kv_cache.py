@@ -1,0 +1,117 @@
+"""KV cache types side by side on one model (issue 33's figures), as JSON:
+
+- KV bytes per position of one slot, all layers, as the worker holds them;
+- the slots x context that admission (frontend/dies.replica_bytes) accepts at one
+  `--budget-mb`, at `--ctx` positions a slot;
+- decode tok/s of a batch of `--batch` slots each holding `--ctx` positions, the types
+  alternated in rounds (medians) on the same weights (one load: each type is a second
+  sequence state beside them). The caches are filled with quantized random rows rather
+  than prefilled (a 1.5B prefill of 8 x 2,048 tokens takes minutes on 2 cores): the
+  attention reads every position either way; the logits are not looked at.
+
+    python -m pantheon.bench.kv_cache -m MODEL.gguf [--ctx 2048] [--batch 8] \\
+        [--budget-mb 4096] [--rounds 3] [--types f16,q8_0,q4_0]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import numpy as np
+
+from ..common.kv_cache import KVCacheTypes
+from ..common.model_file import read_config
+from ..frontend.dies import replica_bytes
+from ..worker.engine import load_engine
+from ..worker.kv_quant import quantize
+from ..worker.model import Model, Span
+
+
+def per_position(model: Model) -> int:
+    kv = [s for s in model.state.layers if hasattr(s, "kinds")]
+    return sum(s.nbytes for s in kv) // (model.state.n_slots * model.state.ctx)
+
+
+def fill(model: Model, length: int, seed: int = 0) -> None:
+    """Every slot's first `length` positions: rows of N(0, 1), stored as each cache's type."""
+    rng = np.random.default_rng(seed)
+    for s in model.state.layers:
+        if not hasattr(s, "kinds"):
+            continue
+        n_slots, n_kv = s.k.shape[:2]
+        rows = rng.standard_normal((n_kv, length, s.head_dim), dtype=np.float32)
+        for slot in range(n_slots):
+            s.k[slot, :, :length] = quantize(rows, s.kinds[0])
+            s.v[slot, :, :length] = quantize(rows[::-1], s.kinds[1])
+
+
+def decode_rate(model: Model, batch: int, start: int, steps: int) -> float:
+    tokens = np.full(batch, 100, dtype=np.int64)
+    began = time.perf_counter()
+    for i in range(steps):
+        model.forward(tokens, [Span(b, start + i, 1) for b in range(batch)])
+    return batch * steps / (time.perf_counter() - began)
+
+
+def run(path: str, types: list[str], ctx: int, batch: int, budget_mb: float, rounds: int,
+        steps: int) -> dict:
+    cfg = read_config(path)
+    base = load_engine(path, n_slots=1, ctx=16)
+    w = base.model.w
+    models = {t: Model(cfg, w, np, batch, ctx + steps + 1,
+                       kv_dtype=KVCacheTypes.of(t).held("cpu", False, True))
+              for t in types}
+    for m in models.values():
+        fill(m, ctx)
+    out = {"model": os.path.basename(path), "ctx": ctx, "batch": batch,
+           "budget_mb": budget_mb, "load_avg": os.getloadavg()[0], "types": {}}
+    budget = budget_mb * (1 << 20)
+    for t, m in models.items():
+        kv = KVCacheTypes.of(t)
+        one = replica_bytes(path, cfg, "cpu", 1, ctx, kv=kv)
+        slot_bytes = replica_bytes(path, cfg, "cpu", 2, ctx, kv=kv) - one
+        weights = one - slot_bytes
+        admitted = max(0, int((budget - weights) // slot_bytes))
+        assert replica_bytes(path, cfg, "cpu", admitted, ctx, kv=kv) <= budget
+        out["types"][t] = {"kv_bytes_per_position": per_position(m),
+                           "slots_admitted": admitted, "slots_x_ctx": admitted * ctx}
+    rates: dict[str, list[float]] = {t: [] for t in types}
+    for _ in range(rounds):                       # alternated: the same minutes for each
+        for t, m in models.items():
+            decode_rate(m, batch, ctx, 2)         # warm
+            rates[t].append(decode_rate(m, batch, ctx, steps))
+    ref = "f16" if "f16" in types else types[0]
+    f16 = out["types"][ref]
+    for t in types:
+        row = out["types"][t]
+        row["decode_tok_s"] = round(statistics.median(rates[t]), 2)
+        row["rounds_tok_s"] = [round(r, 2) for r in rates[t]]
+        row["bytes_vs_" + ref] = round(row["kv_bytes_per_position"] / f16["kv_bytes_per_position"], 4)
+        row["slots_x_ctx_vs_" + ref] = round(row["slots_x_ctx"] / max(f16["slots_x_ctx"], 1), 3)
+    for t in types:
+        out["types"][t]["decode_vs_" + ref] = round(
+            out["types"][t]["decode_tok_s"] / out["types"][ref]["decode_tok_s"], 3)
+    out["load_avg_after"] = os.getloadavg()[0]
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model", required=True)
+    ap.add_argument("--types", default="f16,q8_0,q4_0")
+    ap.add_argument("--ctx", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--budget-mb", type=float, default=4096)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=8)
+    a = ap.parse_args(argv)
+    print(json.dumps(run(a.model, a.types.split(","), a.ctx, a.batch, a.budget_mb, a.rounds,
+                         a.steps), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

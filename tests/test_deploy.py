@@ -80,8 +80,14 @@ def test_supervisord_runs_and_restarts_the_cluster(tmp_path):
             except (ValueError, httpx.HTTPError):
                 pass
             time.sleep(0.2)
-        r = httpx.post(url + "/v1/chat/completions", json=chat, timeout=60)
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        # the new worker is known before its model is loaded again: a 503 (model_not_ready)
+        # until then, as a client retrying after Retry-After sees it
+        while True:
+            r = httpx.post(url + "/v1/chat/completions", json=chat, timeout=60)
+            if r.status_code != 503 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
         # stopping supervisord drains: the frontend stops first, its stream completes
         stream = {**chat, "max_tokens": 40, "stream": True, "logit_bias": {"2": -100, "0": -100},
                   "stream_options": {"include_usage": True}}

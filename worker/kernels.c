@@ -2711,12 +2711,44 @@ static inline __m256i one_scale(__m256i S, int j) {
     return _mm256_shuffle_epi8(S, _mm256_set1_epi16((int16_t)((2 * j) | ((2 * j + 1) << 8))));
 }
 
+/* A Q4_K (Q5_K) super-block's values 64t .. 64t + 31 (lo) and 64t + 32 .. + 63 (hi) as
+ * bytes 0 .. 15 (0 .. 31): low and high nibbles of bytes 32t.., Q5_K's 16s from bits
+ * 2t, 2t + 1 of qh */
+static inline void k45_values(const uint8_t *b, int five, __m256i qh, int t, __m256i *lo,
+                              __m256i *hi) {
+    const __m256i low4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + (five ? Q5K_QS : 16) + 32 * t));
+    *lo = _mm256_and_si256(raw, low4);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+    if (five) {
+        *lo = _mm256_or_si256(*lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), one), 4));
+        *hi = _mm256_or_si256(*hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * t + 1), one), 4));
+    }
+}
+
+/* A Q6_K super-block's values 64t .. 64t + 31 (r0) and 64t + 32 .. + 63 (r1) as bytes
+ * 0 .. 63 (the file's -32 not taken off): quad t = 2h + up of the half h (low nibbles of
+ * ql for up 0, high for 1, two bits each of qh) */
+static inline void q6k_values(const uint8_t *b, int t, __m256i *r0, __m256i *r1) {
+    const __m256i low4 = _mm256_set1_epi8(15), two = _mm256_set1_epi8(3);
+    const int h = t / 2, up = t % 2;
+    const __m256i q0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
+    const __m256i q1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
+    const __m256i qb = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+    const __m256i l0 = up ? _mm256_srli_epi16(q0, 4) : q0;
+    const __m256i l1 = up ? _mm256_srli_epi16(q1, 4) : q1;
+    const __m256i bits = up ? _mm256_srli_epi16(qb, 4) : qb;
+    *r0 = _mm256_or_si256(_mm256_and_si256(l0, low4),
+                          _mm256_slli_epi16(_mm256_and_si256(bits, two), 4));
+    *r1 = _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_slli_epi16(
+        _mm256_and_si256(_mm256_srli_epi16(bits, 2), two), 4));
+}
+
 static void k45_digits2_chunk(const void *p, int64_t c) {
     const Dg2Args *a = p;
     const int64_t nb = a->K / 256, bytes = k_bytes(a->code);
     const int64_t n0 = c * a->rows, n1 = n0 + a->rows < a->N ? n0 + a->rows : a->N;
     const int five = a->code == Q5K;
-    const __m256i low4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = a->qs + n * nb * bytes;
         __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
@@ -2734,13 +2766,8 @@ static void k45_digits2_chunk(const void *p, int64_t c) {
             __m256i ci = _mm256_setzero_si256();
 #pragma GCC unroll 4
             for (int t = 0; t < 4; t++) {   /* bytes 32t..: low nibbles 64t + i, high 64t + 32 + i */
-                const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + (five ? Q5K_QS : 16) + 32 * t));
-                __m256i lo = _mm256_and_si256(raw, low4);
-                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-                if (five) {                 /* bits 2t, 2t + 1 of qh[i] are the 16s */
-                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), one), 4));
-                    hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * t + 1), one), 4));
-                }
+                __m256i lo, hi;
+                k45_values(b, five, qh, t, &lo, &hi);
                 ci = _mm256_add_epi32(ci, _mm256_add_epi32(
                     digit_pair(lo, xh + 64 * t, xl + 64 * t, one_scale(S, 2 * t)),
                     digit_pair(hi, xh + 64 * t + 32, xl + 64 * t + 32, one_scale(S, 2 * t + 1))));
@@ -2766,14 +2793,6 @@ typedef struct {
     float *out; int64_t rows;
 } Dg6Args;
 
-/* r's 32 values (u8) against 32 digits of x: sl holds each half's int16 scale (16 lanes) */
-static inline __m256i digit_pair2(__m256i w, const int8_t *xh, const int8_t *xl, __m256i sl) {
-    const __m256i a = _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)xh)),
-                                        _mm256_slli_epi16(sl, 7));
-    const __m256i b = _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)xl)), sl);
-    return _mm256_add_epi32(a, b);
-}
-
 /* vector v (values 32v ..) of a Q6_K super-block wants scales 2v (its first 16) and 2v + 1:
  * from S (the 16 scales as int16, both lanes holding scales 8 (v / 4) .. + 7), one byte
  * shuffle picks element 2v % 8 for the low lane and 2v % 8 + 1 for the high one */
@@ -2789,7 +2808,6 @@ static void q6k_digits2_chunk(const void *p, int64_t c) {
     const Dg6Args *a = p;
     const int64_t nb = a->K / 256;
     const int64_t n0 = c * a->rows, n1 = n0 + a->rows < a->N ? n0 + a->rows : a->N;
-    const __m256i low4 = _mm256_set1_epi8(15), two = _mm256_set1_epi8(3);
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = a->qs + n * nb * Q6K_BYTES;
         __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
@@ -2806,23 +2824,15 @@ static void q6k_digits2_chunk(const void *p, int64_t c) {
                                    _mm256_permute2x128_si256(S16, S16, 0x11)};
 #pragma GCC unroll 2
             for (int h = 0; h < 2; h++) {   /* values 128h..: quads t = 2h (low nibbles), 2h + 1 */
-                const __m256i q0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
-                const __m256i q1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
-                const __m256i qb = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
                 __m256i ci = _mm256_setzero_si256();
 #pragma GCC unroll 2
                 for (int up = 0; up < 2; up++) {
                     const int t = 2 * h + up;
-                    const __m256i l0 = up ? _mm256_srli_epi16(q0, 4) : q0;
-                    const __m256i l1 = up ? _mm256_srli_epi16(q1, 4) : q1;
-                    const __m256i bits = up ? _mm256_srli_epi16(qb, 4) : qb;
-                    const __m256i r0 = _mm256_or_si256(_mm256_and_si256(l0, low4),
-                                                       _mm256_slli_epi16(_mm256_and_si256(bits, two), 4));
-                    const __m256i r1 = _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_slli_epi16(
-                        _mm256_and_si256(_mm256_srli_epi16(bits, 2), two), 4));
+                    __m256i r0, r1;
+                    q6k_values(b, t, &r0, &r1);
                     ci = _mm256_add_epi32(ci, _mm256_add_epi32(
-                        digit_pair2(r0, xh + 64 * t, xl + 64 * t, run_scales(Sh[h], 2 * t)),
-                        digit_pair2(r1, xh + 64 * t + 32, xl + 64 * t + 32, run_scales(Sh[h], 2 * t + 1))));
+                        digit_pair(r0, xh + 64 * t, xl + 64 * t, run_scales(Sh[h], 2 * t)),
+                        digit_pair(r1, xh + 64 * t + 32, xl + 64 * t + 32, run_scales(Sh[h], 2 * t + 1))));
                 }
                 acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ci), _mm256_set1_ps(d * a->xd[blk]), acc);
             }
@@ -2955,7 +2965,6 @@ static void k45_x8_chunk(const void *p, int64_t c) {
     const int64_t nb = a->K / 256, bytes = k_bytes(a->code);
     const int64_t n0 = c * a->rows, n1 = n0 + a->rows < a->N ? n0 + a->rows : a->N;
     const int five = a->code == Q5K;
-    const __m256i low4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = a->qs + n * nb * bytes;
         __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
@@ -2976,13 +2985,8 @@ static void k45_x8_chunk(const void *p, int64_t c) {
             __m256i ci = _mm256_setzero_si256();
 #pragma GCC unroll 4
             for (int t = 0; t < 4; t++) {
-                const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + (five ? Q5K_QS : 16) + 32 * t));
-                __m256i lo = _mm256_and_si256(raw, low4);
-                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-                if (five) {
-                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), one), 4));
-                    hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * t + 1), one), 4));
-                }
+                __m256i lo, hi;
+                k45_values(b, five, qh, t, &lo, &hi);
                 ci = _mm256_add_epi32(ci, _mm256_add_epi32(x8_pair(lo, xb + 64 * t, one_scale(S, 2 * t)),
                                                            x8_pair(hi, xb + 64 * t + 32, one_scale(S, 2 * t + 1))));
             }
@@ -3000,7 +3004,6 @@ static void q6k_x8_chunk(const void *p, int64_t c) {
     const X8Args *a = p;
     const int64_t nb = a->K / 256;
     const int64_t n0 = c * a->rows, n1 = n0 + a->rows < a->N ? n0 + a->rows : a->N;
-    const __m256i low4 = _mm256_set1_epi8(15), two = _mm256_set1_epi8(3);
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = a->qs + n * nb * Q6K_BYTES;
         __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
@@ -3021,19 +3024,11 @@ static void q6k_x8_chunk(const void *p, int64_t c) {
 #pragma GCC unroll 2
             for (int h = 0; h < 2; h++) {
                 __m256i ci = _mm256_setzero_si256();
-                const __m256i q0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
-                const __m256i q1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
-                const __m256i qb = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
 #pragma GCC unroll 2
                 for (int up = 0; up < 2; up++) {
                     const int t = 2 * h + up;
-                    const __m256i l0 = up ? _mm256_srli_epi16(q0, 4) : q0;
-                    const __m256i l1 = up ? _mm256_srli_epi16(q1, 4) : q1;
-                    const __m256i bits = up ? _mm256_srli_epi16(qb, 4) : qb;
-                    const __m256i r0 = _mm256_or_si256(_mm256_and_si256(l0, low4),
-                                                       _mm256_slli_epi16(_mm256_and_si256(bits, two), 4));
-                    const __m256i r1 = _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_slli_epi16(
-                        _mm256_and_si256(_mm256_srli_epi16(bits, 2), two), 4));
+                    __m256i r0, r1;
+                    q6k_values(b, t, &r0, &r1);
                     ci = _mm256_add_epi32(ci, _mm256_add_epi32(
                         x8_pair(r0, xb + 64 * t, run_scales(Sh[h], 2 * t)),
                         x8_pair(r1, xb + 64 * t + 32, run_scales(Sh[h], 2 * t + 1))));

@@ -38,6 +38,29 @@ class ReplicaState:
     FAILED = "failed"        # the load failed; `error` says why
 
 
+class Change:
+    """A moment anyone may wait for: `fire()` wakes every waiter of the moment, and each
+    later waiter waits for the next one. A waiter takes `event` *before* it looks at the
+    state it waits on, then waits on that event: a change between the look and the wait
+    has set it already, so none is missed (only the event loop fires and waits)."""
+
+    def __init__(self):
+        self.event = asyncio.Event()
+
+    def fire(self) -> None:
+        self.event.set()
+        self.event = asyncio.Event()
+
+    @staticmethod
+    async def wait(event: asyncio.Event, timeout_s: float) -> bool:
+        """True when `event` fired within `timeout_s` seconds."""
+        try:
+            await asyncio.wait_for(event.wait(), max(0.0, timeout_s))
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+
 def idle_event() -> asyncio.Event:
     event = asyncio.Event()
     event.set()
@@ -173,6 +196,8 @@ class Registry:
         self.models: dict[str, ServedModel] = {}
         self.ids = itertools.count(1)
         self.autoload = None       # autoload.AutoLoader: the catalog, loads on request
+        self.change = Change()     # fired when a replica is ready, failed or gone, and when
+                                   # a request lets go of a model (what load waiters wait on)
 
     async def want(self, name: str | None, keep_alive: float | None = None) -> ServedModel:
         """resolve(), loading a catalog model first when the server has an AutoLoader."""
@@ -194,6 +219,7 @@ class Registry:
             model.replicas.remove(replica)
         if not model.replicas:
             self.models.pop(model.name, None)
+        self.change.fire()
 
     def count(self) -> int:
         return sum(len(m.replicas) for m in self.models.values())

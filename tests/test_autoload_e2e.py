@@ -165,18 +165,33 @@ def test_a_busy_replica_is_neither_unloaded_nor_evicted(srv):
     assert metric(srv, "pantheon:model_unloads_total", model_name="smol-a") == 1
 
 
+def admin_load(srv, name, **extra):
+    return httpx.post(srv.url + "/admin/models/load", timeout=120, json={
+        "path": str(srv.dir / f"{name}.gguf"), "name": name, **extra})
+
+
 def test_an_idle_replica_is_evicted_but_a_pinned_one_never(srv):
-    """smol-b is idle: a request for smol-a evicts it. Then smol-a, loaded again by an
-    admin with "pin": true, stays: a request for smol-b is a 507 that names what holds
-    the memory, at once (nothing could go)."""
+    """smol-b is idle: a request for smol-a evicts it. An admin load evicts the same way
+    (unless its body says "evict": false), and says what it evicted. Then smol-a, loaded
+    by an admin with "pin": true, stays: a request for smol-b is a 507 that names what
+    holds the memory, at once (nothing could go)."""
     assert chat(srv, "smol-a").status_code == 200
     assert metric(srv, "pantheon:model_unloads_total", model_name="smol-b",
                   reason="evicted") == 1
     r = httpx.post(srv.url + "/admin/models/unload", json={"name": "smol-a"}, timeout=60)
     assert r.status_code == 200, r.text
-    r = httpx.post(srv.url + "/admin/models/load", timeout=120, json={
-        "path": str(srv.dir / "smol-a.gguf"), "name": "smol-a", "pin": True})
+    # room for it: nothing evicted (it keeps the keep_alive 1h its last request set)
+    r = admin_load(srv, "smol-b")
+    assert r.status_code == 200 and r.json()["evicted"] == [], r.text
+    (held,) = models(srv)["smol-b"]["replicas"]
+    r = admin_load(srv, "smol-a", pin=True, evict=False)
+    assert r.status_code == 507, r.text
+    assert models(srv)["smol-b"]["status"] == "loaded"
+    r = admin_load(srv, "smol-a", pin=True)
     assert r.status_code == 200, r.text
+    assert r.json()["evicted"] == [{"id": held["id"], "model": "smol-b", "die": "cpu"}]
+    assert metric(srv, "pantheon:model_unloads_total", model_name="smol-b",
+                  reason="evicted") == 2
     r = chat(srv, "smol-b")
     assert r.status_code == 507, r.text
     assert "smol-a#" in r.json()["error"]["message"] and "pinned" in r.json()["error"]["message"]

@@ -167,6 +167,7 @@ class ChatService:
         renderer = ChatRenderer(completion_id(), int(time.time()), model.name,
                                 model.tokenizer, req, req.n, capped) if renderer is None \
             else renderer(model, req, capped)
+        renderer.model = self.registry.shown_name(req.model, model)    # the name asked by
         return Job(model, choices, req.stream, renderer,
                    None if capped else req.session_id,      # a capped turn is not cached
                    req.include_usage, salt=cache_salt(request.headers, req.cache_salt))

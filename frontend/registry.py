@@ -205,6 +205,15 @@ class Registry:
             return await self.autoload.resolve(name, keep_alive)
         return self.resolve(name)
 
+    def shown_name(self, asked: str | None, model: ServedModel) -> str:
+        """The `model` a reply shows: the name the client asked by when it names this
+        model (its own name, or a catalog alias of it), as Ollama and llama-swap echo it;
+        else (no name, or the single-model shortcut's other name) the model's own."""
+        if not asked or asked == model.name:
+            return model.name
+        entry = self.autoload.catalog.lookup(asked) if self.autoload is not None else None
+        return asked if entry is not None and entry.name == model.name else model.name
+
     def add(self, model: ServedModel, die: str | None) -> Replica:
         """A new replica of `model` (a new served name, or one more copy of it, whose file
         may be another path to the same model: see same_model)."""

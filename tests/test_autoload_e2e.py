@@ -4,6 +4,7 @@ One server with nothing loaded at start (--no-preload), a model dir holding two 
 models, a file that is not a model and two copies of SmolLM2, an external worker whose
 --budget-mb holds one SmolLM2 (and the tiny ones beside it), never two.
 """
+import json
 import shutil
 import subprocess
 import sys
@@ -131,6 +132,34 @@ def test_two_concurrent_first_requests_share_one_load(srv):
     assert metric(srv, "pantheon:model_unloads_total", model_name="tiny-a", reason="idle") == 1
     assert chat(srv, "also-tiny").status_code == 200
     assert metric(srv, "pantheon:model_loads_total", model_name="tiny-a", reason="request") == 2
+
+
+def shown(srv, path: str, body: dict) -> list[str]:
+    """The `model` of a reply, whole and streamed (every event that carries one)."""
+    r = httpx.post(srv.url + path, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    names = [r.json()["model"]]
+    with httpx.stream("POST", srv.url + path, json={**body, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            data = json.loads(line[6:]) if line.startswith("data: {") else {}
+            data = data.get("message") or data.get("response") or data
+            if "model" in data:
+                names.append(data["model"])
+    return names
+
+
+def test_the_answer_shows_the_name_the_client_asked_by(srv):
+    """An alias is echoed (as Ollama and llama-swap do) on every API, streamed or not;
+    the catalog name shows its own name."""
+    cases = [("/v1/chat/completions", {"messages": HI, "max_tokens": 2}),
+             ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+             ("/v1/messages", {"messages": HI, "max_tokens": 2}),
+             ("/v1/responses", {"input": "hi", "max_output_tokens": 2, "store": False})]
+    for path, body in cases:
+        names = shown(srv, path, {"model": "also-tiny", **body})
+        assert len(names) >= 2 and set(names) == {"also-tiny"}, (path, names)
+    assert set(shown(srv, "/v1/chat/completions", {"model": "tiny-a", **cases[0][1]})) \
+        == {"tiny-a"}
 
 
 def test_keep_alive_in_the_request(srv):

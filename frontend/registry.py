@@ -131,9 +131,14 @@ class ServedModel:
         router sends a request only to a replica whose context holds it)."""
         return max((r.ctx for r in self.ready()), default=0)
 
-    def render_text(self, messages: list[dict], tools=None) -> str:
-        """The chat template's prompt text (CPU work: call off the event loop)."""
-        return self.template.render(messages, tools=tools, add_generation_prompt=True)
+    def render_text(self, messages: list[dict], tools=None, prefill: str | None = None,
+                    args: dict | None = None) -> str:
+        """The chat template's prompt text (CPU work: call off the event loop); `prefill`
+        the reply's start, to be continued; `args` reach the template as variables, those
+        it reads (enable_thinking, reasoning_effort...)."""
+        extra = {k: v for k, v in (args or {}).items() if self.template.reads(k)}
+        return self.template.render(messages, tools=tools, add_generation_prompt=True,
+                                    prefill=prefill, **extra)
 
 
 def open_model(path: str, name: str | None, created: int) -> ServedModel:

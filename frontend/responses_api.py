@@ -184,6 +184,7 @@ def parse_responses_request(body: bytes) -> ResponsesRequest:
             "tools": _tools(data.get("tools")), "tool_choice": _tool_choice(data.get("tool_choice")),
             "response_format": _format(data.get("text")), "user": data.get("user"),
             "parallel_tool_calls": data.get("parallel_tool_calls"),
+            "reasoning_effort": (reasoning or {}).get("effort"),
             **{k: data[k] for k in SAMPLING_FIELDS if k in data}}
     echo = {"instructions": instructions, "max_output_tokens": max_tokens,
             "previous_response_id": previous, "tools": data.get("tools") or [],
@@ -216,6 +217,9 @@ def chat_for(rr: ResponsesRequest, earlier: list[dict], session: str | None, lim
             exc.param = "max_output_tokens"
         elif exc.param == "response_format":
             exc.param = "text.format"
+        elif exc.param == "reasoning_effort":
+            exc.message = exc.message.replace("reasoning_effort", "reasoning.effort", 1)
+            exc.param = "reasoning.effort"
         raise
 
 

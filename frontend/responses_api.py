@@ -108,8 +108,8 @@ def input_item(item) -> dict:
         item = {"role": "user", "content": item}
     kind = item.get("type", "message")
     given = item.get("id")
-    out = {**item, "id": given if isinstance(given, str) and given else new_id(ITEM_IDS[kind]),
-           "type": kind}
+    out = {"id": given if isinstance(given, str) and given else new_id(ITEM_IDS[kind]),
+           "type": kind, **{k: v for k, v in item.items() if k not in ("id", "type")}}
     out.setdefault("status", "completed")
     if kind == "message":
         part = "output_text" if item["role"] == "assistant" else "input_text"

@@ -269,11 +269,12 @@ class Admin:
                                          reason, spec, split=split, activations=activations,
                                          kv=kv)
         one_die = split is None and (dies is None or len(dies) == 1)
-        if self.autoload is not None and reason == "admin" and evict and one_die:
-            # a request's load makes room itself (it holds the autoloader's room already)
+        # a request's load makes room itself (it holds the autoloader's room already)
+        if self.autoload is not None and reason == "admin" and one_die:
             want = Want(name=name, path=path, dies=dies, slots=slots, ctx=ctx,
                         quantize=quantize, kv=kv)
-            task = asyncio.ensure_future(self.upload_evicting(want, upload))
+            task = asyncio.ensure_future(self.upload_evicting(want, upload) if evict
+                                         else self.upload_saying_what_could_go(want, upload))
         else:
             task = asyncio.ensure_future(upload())
         self.load_tasks.add(task)
@@ -291,6 +292,18 @@ class Admin:
             self.load_tasks.discard(task)
             self.loading.discard(name)
             self.registry.change.fire()             # its end: load waiters look again
+
+    async def upload_saying_what_could_go(self, want, upload) -> dict:
+        """An admin load with "evict": false: its 507 names the replicas that could go."""
+        try:
+            return await upload()
+        except AdminError as exc:
+            could = await self.autoload.could_go(want) if exc.status == 507 else []
+            if not could:
+                raise
+            raise AdminError(507, f"{exc}; evicting {', '.join(could)} (idle, not pinned) "
+                                  "would make room: load without \"evict\": false",
+                             exc.param) from None
 
     async def upload_evicting(self, want, upload) -> dict:
         """An admin load that does not fit any die makes room as a request's load does:

@@ -275,6 +275,12 @@ class AutoLoader:
                                  (f"; held by {held}" if held else ""))
             await Change.wait(change, deadline - time.monotonic())   # a busy one goes idle
 
+    async def could_go(self, want: Want) -> list[str]:
+        """The replicas make_room would evict for `want` now (the LRU first)."""
+        cfg = await asyncio.to_thread(self.config, want.path)
+        return [r.model_id for _, r in sorted(self.victims(want, cfg, False, busy_too=False),
+                                              key=lambda mr: mr[1].last_used)]
+
     def resident(self) -> int:
         return sum(1 for m in self.registry.models.values() if m.replicas)
 

@@ -214,7 +214,7 @@ def test_an_idle_replica_is_evicted_but_a_pinned_one_never(srv):
     assert r.status_code == 200 and r.json()["evicted"] == [], r.text
     (held,) = models(srv)["smol-b"]["replicas"]
     r = admin_load(srv, "smol-a", pin=True, evict=False)
-    assert r.status_code == 507, r.text
+    assert r.status_code == 507 and f"evicting {held['id']} (idle" in r.text, r.text
     assert models(srv)["smol-b"]["status"] == "loaded"
     r = admin_load(srv, "smol-a", pin=True)
     assert r.status_code == 200, r.text

@@ -298,7 +298,10 @@ class Admin:
         try:
             return await upload()
         except AdminError as exc:
-            could = await self.autoload.could_go(want) if exc.status == 507 else []
+            try:
+                could = await self.autoload.could_go(want) if exc.status == 507 else []
+            except Exception:              # only a hint: the 507 stands as it is
+                could = []
             if not could:
                 raise
             raise AdminError(507, f"{exc}; evicting {', '.join(could)} (idle, not pinned) "

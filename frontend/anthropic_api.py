@@ -396,7 +396,7 @@ class MessagesService:
         """{"input_tokens": N}: the prompt as /v1/messages would render it."""
         try:
             req, _, deadline, size = await self.parse(request, counting=True)
-            model = self.chat.registry.resolve(req.model)
+            model = await self.chat.registry.want(req.model)     # a catalog model loads
             count = await self.chat.preparer.run(deadline, count_prompt, model, req, size=size)
         except APIError as exc:
             return JSONResponse(error_body(exc), status_code=exc.status, headers=exc.headers)

@@ -324,7 +324,7 @@ class ResponsesService:
         turns, _ = self.earlier(rr.previous)
         req = await chat.preparer.run(deadline, chat_for, rr, turns, None, chat.limits,
                                       size=len(body))
-        model = chat.registry.resolve(req.model)
+        model = await chat.registry.want(req.model)          # a catalog model loads
         count = await chat.preparer.run(deadline, count_prompt, model, req, size=len(body))
         return JSONResponse({"object": "response.input_tokens", "input_tokens": count})
 

@@ -92,7 +92,7 @@ class TokenizeService:
         data = await chat.preparer.run(deadline, parse_json, body, size=len(body))
         if data.get("model") is not None and not isinstance(data["model"], str):
             raise _bad("model", "model must be a string")
-        model = chat.registry.resolve(data.get("model"))
+        model = await chat.registry.want(data.get("model"))   # a catalog model loads
         return JSONResponse(await chat.preparer.run(deadline, fn, model, data, *args,
                                                     size=len(body)))
 

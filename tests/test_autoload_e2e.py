@@ -175,6 +175,21 @@ def test_keep_alive_in_the_request(srv):
     until(lambda: models(srv)["tiny-b"]["status"] == "available")
 
 
+def test_counting_and_embedding_load_the_model_they_name(srv):
+    """Not the single loaded model's tokenizer: the one named, loaded for it."""
+    assert models(srv)["tiny-b"]["status"] == "available"
+    r = httpx.post(srv.url + "/tokenize", json={"model": "tiny-b", "prompt": "hi"}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert models(srv)["tiny-b"]["status"] == "loaded"
+    r = httpx.post(srv.url + "/v1/messages/count_tokens", timeout=60,
+                   json={"model": "also-tiny", "messages": HI})
+    assert r.status_code == 200 and r.json()["input_tokens"] > 0, r.text
+    r = httpx.post(srv.url + "/v1/embeddings", json={"model": "also-tiny", "input": "hi",
+                                                     "keep_alive": "5s"}, timeout=60)
+    assert r.status_code == 200 and r.json()["model"] == "also-tiny", r.text
+    assert models(srv)["tiny-a"]["keep_alive_s"] == 5
+
+
 def test_a_busy_replica_is_neither_unloaded_nor_evicted(srv):
     """smol-a streams with keep_alive 0 (idle, it would go at once); smol-b does not fit
     beside it: its request waits until smol-a's stream is over, then smol-a goes."""

@@ -75,6 +75,36 @@ def test_blocked_products_with_an_odd_block_and_more_than_a_scale_load(qtype, bl
         np.testing.assert_allclose(kc.matmul(x, m), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q4_0, QT.Q8_0, QT.Q5_1, QT.IQ4_NL],
+                         ids=lambda t: t.name)
+def test_blocked_products_of_many_rows_with_weight_rows_across_the_lanes(qtype, no_amx):
+    """256-bit builds: from 17 rows of x a blocks-of-32 product widens groups of 8 rows of
+    W into one vector per pair of K positions (kernels.c's b_groups): 70 rows of W (a
+    last group of 6), rows of x not a multiple of 4, every kind (mins or none, nibbles,
+    bytes, the IQ4_NL levels), within the int16 activations' rounding of the float64
+    product; and the same numbers at 16 rows forced onto the groups as on the row kernels'
+    path in a different order of sums."""
+    lib = kc.library()
+    raw, shape = random_tensor(qtype, 70, 9)
+    m = qm.from_gguf(raw, qtype, shape)
+    if kc.plan(m, 17) != "b_groups":
+        pytest.skip("this build multiplies many rows another way (AVX-512 lanes, or no integer path)")
+    ref_w = qm.dequantize(m).astype(np.float64)
+    for batch in (17, 33, 131):
+        x = np.random.default_rng(batch).standard_normal((batch, m.cols)).astype(np.float32)
+        ref = x.astype(np.float64) @ ref_w.T
+        np.testing.assert_allclose(kc.matmul(x, m), ref, rtol=0, atol=1e-4 * np.abs(ref).max())
+    x = np.random.default_rng(16).standard_normal((16, m.cols)).astype(np.float32)
+    rows = kc.matmul(x, m)
+    try:
+        lib.pn_set_bgroups(16)
+        assert kc.plan(m, 16) == "b_groups"
+        groups = kc.matmul(x, m)
+    finally:
+        lib.pn_set_bgroups(-1)
+    np.testing.assert_allclose(groups, rows, rtol=0, atol=2e-6 * np.abs(rows).max())
+
+
 AMX = pytest.mark.skipif(not (kc.library() and kc.HAS_AMX[0]),
                          reason="this host (or its kernel) has no AMX tiles")
 
@@ -504,8 +534,9 @@ def test_blocked_products_of_11_rows_and_more_take_tokens_across_the_lanes(qtype
         tiles = without_lanes(x, m)
         ref = x.astype(np.float64) @ ref_w.T
         np.testing.assert_allclose(lanes, ref, rtol=0, atol=1e-4 * np.abs(ref).max())
-        # the lanes off: the row kernels at 16 rows (x in int16), the tiles beyond
-        off_tol = 1e-4 if batch <= 16 else 1e-5
+        # the lanes off: the row kernels at 16 rows (x in int16), the tiles beyond (256-bit
+        # builds: the groups of W's rows, x in int16)
+        off_tol = 1e-4 if batch <= 16 or kc.plan(m, batch) == "b_groups" else 1e-5
         np.testing.assert_allclose(tiles, ref, rtol=0, atol=off_tol * np.abs(ref).max())
         if lib.pn_has_lanes():                              # an AVX-512 (VNNI) build
             assert not np.array_equal(lanes, tiles)         # the lanes did run
@@ -601,7 +632,9 @@ def test_one_plan_decides_each_product_and_says_which():
     assert kc.plan(k4, 1) == "digits"                # batch 1 (no AMX below 8 rows)
     assert kc.plan(k4, 3) == "k_rows" and kc.plan(q4, 3) == "b_rows"
     lanes = bool(lib.pn_has_lanes())
-    assert kc.plan(q4, 17) in (("b_lanes", "amx") if lanes else ("none", "amx"))
+    assert kc.plan(q4, 17) in (("b_lanes", "amx") if lanes else ("b_groups", "amx"))
+    if not lanes:                                    # 256-bit builds: the row kernels to 16
+        assert kc.plan(q4, 16) in ("b_rows", "amx")
     try:
         lib.pn_set_digits(0)
         assert kc.plan(k4, 1) == "k_rows"

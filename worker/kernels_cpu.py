@@ -162,6 +162,8 @@ def library():
         lib.pn_set_xspan.restype = None
         lib.pn_set_ktile.argtypes = [i64]
         lib.pn_set_ktile.restype = None
+        lib.pn_set_bgroups.argtypes = [i64]
+        lib.pn_set_bgroups.restype = None
         lib.pn_rms_norm.argtypes = [p, i64, i64, i64, p, ctypes.c_float, p]
         lib.pn_rope.argtypes = [p, i64, i64, i64, i64, p, p, i64, ctypes.c_float, p]
         lib.pn_rms_norm.restype = lib.pn_rope.restype = None
@@ -248,7 +250,7 @@ def _cmat(m: QMatrix) -> int:
 
 X8_KINDS = ("q4k", "q5k", "q6k")    # the kinds kernels.c multiplies by int8 activations
 # kernels.c's plans (pn_plan), by number
-PLANS = ("none", "amx", "digits", "x8", "k_lanes", "k_rows", "b_lanes", "b_rows")
+PLANS = ("none", "amx", "digits", "x8", "k_lanes", "k_rows", "b_lanes", "b_rows", "b_groups")
 
 
 def plan(m: QMatrix, rows: int) -> str:

@@ -80,7 +80,7 @@ def test_blocked_products_with_an_odd_block_and_more_than_a_scale_load(qtype, bl
 def test_blocked_products_of_many_rows_with_weight_rows_across_the_lanes(qtype, no_amx):
     """256-bit builds: from 17 rows of x a blocks-of-32 product widens groups of 8 rows of
     W into one vector per pair of K positions (kernels.c's b_groups): 70 rows of W (a
-    last group of 6), rows of x not a multiple of 4, every kind (mins or none, nibbles,
+    last group of 6), rows of x not a multiple of 6, every kind (mins or none, nibbles,
     bytes, the IQ4_NL levels), within the int16 activations' rounding of the float64
     product; and the same numbers at 16 rows forced onto the groups as on the row kernels'
     path in a different order of sums."""

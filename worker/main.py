@@ -658,49 +658,70 @@ def pin_cores(cores: list[int] | None) -> None:
         psutil.Process().cpu_affinity(cores)
 
 
-def link_keys(args, spawned: bool) -> tuple[bytes, KeyPair] | None:
+@dataclass(kw_only=True)
+class WorkerConfig:
+    """What `pantheon worker` runs with (its flags: common/options.py). What a model's
+    replica runs with (slots, context, quantization, KV types) comes in each Load."""
+
+    die: str = "cpu"
+    frontend: str = settings.WORKER_ADDR
+    slots: int = settings.SLOTS            # a Load's slots when it names none
+    cores: list[int] | None = None         # CPU affinity
+    prefix_cache_bytes: int = 0
+    budget_bytes: int = 0                  # 0: all of the die
+    parent_pid: int = 0                    # exit when it is gone (a spawning frontend)
+    keys: str | None = None                # CURVE: a worker folder of `pantheon keys`
+    insecure: bool = False                 # join without keys where none are proven
+    kv_cache: KVCacheTypes = field(default_factory=KVCacheTypes)  # a Load naming none
+
+
+def link_keys(cfg: WorkerConfig, spawned: bool) -> tuple[bytes, KeyPair] | None:
     """The CURVE keys of `--keys DIR`. Without them only a worker spawned by its frontend
     (it holds the spawn proof, and its frontend bound the address before starting it)
     connects; any other would obey whatever process bound the address first, on this
     host too: refused unless --insecure."""
-    if args.keys:
-        return server_public(args.keys), worker_pair(args.keys)
-    if spawned and is_local_address(args.frontend):
+    if cfg.keys:
+        return server_public(cfg.keys), worker_pair(cfg.keys)
+    if spawned and is_local_address(cfg.frontend):
         return None
-    if not args.insecure:
-        where = "off this host, in clear" if not is_local_address(args.frontend) else \
+    if not cfg.insecure:
+        where = "off this host, in clear" if not is_local_address(cfg.frontend) else \
             "on this host"
-        raise RuntimeError(f"refusing to start: the link to --frontend {args.frontend} "
+        raise RuntimeError(f"refusing to start: the link to --frontend {cfg.frontend} "
                            f"({where}) would be unauthenticated: this worker would obey "
                            "whatever process bound that address first; pass --keys DIR (a "
                            "worker folder from `pantheon keys generate`, or the frontend's "
                            "own folder on its host), or --insecure")
     log.warning("--insecure: the link to %s is unauthenticated%s: this worker obeys "
-                "whatever process bound that address", args.frontend,
-                "" if is_local_address(args.frontend) else " and in clear")
+                "whatever process bound that address", cfg.frontend,
+                "" if is_local_address(cfg.frontend) else " and in clear")
     return None
 
 
 def main(args) -> int:
+    from ..common import options
+    return run(options.config(WorkerConfig, args, options.WORKER,
+                              kv_cache=getattr(args, "kv", None) or KVCacheTypes()))
+
+
+def run(cfg: WorkerConfig) -> int:
     if refused := settings.refused_knobs():
         raise RuntimeError("; ".join(refused))
     proof = settings.spawn_proof() or ""
-    device = open_device(args.die)           # a bad die name stops here, with the forms
-    keys = link_keys(args, spawned=bool(proof))
-    pin_cores(args.cores)
-    worker = Worker(device, args.frontend, args.die, slots=args.slots,
-                    prefix_cache_bytes=int(args.prefix_cache_mb * (1 << 20)),
-                    parent_pid=args.parent_pid or 0,
-                    budget=int((args.budget_mb or 0) * (1 << 20)), keys=keys, proof=proof,
-                    kv_cache=getattr(args, "kv", None) or KVCacheTypes())
+    device = open_device(cfg.die)            # a bad die name stops here, with the forms
+    keys = link_keys(cfg, spawned=bool(proof))
+    pin_cores(cfg.cores)
+    worker = Worker(device, cfg.frontend, cfg.die, slots=cfg.slots,
+                    prefix_cache_bytes=cfg.prefix_cache_bytes, parent_pid=cfg.parent_pid,
+                    budget=cfg.budget_bytes, keys=keys, proof=proof, kv_cache=cfg.kv_cache)
     signal.signal(signal.SIGTERM, lambda *_: worker.stop())    # after this step
-    if args.parent_pid:
+    if cfg.parent_pid:
         # a Ctrl-C reaches the whole process group: the frontend drains, then stops us
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-    log.info("worker for die %s (%s) connecting to %s%s", args.die, device.name, args.frontend,
+    log.info("worker for die %s (%s) connecting to %s%s", cfg.die, device.name, cfg.frontend,
              " (CURVE)" if keys else "")
     if device.emulated:
         log.warning("die %s is emulated (NumPy standing in for CuPy, kernels through the host "
-                    "shim): for tests and development, not for serving", args.die)
+                    "shim): for tests and development, not for serving", cfg.die)
     worker.run()
     return 0

@@ -117,6 +117,14 @@ def cmd_worker(args) -> int:
     return main(args)
 
 
+def stage_bind(text: str):
+    from pantheon.worker.stage_socket import StageBind
+    try:
+        return StageBind.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def core_list(text: str) -> list[int]:
     try:
         return [int(c) for c in text.split(",") if c.strip()]
@@ -376,6 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="split the replica across two dies (pipeline stages)")
     load.add_argument("--split", type=int, metavar="K",
                       help="with --dies A,B: the first layer of the second stage")
+    load.add_argument("--link", choices=["auto", "ipc", "tcp"],
+                      help="with --dies A,B: the stage link between them (default auto: ipc "
+                      "when both dies' workers run on one host, else tcp; CURVE with --keys)")
     load.add_argument("--ctx", type=int, default=0)
     load.add_argument("--slots", type=int, default=0)
     load.add_argument("--pin", action="store_true",
@@ -429,6 +440,11 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--insecure", action="store_true",
                         help="connect to the frontend without keys, on loopback too: the "
                              "worker obeys whatever process bound the address (warned)")
+    worker.add_argument("--stage-bind", type=stage_bind, metavar="HOST[:PORT[-PORT]]",
+                        help="where a tcp stage link of a split replica binds when this "
+                        "worker holds its second stage: HOST is bound and advertised to the "
+                        "first stage's worker (0.0.0.0: every interface, advertising the "
+                        "address toward the frontend); default: that address, any free port")
     add_kv_cache(worker)
     worker.set_defaults(func=cmd_worker)
 

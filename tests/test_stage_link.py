@@ -13,6 +13,8 @@ from pantheon.frontend.dies import DieInfo, PlacementError
 from pantheon.worker import stage_link as sl
 from pantheon.worker.engine import load_engine
 from pantheon.worker.model import Span
+from pantheon.worker import stage_socket as ss
+from pantheon.frontend.workers import LoadError
 
 
 class Table:
@@ -135,3 +137,71 @@ def test_a_tail_survives_bad_messages(tmp_path):
     finally:
         tail.stop()
         tail.join(5)
+
+
+def test_stage_bind_parses_host_and_port_ranges():
+    assert ss.StageBind.parse("10.0.0.5") == ss.StageBind("10.0.0.5", None)
+    assert ss.StageBind.parse("0.0.0.0:7100-7109") == ss.StageBind("0.0.0.0", (7100, 7109))
+    assert ss.StageBind.parse("[::1]:7100") == ss.StageBind("::1", (7100, 7100))
+    assert ss.StageBind.parse(":7100") == ss.StageBind("", (7100, 7100))
+    for bad in ("h:x", "h:9-3", "h:0", "h:70000", "a b"):
+        with pytest.raises(ValueError):
+            ss.StageBind.parse(bad)
+
+
+class Hello:
+    def __init__(self, host, key):
+        self.host, self.public_key = host, key
+
+
+class W:
+    def __init__(self, die, host, key=""):
+        self.die, self.hello = die, Hello(host, key)
+
+
+class Pool:
+    def __init__(self, keyed=False, external=False):
+        self.keyed, self.external = keyed, external
+
+
+def test_the_link_is_ipc_on_one_host_tcp_across_and_curve_with_keys():
+    a, b = W("0", "h1/boot", "KA"), W("1", "h1/boot", "KB")
+    far = W("1", "h2/boot", "KB")
+    assert sp.link_plan(Pool(), a, b) == ("ipc", "", "")
+    assert sp.link_plan(Pool(keyed=True), a, far) == ("tcp", "KB", "KA")
+    assert sp.link_plan(Pool(keyed=True), a, b, "tcp") == ("tcp", "KB", "KA")
+    assert sp.link_plan(Pool(external=True), a, far) == ("tcp", "", "")   # --insecure
+    for pool, head, tail, want, words in (
+            (Pool(), a, far, "", "keys missing"),            # no keys, no --insecure
+            (Pool(keyed=True), W("0", "h1", ""), far, "", "keys missing"),
+            (Pool(keyed=True), a, far, "ipc", "one host"),
+            (Pool(), W("0", ""), W("1", ""), "", "keys missing")):   # unknown hosts: tcp
+        with pytest.raises(LoadError, match=words) as e:
+            sp.link_plan(pool, head, tail, want)
+        assert e.value.code == sp.LINK_REFUSED
+
+
+def test_a_tail_socket_fails_fast_without_keys_or_a_free_port():
+    stage = p.Stage(index=1, first_layer=1, end_layer=2, link="tcp", server_key="K" * 40,
+                    client_key="C" * 40)
+    with pytest.raises(ss.StageLinkError, match="keys missing"):
+        ss.TailSocket(stage, 1 << 20, ss.StageNet())
+    taken = [zmq.Context.instance().socket(zmq.ROUTER) for _ in range(2)]
+    taken[0].bind("tcp://127.0.0.1:*")
+    port = int(taken[0].last_endpoint.decode().rsplit(":", 1)[1])
+    try:
+        taken[1].bind(f"tcp://127.0.0.1:{port + 1}")
+        plain = p.Stage(index=1, first_layer=1, end_layer=2, link="tcp")
+        net = ss.StageNet(bind=ss.StageBind("127.0.0.1", (port, port + 1)))
+        with pytest.raises(ss.StageLinkError, match=f"127.0.0.1:{port}-{port + 1}: all in use"):
+            ss.TailSocket(plain, 1 << 20, net)
+    except zmq.ZMQError:
+        pytest.skip("the next port was taken by another process")
+    finally:
+        for s in taken:
+            s.close(0)
+    ipc = ss.TailSocket(p.Stage(index=1, first_layer=1, end_layer=2, link="ipc"), 1 << 20)
+    folder = ipc.folder
+    assert ipc.address == f"ipc://{folder}/link" and (folder.stat().st_mode & 0o077) == 0
+    ipc.close()
+    assert not folder.exists()

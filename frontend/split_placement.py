@@ -300,7 +300,7 @@ class SplitWatch:
         for model, replica in self.split_replicas():
             if replica.stages[1].die != worker.die or replica.state == ReplicaState.UNLOADING:
                 continue
-            head = replica.worker
+            head, replica.stages[1].link = replica.worker, ""    # its link went with it
             if replica.state in (ReplicaState.READY, ReplicaState.LOADING):
                 log.warning("%s lost its second stage (die %s): out of routing until it "
                             "is back", replica.model_id, worker.die)

@@ -71,9 +71,11 @@ def test_admin_load_takes_two_dies_and_a_split():
     from pantheon.cli import build_parser
     from pantheon.frontend.admin_cli import request_args
     args = build_parser().parse_args(["admin", "load", "/m.gguf", "--dies", "cpu,cpu:1",
-                                      "--split", "12"])
+                                      "--split", "12", "--link", "tcp"])
     body = request_args(args)
-    assert body["dies"] == ["cpu", "cpu:1"] and body["split"] == [12]
+    assert body["dies"] == ["cpu", "cpu:1"] and body["split"] == [12] and body["link"] == "tcp"
+    worker = build_parser().parse_args(["worker", "--stage-bind", "0.0.0.0:7100-7109"])
+    assert worker.stage_bind == ss.StageBind("0.0.0.0", (7100, 7109))
 
 
 def test_frames_are_checked_against_their_header():

@@ -447,7 +447,10 @@ def connect_head(engine, stage, timeout_s: float = LINK_TIMEOUT_S,
         hello, _ = link.call({"op": "hello"})
     except StageError as exc:
         link.close()
-        raise StageLinkError(f"the stage link to {stage.link} cannot be set up: {exc}") from None
+        hint = "" if link.up or not stage.link.startswith("tcp://") else \
+            " (no connection: is the second stage's --stage-bind address reachable from here?)"
+        raise StageLinkError(f"the stage link to {stage.link} cannot be set up: {exc}"
+                             f"{hint}") from None
     link.timeout_s = timeout_s
     split = SplitForward(engine.model, engine.device, link)
     sched = engine.scheduler

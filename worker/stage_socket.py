@@ -37,6 +37,7 @@ from ..common.keys import KeyPair, curve_client, curve_server
 log = logging.getLogger("pantheon.worker.stage")
 
 ZAP_DOMAIN = "stage"
+HEARTBEAT_MS = 1000              # a tcp link's ZMTP heartbeat (the head's end)
 
 
 class StageError(RuntimeError):
@@ -226,6 +227,12 @@ def head_socket(stage, max_bytes: int, net: StageNet = StageNet(),
     sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+    if stage.link.startswith("tcp://"):
+        # a peer host that vanishes (power, network) sends no FIN: libzmq's heartbeats
+        # (answered by the tail's I/O thread, however long its step) close the connection,
+        # so the step fails within seconds instead of LINK_TIMEOUT_S
+        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5 * HEARTBEAT_MS)
     if stage.server_key:
         curve_client(sock, stage.server_key.encode(), net.pair)
     return sock

@@ -207,3 +207,32 @@ def test_a_tail_socket_fails_fast_without_keys_or_a_free_port():
     assert ipc.address == f"ipc://{folder}/link" and (folder.stat().st_mode & 0o077) == 0
     ipc.close()
     assert not folder.exists()
+
+
+def test_a_curve_tail_refuses_a_head_with_another_key_at_the_handshake(tmp_path):
+    from pantheon.common.keys import KeyPair
+    path = tm.write_gguf("llama", tmp_path / "l.gguf")
+    server, head, other = (KeyPair(*zmq.curve_keypair()) for _ in range(3))
+    tail = sl.TailStage(load_engine(path, "cpu", n_slots=2, ctx=32, layers=(1, 2)),
+                        p.Stage(index=1, first_layer=1, end_layer=2, link="tcp",
+                                server_key=server.public.decode(),
+                                client_key=head.public.decode()),
+                        ss.StageNet(server, ss.StageBind("127.0.0.1")))
+    tail.start()
+    try:
+        assert tail.address.startswith("tcp://127.0.0.1:")
+
+        def dial(pair):
+            return sl.HeadLink(p.Stage(index=0, first_layer=0, end_layer=1, link=tail.address,
+                                       server_key=server.public.decode()), 10,
+                               net=ss.StageNet(pair))
+        refused = dial(other)
+        with pytest.raises(sl.StageError, match="handshake"):   # at once, not after 10 s
+            refused.call({"op": "hello"})
+        refused.close()
+        ok = dial(head)
+        assert ok.call({"op": "hello"})[0]["op"] == "hello"
+        ok.close()
+    finally:
+        tail.stop()
+        tail.join(5)

@@ -249,7 +249,8 @@ class HeadLink:
         self.early: dict[int, tuple] = {}        # answers that came before they were asked
         self.handles = itertools.count(1)
         self.forgotten: list[int] = []           # saved shares the tail may drop
-        self.up = False
+        self.up = False                          # connected (a TCP / ipc connection made)
+        self.shook = False                       # its ZMTP handshake (CURVE's too) done
         self.lost: str = ""
         self.bytes_out = self.bytes_in = 0
         self.sent = 0
@@ -266,13 +267,18 @@ class HeadLink:
     def events(self) -> None:
         while self.monitor.poll(0, zmq.POLLIN):
             event = recv_monitor_message(self.monitor)["event"]
-            if event in (zmq.EVENT_CONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED):
+            if event == zmq.EVENT_CONNECTED:
                 self.up = True
-            elif event == zmq.EVENT_DISCONNECTED and self.up:
-                self.lost = "the second stage's worker is gone (its link closed)"
-            elif event & HANDSHAKE_FAILED:
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.up = self.shook = True
+            elif event & HANDSHAKE_FAILED or (event == zmq.EVENT_DISCONNECTED and self.up
+                                              and self.stage.server_key and not self.shook):
+                # a CURVE peer that refuses our key closes the connection before the
+                # handshake completes (the failure event may come after the close)
                 self.lost = (f"the stage link's CURVE handshake with {self.stage.link} "
                              "failed (not the second stage's key, or ours not let in)")
+            elif event == zmq.EVENT_DISCONNECTED and self.up and not self.lost:
+                self.lost = "the second stage's worker is gone (its link closed)"
 
     def send(self, header: dict, *frames) -> int:
         self.events()

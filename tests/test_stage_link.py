@@ -1,6 +1,8 @@
 """The two-die pieces one at a time: split placement's plan (stages sized to the dies'
 free budgets), the stage link's frames (bounded headers, sizes checked against shapes,
 a tail that survives bad messages) and the micro-batches."""
+from pathlib import Path
+
 import numpy as np
 import pytest
 import zmq
@@ -202,7 +204,10 @@ def test_a_tail_socket_fails_fast_without_keys_or_a_free_port():
     finally:
         for s in taken:
             s.close(0)
+    import tempfile                    # a killed worker's folder (a pid no process has)
+    orphan = Path(tempfile.mkdtemp(prefix=f"{ss.IPC_PREFIX}{2**22 + 7}-"))
     ipc = ss.TailSocket(p.Stage(index=1, first_layer=1, end_layer=2, link="ipc"), 1 << 20)
+    assert not orphan.exists()
     folder = ipc.folder
     assert ipc.address == f"ipc://{folder}/link" and (folder.stat().st_mode & 0o077) == 0
     ipc.close()

@@ -3,8 +3,8 @@ ends (worker/stage_link.py runs the link over them).
 
 The frontend's load message says what stage 1 binds (frontend/split_placement.py picks):
 
-- "ipc": a socket file in a folder of its own (mode 0700, removed with the stage), when
-  both stages' workers run on one host;
+- "ipc": a socket file in a folder of its own (mode 0700, removed with the stage; a
+  killed worker's by the next tail on the host), when both stages' workers run on one host;
 - "tcp": the worker's `--stage-bind HOST[:PORT[-PORT]]`, as llama.cpp's `rpc-server -H
   HOST -p PORT` or vLLM's `VLLM_HOST_IP` name what a peer on another host dials. HOST is
   bound and advertised (0.0.0.0 binds every interface and advertises the address this
@@ -22,6 +22,7 @@ from __future__ import annotations
 import errno
 import ipaddress
 import logging
+import os
 import shutil
 import socket
 import tempfile
@@ -29,6 +30,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
@@ -37,6 +39,7 @@ from ..common.keys import KeyPair, curve_client, curve_server
 log = logging.getLogger("pantheon.worker.stage")
 
 ZAP_DOMAIN = "stage"
+IPC_PREFIX = "pantheon-link-"    # + the worker's pid: a killed worker's folder is swept
 HEARTBEAT_MS = 1000              # a tcp link's ZMTP heartbeat (the head's end)
 
 
@@ -173,7 +176,8 @@ class TailSocket:
 
     def bind(self, what: str, net: StageNet) -> str:
         if what == "ipc":
-            self.folder = Path(tempfile.mkdtemp(prefix="pantheon-link-"))   # 0700
+            sweep_orphans()
+            self.folder = Path(tempfile.mkdtemp(prefix=f"{IPC_PREFIX}{os.getpid()}-"))  # 0700
             address = f"ipc://{self.folder}/link"
             self.sock.bind(address)
             return address
@@ -216,6 +220,19 @@ class TailSocket:
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
             self.folder = None
+
+
+def sweep_orphans() -> None:
+    """Remove the ipc folders of tails whose worker was killed (SIGKILL closes nothing):
+    each folder is named after its worker's pid, and only a dead pid's go."""
+    for folder in Path(tempfile.gettempdir()).glob(f"{IPC_PREFIX}*-*"):
+        pid = folder.name[len(IPC_PREFIX):].split("-", 1)[0]
+        try:
+            ours = folder.stat().st_uid == os.getuid()
+        except OSError:
+            continue
+        if ours and pid.isdigit() and not psutil.pid_exists(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def head_socket(stage, max_bytes: int, net: StageNet = StageNet(),

@@ -10,13 +10,19 @@ import tiny_models as tm
 from pantheon.common.kv_cache import KVCacheTypes, KVUnreadable, row_bytes
 from pantheon.worker import attention_cuda as ac
 from pantheon.worker import kv_quant
-from pantheon.worker.device import emulated_device
+from pantheon.worker.device import cuda_device, emulated_device
 from pantheon.worker.engine import load_engine
 from pantheon.worker.model import Span
 from pantheon.worker.sequence_state import KVState
+from test_gpu import CUDA, EMU
 from test_quantized_model import TINY_SEQS, compare
 
-KINDS = ac.KINDS
+
+
+@pytest.fixture(params=[EMU, CUDA])
+def xp(request):
+    """The array module of a die: the emulated one, or CUDA device 0 (gpu-marked)."""
+    return (emulated_device(0) if request.param == "emu" else cuda_device(0)).xp
 
 
 def reference(state: KVState, q, spans, window):
@@ -58,10 +64,9 @@ def run_step(xp, state, q, k, v, spans, window):
     ("f16", "f16", 16, 4, 2, None),        # a head of 16 (half a warp)
     ("f32", "f32", 256, 2, 1, None),       # the longest head the kernels read
 ])
-def test_a_step_of_decodes_and_chunks_against_numpy(kk, vk, hd, n_heads, n_kv, window):
+def test_a_step_of_decodes_and_chunks_against_numpy(xp, kk, vk, hd, n_heads, n_kv, window):
     """A history per slot written in earlier steps, then one step with decodes of slots 0
     and 3 (slot 1 idle between them: a partial batch) and a prefill chunk of slot 2."""
-    xp = emulated_device(0).xp
     rng = np.random.default_rng(hd + n_heads)
     state = KVState(4, n_kv, 24, hd, xp, (kk, vk))
     history = [Span(0, 0, 9), Span(3, 0, 4), Span(2, 0, 6)]
@@ -78,9 +83,8 @@ def test_a_step_of_decodes_and_chunks_against_numpy(kk, vk, hd, n_heads, n_kv, w
 
 
 @pytest.mark.parametrize("kind", ["q8_0", "q4_0", "f16"])
-def test_writes_are_the_numpy_quantizers_bytes(kind):
+def test_writes_are_the_numpy_quantizers_bytes(xp, kind):
     """Large, tiny, zero and tied blocks (q4_0 keeps the first largest magnitude)."""
-    xp = emulated_device(0).xp
     rng = np.random.default_rng(3)
     x = (rng.standard_normal((5, 2, 64)) * np.array([1e-6, 1, 300, 1, 1])[:, None, None])
     x = x.astype(np.float32)
@@ -127,7 +131,9 @@ def test_the_source_compiles_for_kepler_without_spills(arch):
 # rounding in a later layer
 @pytest.mark.parametrize("arch", ["gemma3", "qwen35"])
 @pytest.mark.parametrize("kind, top1, kl_bound", [("q8_0", 1.0, 1e-4), ("q4_0", 0.95, 5e-3)])
-def test_the_gpu_die_reads_blocks_in_place_and_follows_the_cpu(tmp_path, arch, kind, top1,
+@pytest.mark.parametrize("die", [pytest.param("emu:0", id="emu"),
+                                 pytest.param("0", id="cuda", marks=pytest.mark.gpu)])
+def test_the_gpu_die_reads_blocks_in_place_and_follows_the_cpu(tmp_path, die, arch, kind, top1,
                                                                kl_bound, monkeypatch):
     """Gemma 3 (sliding-window layers) and Qwen3.5 (gated attention beside DeltaNet) on the
     emulated die with a quantized cache: the CPU die's logits, and no window of the cache
@@ -136,7 +142,7 @@ def test_the_gpu_die_reads_blocks_in_place_and_follows_the_cpu(tmp_path, arch, k
     path = tm.write_gguf(tm.head32(arch), tmp_path / f"{arch}.gguf", tensor_type="Q8_0")
     kv = KVCacheTypes.of(kind)
     cpu = load_engine(path, n_slots=2, ctx=64, kv_cache=kv)
-    emu = load_engine(path, die="emu:0", n_slots=2, ctx=64, kv_cache=kv)
+    emu = load_engine(path, die=die, n_slots=2, ctx=64, kv_cache=kv)
     layers = [s for s in emu.model.state.layers if isinstance(s, KVState)]
     assert layers and all(s.k.shape[-1] == row_bytes(kind, s.head_dim) for s in layers)
 

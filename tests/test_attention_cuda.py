@@ -47,10 +47,10 @@ def reference(state: KVState, q, spans, window):
 
 
 def run_step(xp, state, q, k, v, spans, window):
-    items = ac.Items.of(spans, xp, window)
-    ac.write(state, xp.asarray(k), xp.asarray(v), items)
+    plan = ac.StepPlan(spans, xp)
+    ac.write(state, xp.asarray(k), xp.asarray(v), plan)
     out = xp.zeros((q.shape[0] + 3, q.shape[1] * q.shape[2]), dtype=xp.float32)   # padded
-    ac.attend(state, xp.asarray(q), out, items)
+    ac.attend(state, xp.asarray(q), out, plan, window)
     got = xp.asnumpy(out)
     assert not got[q.shape[0]:].any()                # rows no item owns are left alone
     return got[:q.shape[0]]
@@ -63,14 +63,16 @@ def run_step(xp, state, q, k, v, spans, window):
     ("f16", "q8_0", 96, 4, 2, 3),
     ("f16", "f16", 16, 4, 2, None),        # a head of 16 (half a warp)
     ("f32", "f32", 256, 2, 1, None),       # the longest head the kernels read
+    ("q8_0", "f16", 32, 34, 1, 40),        # a group of 34: chunks of 32 and 2 heads
 ])
 def test_a_step_of_decodes_and_chunks_against_numpy(xp, kk, vk, hd, n_heads, n_kv, window):
-    """A history per slot written in earlier steps, then one step with decodes of slots 0
-    and 3 (slot 1 idle between them: a partial batch) and a prefill chunk of slot 2."""
+    """A history per slot written in earlier steps (chunks: the tiled kernel), then one
+    step with decodes of slots 0 and 3 (slot 1 idle between them: a partial batch) and a
+    prefill chunk of slot 2 whose keys span two tiles of 32."""
     rng = np.random.default_rng(hd + n_heads)
-    state = KVState(4, n_kv, 24, hd, xp, (kk, vk))
-    history = [Span(0, 0, 9), Span(3, 0, 4), Span(2, 0, 6)]
-    for spans in (history, [Span(0, 9, 1), Span(2, 6, 7), Span(3, 4, 1)]):
+    state = KVState(4, n_kv, 48, hd, xp, (kk, vk))
+    history = [Span(0, 0, 9), Span(3, 0, 4), Span(2, 0, 30)]
+    for spans in (history, [Span(0, 9, 1), Span(2, 30, 7), Span(3, 4, 1)]):
         n = sum(s.n for s in spans)
         q = (rng.standard_normal((n, n_heads, hd)) * 0.5).astype(np.float32)
         k = rng.standard_normal((n, n_kv, hd)).astype(np.float32)
@@ -79,7 +81,7 @@ def test_a_step_of_decodes_and_chunks_against_numpy(xp, kk, vk, hd, n_heads, n_k
         np.testing.assert_allclose(got, reference(state, q, spans, window), atol=2e-5, rtol=1e-4)
     # the rows are quantized once, as worker/kv_quant.py (llama.cpp's rounding) does
     want = kv_quant.quantize(k.transpose(1, 0, 2)[:, 1:8], kk)       # slot 2's chunk
-    np.testing.assert_array_equal(xp.asnumpy(state.k[2, :, 6:13]), want)
+    np.testing.assert_array_equal(xp.asnumpy(state.k[2, :, 30:37]), want)
 
 
 @pytest.mark.parametrize("kind", ["q8_0", "q4_0", "f16"])
@@ -91,8 +93,7 @@ def test_writes_are_the_numpy_quantizers_bytes(xp, kind):
     x[3, 0, :32] = 0.0
     x[4, 1, :32] = np.where(np.arange(32) % 2, 2.5, -2.5)
     state = KVState(1, 2, 8, 64, xp, kind)
-    items = ac.Items.of([Span(0, 0, 5)], xp, None)
-    ac.write(state, xp.asarray(x), xp.asarray(-x), items)
+    ac.write(state, xp.asarray(x), xp.asarray(-x), ac.StepPlan([Span(0, 0, 5)], xp))
     np.testing.assert_array_equal(xp.asnumpy(state.k[0, :, :5]),
                                   kv_quant.quantize(x.transpose(1, 0, 2), kind))
     np.testing.assert_array_equal(xp.asnumpy(state.v[0, :, :5]),

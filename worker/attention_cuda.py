@@ -2,30 +2,34 @@
 
 The cache (worker/sequence_state.py KVState): k, v [S, Hkv, ctx, row] per layer, a row
 being head_dim floats (f32 / f16) or head_dim / 32 blocks of llama.cpp's layout
-(common/kv_cache.py). A step is a list of items, one per token of the batch (a decode
-is one item, a prefill chunk of n tokens n items of the same slot): item i is row
-rows[i] of q / out, at position last[i] of slot slots[i], and sees that slot's keys
-first[i] .. last[i] (causal; a sliding window raises first). Two launches per layer:
+(common/kv_cache.py); keys and values may differ in type (the kernels take both as
+arguments). A step (StepPlan, made once and shared by the layers) is every token of
+the batch at its slot and position; per layer:
 
-  write(state, k, v, items)   k, v [n, Hkv, hd] float32 → each row quantized once into
-                              its (slot, position) of the cache (kv_write_<kind>: one
-                              warp per block of 32 elements; rounding as
-                              worker/kv_quant.py, so the bytes are llama.cpp's)
-  attend(state, q, out, items)
-                              q [n, Hq, hd] (scaled) → out rows [*, Hq * hd]
-                              (attend_<k kind>_<v kind>)
+  write(state, k, v, plan)    kv_write: k, v [n, Hkv, hd] float32 → each row quantized
+                              once into its (slot, position) of the cache, a warp per
+                              block of 32 elements, rounded as worker/kv_quant.py
+                              (llama.cpp's reference quantizer) rounds
+  attend(state, q, out, plan, window)
+                              q [n, Hq, hd] (scaled) → out rows [*, Hq * hd], each query
+                              over its slot's keys up to its own position (causal),
+                              from position - window + 1 with a sliding window:
+    attend        the decodes: a block per (query, kv head, up to HEADS query heads of
+                  its group), WARPS warps. Lane l holds elements l, l + 32, ... of a row
+                  (hd <= 32 * MAXE), so a row's reads are coalesced whatever its type;
+                  each warp walks every WARPS-th key with an online softmax (running
+                  max, sum and weighted values in registers), then the block merges its
+                  warps through shared memory.
+    attend_chunk  the prefill chunks, in tiles of consecutive queries of one slot that
+                  share every key read: keys come TK at a time, widened into shared
+                  memory; lane l scores key l for each (query, head) pair of its warp,
+                  a pair's softmax update takes two reductions per tile, values are read
+                  once per warp and key.
+Nothing is dequantized to device memory: a step's scratch is a block's shared memory
+(16.5 KiB, or 32 KiB for a tile of keys).
 
-The attention kernel: a block per (item, kv head, up to HEADS query heads of its
-group), WARPS warps. Lane l holds elements l, l + 32, ... of a row (hd <= 32 * MAXE):
-the reads of a row are coalesced whatever its type, and a q8_0 / q4_0 element is
-one byte (or nibble) and its block's scale. Each warp walks every WARPS-th key of the
-item's window with an online softmax (running max, sum and weighted values in
-registers), then the block merges its warps through shared memory. Nothing is
-dequantized to memory: a step's scratch is the shared memory of a block, one row of
-partial sums per warp and head.
-
-fp32 arithmetic only (compute_37: no fp16 math, no dp4a); fp16 scales convert with
-cvt on the device. The same source compiles on the host under worker/simt_host.py (the
+fp32 arithmetic only (compute_37: no fp16 math, no dp4a); fp16 scales convert with cvt
+on the device. The same source compiles on the host under worker/simt_host.py (the
 emulated die runs it, the tests check it there); NVRTC checks it for sm_37 in tests.
 """
 from __future__ import annotations
@@ -100,15 +104,15 @@ __device__ __forceinline__ int row_bytes(int kind, int hd) {
 }
 
 /* element e of a cached row (e < hd) */
-template <int KIND>
-__device__ __forceinline__ float load_element(const unsigned char* __restrict__ row, int e) {
-    if (KIND == KV_F32) return __ldg((const float*)row + e);
-    if (KIND == KV_F16) return h2f(__ldg((const unsigned short*)row + e));
-    const int per = KIND == KV_Q8 ? 34 : 18;
+__device__ __forceinline__ float load_element(int kind, const unsigned char* __restrict__ row,
+                                              int e) {
+    if (kind == KV_F32) return __ldg((const float*)row + e);
+    if (kind == KV_F16) return h2f(__ldg((const unsigned short*)row + e));
+    const int per = kind == KV_Q8 ? 34 : 18;
     const unsigned char* b = row + (e >> 5) * per;
     const float d = h2f((unsigned short)(__ldg(b) | (__ldg(b + 1) << 8)));
     const int j = e & 31;
-    if (KIND == KV_Q8) return d * (float)(signed char)__ldg(b + 2 + j);
+    if (kind == KV_Q8) return d * (float)(signed char)__ldg(b + 2 + j);
     const unsigned byte = __ldg(b + 2 + (j & 15));
     return d * (float)((int)(j < 16 ? byte & 15u : byte >> 4) - 8);
 }
@@ -121,30 +125,28 @@ __device__ __forceinline__ float warp_sum(float v) {
 
 /* Rows of x [n, heads, hd] into the cache at (slots[i], head, pos[i]): a block of 32
    threads per 32 elements of one row, a block of q8_0 / q4_0 as llama.cpp rounds it. */
-#define WRITE_PARAMS const float* __restrict__ x, unsigned char* __restrict__ cache, \
-    const int* __restrict__ slots, const int* __restrict__ pos, int n, int heads, int ctx, \
-    int hd
-#define WRITE_ARGS x, cache, slots, pos, n, heads, ctx, hd
-
-template <int KIND> __device__ __forceinline__ void kv_write(WRITE_PARAMS) {
+extern "C" __global__ void kv_write(const float* __restrict__ x,
+                                    unsigned char* __restrict__ cache,
+                                    const int* __restrict__ slots, const int* __restrict__ pos,
+                                    int n, int heads, int ctx, int hd, int kind) {
     const int nblk = (hd + 31) >> 5, lane = threadIdx.x & 31;
     const u64 unit = blockIdx.x;
     const int i = (int)(unit / (u64)(heads * nblk)), h = (int)(unit / nblk % heads);
     const int b = (int)(unit % nblk), e = b * 32 + lane;
     const float v = e < hd ? x[((u64)i * heads + h) * hd + e] : 0.0f;
     unsigned char* row = cache + (((u64)slots[i] * heads + h) * ctx + pos[i]) *
-                         (u64)row_bytes(KIND, hd);
-    if (KIND == KV_F32) {
+                         (u64)row_bytes(kind, hd);
+    if (kind == KV_F32) {
         if (e < hd) ((float*)row)[e] = v;
         return;
     }
-    if (KIND == KV_F16) {
+    if (kind == KV_F16) {
         if (e < hd) ((unsigned short*)row)[e] = f2h(v);
         return;
     }
-    unsigned char* blk = row + b * (KIND == KV_Q8 ? 34 : 18);
+    unsigned char* blk = row + b * (kind == KV_Q8 ? 34 : 18);
     float d;
-    if (KIND == KV_Q8) {
+    if (kind == KV_Q8) {
         float amax = fabsf(v);
 #pragma unroll
         for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(FULL_MASK, amax, o));
@@ -182,10 +184,9 @@ template <int KIND> __device__ __forceinline__ void kv_write(WRITE_PARAMS) {
     const unsigned char* __restrict__ vc, float* __restrict__ out, \
     const int* __restrict__ rows, const int* __restrict__ slots, \
     const int* __restrict__ first, const int* __restrict__ last, int n_heads, int n_kv, \
-    int ctx, int hd
-#define ATTEND_ARGS q, kc, vc, out, rows, slots, first, last, n_heads, n_kv, ctx, hd
+    int ctx, int hd, int kk, int vk
 
-template <int KK, int VK> __device__ __forceinline__ void attend(ATTEND_PARAMS) {
+extern "C" __global__ void __launch_bounds__(128) attend(ATTEND_PARAMS) {
     __shared__ float sm_m[WARPS][HEADS], sm_l[WARPS][HEADS];
     __shared__ float sm_acc[WARPS][HEADS][32 * MAXE];
     const int group = n_heads / n_kv, chunks = (group + HEADS - 1) / HEADS;
@@ -206,7 +207,7 @@ template <int KK, int VK> __device__ __forceinline__ void attend(ATTEND_PARAMS) 
             acc[j][t] = 0.0f;
         }
     }
-    const u64 kb = (u64)row_bytes(KK, hd), vb = (u64)row_bytes(VK, hd);
+    const u64 kb = (u64)row_bytes(kk, hd), vb = (u64)row_bytes(vk, hd);
     const u64 base = ((u64)slots[i] * n_kv + h) * ctx;
     for (int p = first[i] + warp; p <= last[i]; p += WARPS) {
         const unsigned char* krow = kc + (base + p) * kb;
@@ -215,16 +216,23 @@ template <int KK, int VK> __device__ __forceinline__ void attend(ATTEND_PARAMS) 
 #pragma unroll
         for (int t = 0; t < MAXE; ++t) {
             const int e = lane + 32 * t;
-            kf[t] = e < hd ? load_element<KK>(krow, e) : 0.0f;
-            vf[t] = e < hd ? load_element<VK>(vrow, e) : 0.0f;
+            kf[t] = e < hd ? load_element(kk, krow, e) : 0.0f;
         }
 #pragma unroll
         for (int j = 0; j < HEADS; ++j) {
-            if (j >= count) continue;                 /* the same for the whole block */
             s[j] = 0.0f;
 #pragma unroll
             for (int t = 0; t < MAXE; ++t) s[j] += qr[j][t] * kf[t];
-            s[j] = warp_sum(s[j]);
+            if (j < count) s[j] = warp_sum(s[j]);     /* the same for the whole block */
+        }
+#pragma unroll
+        for (int t = 0; t < MAXE; ++t) {
+            const int e = lane + 32 * t;
+            vf[t] = e < hd ? load_element(vk, vrow, e) : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < HEADS; ++j) {
+            if (j >= count) continue;
             const float mn = fmaxf(m[j], s[j]);
             const float corr = expf(m[j] - mn), w = expf(s[j] - mn);
             l[j] = l[j] * corr + w;
@@ -257,26 +265,108 @@ template <int KK, int VK> __device__ __forceinline__ void attend(ATTEND_PARAMS) 
     }
 }
 
-#define WRITE_KERNEL(KIND, NAME) extern "C" __global__ void kv_write_##NAME(WRITE_PARAMS) \
-    { kv_write<KIND>(WRITE_ARGS); }
-#define ATTEND_KERNEL(KK, KN, VK, VN) extern "C" __global__ void __launch_bounds__(128) \
-    attend_##KN##_##VN(ATTEND_PARAMS) { attend<KK, VK>(ATTEND_ARGS); }
-#define ATTEND_KERNELS(KK, KN) ATTEND_KERNEL(KK, KN, KV_F32, f32) \
-    ATTEND_KERNEL(KK, KN, KV_F16, f16) ATTEND_KERNEL(KK, KN, KV_Q8, q8_0) \
-    ATTEND_KERNEL(KK, KN, KV_Q4, q4_0)
+/* A prefill chunk's queries in tiles: a block per (tile of up to 32 / group queries of
+   one slot, kv head, up to 32 query heads of its group): every (query, head) pair of
+   the tile reads the same keys, so they are read once per block. Keys come in tiles of
+   TK, widened to fp32 in shared memory (a row per key, padded: no bank conflicts); lane
+   l scores key l of the tile for each of its warp's pairs (a pair's whole row of q
+   against it), the tile's softmax update takes two reductions per pair, and the values
+   are read once per warp and key, each pair's weight broadcast from the key's lane. */
+#define TK 32
+#define PPW 8
+#define SK_STRIDE (32 * MAXE + 1)
+#define CHUNK_PARAMS const float* __restrict__ q, const unsigned char* __restrict__ kc, \
+    const unsigned char* __restrict__ vc, float* __restrict__ out, \
+    const int* __restrict__ tiles, int n_heads, int n_kv, int ctx, int hd, int window, \
+    int head_chunks, int kk, int vk
 
-WRITE_KERNEL(KV_F32, f32)
-WRITE_KERNEL(KV_F16, f16)
-WRITE_KERNEL(KV_Q8, q8_0)
-WRITE_KERNEL(KV_Q4, q4_0)
-ATTEND_KERNELS(KV_F32, f32)
-ATTEND_KERNELS(KV_F16, f16)
-ATTEND_KERNELS(KV_Q8, q8_0)
-ATTEND_KERNELS(KV_Q4, q4_0)
+__device__ __forceinline__ int first_key(int pos, int window) {
+    return window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+}
+
+extern "C" __global__ void __launch_bounds__(128) attend_chunk(CHUNK_PARAMS) {
+    __shared__ float sk[TK * SK_STRIDE];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int c = blockIdx.x % head_chunks, h = blockIdx.x / head_chunks % n_kv;
+    const int* tile = tiles + 4 * (blockIdx.x / (head_chunks * n_kv));
+    const int row0 = tile[0], nq = tile[1], pos0 = tile[3];
+    const int group = n_heads / n_kv, j0 = h * group + c * 32;
+    const int hc = group - c * 32 < 32 ? group - c * 32 : 32, pairs = nq * hc;
+    const int kend = pos0 + nq - 1;
+    const u64 kb = (u64)row_bytes(kk, hd), vb = (u64)row_bytes(vk, hd);
+    const u64 base = ((u64)tile[2] * n_kv + h) * ctx;
+    float m[PPW], l[PPW], acc[PPW][MAXE];
+#pragma unroll
+    for (int k = 0; k < PPW; ++k) {
+        m[k] = NO_SCORE;
+        l[k] = 0.0f;
+#pragma unroll
+        for (int t = 0; t < MAXE; ++t) acc[k][t] = 0.0f;
+    }
+    for (int k0 = first_key(pos0, window); k0 <= kend; k0 += TK) {
+        __syncthreads();                                  /* the last tile is read */
+        for (int u = threadIdx.x; u < TK * hd; u += blockDim.x) {
+            const int r = u / hd, e = u % hd;
+            sk[r * SK_STRIDE + e] = k0 + r <= kend ?
+                load_element(kk, kc + (base + k0 + r) * kb, e) : 0.0f;
+        }
+        __syncthreads();
+        const int kp = k0 + lane;                         /* this lane's key */
+        float pv[PPW];
+#pragma unroll
+        for (int k = 0; k < PPW; ++k) {
+            pv[k] = 0.0f;
+            const int u = warp + WARPS * k;
+            if (u >= pairs) continue;                     /* the same for the whole warp */
+            const int qi = u / hc, pos = pos0 + qi;
+            const float* qrow = q + ((u64)(row0 + qi) * n_heads + j0 + u % hc) * hd;
+            float s = 0.0f;
+            for (int e = 0; e < hd; ++e) s += __ldg(qrow + e) * sk[lane * SK_STRIDE + e];
+            const bool seen = kp >= first_key(pos, window) && kp <= pos;
+            s = seen ? s : NO_SCORE;
+            float mt = s;
+#pragma unroll
+            for (int o = 16; o; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(FULL_MASK, mt, o));
+            const float mn = fmaxf(m[k], mt), corr = expf(m[k] - mn);
+            pv[k] = seen ? expf(s - mn) : 0.0f;
+            l[k] = l[k] * corr + warp_sum(pv[k]);
+#pragma unroll
+            for (int t = 0; t < MAXE; ++t) acc[k][t] *= corr;
+            m[k] = mn;
+        }
+        const int nk = kend - k0 + 1 < TK ? kend - k0 + 1 : TK;
+        for (int r = 0; r < nk; ++r) {
+            const unsigned char* vrow = vc + (base + k0 + r) * vb;
+            float vf[MAXE];
+#pragma unroll
+            for (int t = 0; t < MAXE; ++t) {
+                const int e = lane + 32 * t;
+                vf[t] = e < hd ? load_element(vk, vrow, e) : 0.0f;
+            }
+#pragma unroll
+            for (int k = 0; k < PPW; ++k) {
+                if (warp + WARPS * k >= pairs) continue;
+                const float w = __shfl_sync(FULL_MASK, pv[k], r);
+#pragma unroll
+                for (int t = 0; t < MAXE; ++t) acc[k][t] += w * vf[t];
+            }
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < PPW; ++k) {
+        const int u = warp + WARPS * k;
+        if (u >= pairs) continue;
+        float* o = out + ((u64)(row0 + u / hc) * n_heads + j0 + u % hc) * hd;
+#pragma unroll
+        for (int t = 0; t < MAXE; ++t)
+            if (lane + 32 * t < hd) o[lane + 32 * t] = acc[k][t] / l[k];
+    }
+}
+
 """
 
-KERNELS = ([f"kv_write_{k}" for k in KINDS] +
-           [f"attend_{k}_{v}" for k in KINDS for v in KINDS])
+KERNELS = ("kv_write", "attend", "attend_chunk")
+CODE = {kind: np.int32(i) for i, kind in enumerate(KINDS)}      # the source's KV_*
 
 
 def check_head(head_dim: int) -> None:
@@ -289,8 +379,8 @@ def check_head(head_dim: int) -> None:
 
 @dataclass(frozen=True)
 class Items:
-    """One step's queries: row, slot, first and last key position of each (int32, on the
-    die), made once per step and window and shared by the layers."""
+    """Queries read one at a time (a step's decodes): row, slot, first and last key
+    position of each (int32, on the die)."""
 
     rows: object
     slots: object
@@ -298,14 +388,54 @@ class Items:
     last: object
     n: int
 
-    @classmethod
-    def of(cls, spans, xp, window: int | None) -> "Items":
+
+class StepPlan:
+    """What a step's launches read, made once per step and shared by the layers: where
+    every token's key and value go, the decodes as items (per window), the prefill
+    chunks as tiles (per tile size)."""
+
+    def __init__(self, spans, xp):
+        self.xp = xp
         slots = np.concatenate([np.full(s.n, s.slot) for s in spans]).astype(np.int32)
-        last = np.concatenate([np.arange(s.start, s.start + s.n) for s in spans])
-        first = np.zeros_like(last) if window is None else np.maximum(last - window + 1, 0)
-        rows = np.arange(len(last))
-        return cls(*(xp.asarray(a.astype(np.int32)) for a in (rows, slots, first, last)),
-                   n=len(last))
+        pos = np.concatenate([np.arange(s.start, s.start + s.n) for s in spans])
+        self.n = len(pos)
+        self.slots, self.pos = xp.asarray(slots), xp.asarray(pos.astype(np.int32))
+        rows = np.cumsum([0] + [s.n for s in spans])[:-1]
+        one = [(r, s) for r, s in zip(rows, spans) if s.n == 1]
+        self.decode = (np.array([r for r, _ in one], dtype=np.int32),
+                       np.array([s.slot for _, s in one], dtype=np.int32),
+                       np.array([s.start for _, s in one], dtype=np.int32))
+        self.chunks = [(int(r), s) for r, s in zip(rows, spans) if s.n > 1]
+        self._items: dict = {}
+        self._tiles: dict = {}
+
+    def items(self, window: int | None) -> Items:
+        if window not in self._items:
+            rows, slots, last = self.decode
+            first = np.zeros_like(last) if window is None else \
+                np.maximum(last - window + 1, 0).astype(np.int32)
+            xp = self.xp
+            self._items[window] = Items(*(xp.asarray(a) for a in (rows, slots, first, last)),
+                                        n=len(rows))
+        return self._items[window]
+
+    def tiles(self, per_tile: int):
+        """int32 [tiles, 4]: (first row, queries, slot, first position) of each tile of
+        up to `per_tile` consecutive queries of one chunk; None without chunks."""
+        if per_tile not in self._tiles:
+            out = [(row + i, min(per_tile, s.n - i), s.slot, s.start + i)
+                   for row, s in self.chunks for i in range(0, s.n, per_tile)]
+            self._tiles[per_tile] = (self.xp.asarray(np.array(out, dtype=np.int32))
+                                     if out else None)
+        return self._tiles[per_tile]
+
+
+def chunk_geometry(n_heads: int, n_kv: int) -> tuple[int, int]:
+    """(queries per tile, head chunks): a block holds at most 32 (query, head) pairs, 8
+    per warp (the source's PPW x WARPS)."""
+    group = n_heads // n_kv
+    heads = min(group, 32)
+    return max(1, 32 // heads), -(-group // 32)
 
 
 @dataclass(frozen=True)
@@ -318,11 +448,12 @@ class Launch:
     args: tuple
 
 
-def write_launch(kind: str, x, cache, items: Items, ctx: int) -> Launch:
+def write_launch(kind: str, x, cache, plan: StepPlan, ctx: int) -> Launch:
     n, heads, hd = x.shape
     i32 = np.int32
-    return Launch(f"kv_write_{kind}", n * heads * (-(-hd // 32)), 32,
-                  (x, cache, items.slots, items.last, i32(n), i32(heads), i32(ctx), i32(hd)))
+    return Launch("kv_write", n * heads * (-(-hd // 32)), 32,
+                  (x, cache, plan.slots, plan.pos, i32(n), i32(heads), i32(ctx), i32(hd),
+                   CODE[kind]))
 
 
 def attend_launch(kinds: tuple[str, str], q, kc, vc, out, items: Items, ctx: int) -> Launch:
@@ -330,9 +461,21 @@ def attend_launch(kinds: tuple[str, str], q, kc, vc, out, items: Items, ctx: int
     n_kv = kc.shape[1]
     chunks = -(-(n_heads // n_kv) // HEADS)
     i32 = np.int32
-    return Launch(f"attend_{kinds[0]}_{kinds[1]}", items.n * n_kv * chunks, 32 * WARPS,
+    return Launch("attend", items.n * n_kv * chunks, 32 * WARPS,
                   (q, kc, vc, out, items.rows, items.slots, items.first, items.last,
-                   i32(n_heads), i32(n_kv), i32(ctx), i32(hd)))
+                   i32(n_heads), i32(n_kv), i32(ctx), i32(hd), CODE[kinds[0]],
+                   CODE[kinds[1]]))
+
+
+def chunk_launch(kinds: tuple[str, str], q, kc, vc, out, tiles, ctx: int,
+                 window: int | None) -> Launch:
+    n, n_heads, hd = q.shape
+    n_kv = kc.shape[1]
+    head_chunks = chunk_geometry(n_heads, n_kv)[1]
+    i32 = np.int32
+    return Launch("attend_chunk", tiles.shape[0] * n_kv * head_chunks, 32 * WARPS,
+                  (q, kc, vc, out, tiles, i32(n_heads), i32(n_kv), i32(ctx), i32(hd),
+                   i32(window or 0), i32(head_chunks), CODE[kinds[0]], CODE[kinds[1]]))
 
 
 # -- CuPy entry points --------------------------------------------------------------------
@@ -359,21 +502,25 @@ def _f32(cp, a):
     return cp.ascontiguousarray(a, dtype=cp.float32)
 
 
-def write(state, k, v, items: Items) -> None:
-    """Cache k, v [n, Hkv, hd] (float32) at the items' slots and positions, each row
+def write(state, k, v, plan: StepPlan) -> None:
+    """Cache k, v [n, Hkv, hd] (float32) at the step's slots and positions, each row
     quantized once into the state's types."""
     from .device import array_module
     cp = array_module(state.k)
-    if items.n:
-        run(write_launch(state.kinds[0], _f32(cp, k), state.k, items, state.ctx), cp)
-        run(write_launch(state.kinds[1], _f32(cp, v), state.v, items, state.ctx), cp)
+    if plan.n:
+        run(write_launch(state.kinds[0], _f32(cp, k), state.k, plan, state.ctx), cp)
+        run(write_launch(state.kinds[1], _f32(cp, v), state.v, plan, state.ctx), cp)
 
 
-def attend(state, q, out, items: Items) -> None:
-    """out rows [n, Hq * hd] = each item's attention over its keys, q [n, Hq, hd] scaled;
-    the items' own keys and values must be written first (`write`)."""
+def attend(state, q, out, plan: StepPlan, window: int | None) -> None:
+    """out rows [n, Hq * hd] = each query's attention over its slot's keys (causal, within
+    `window`), q [n, Hq, hd] scaled; the step's keys and values are written first."""
     from .device import array_module
     cp = array_module(state.k)
+    q = _f32(cp, q)
+    items = plan.items(window)
     if items.n:
-        run(attend_launch(state.kinds, _f32(cp, q), state.k, state.v, out, items,
-                          state.ctx), cp)
+        run(attend_launch(state.kinds, q, state.k, state.v, out, items, state.ctx), cp)
+    tiles = plan.tiles(chunk_geometry(q.shape[1], state.k.shape[1])[0])
+    if tiles is not None:
+        run(chunk_launch(state.kinds, q, state.k, state.v, out, tiles, state.ctx, window), cp)

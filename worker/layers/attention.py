@@ -15,7 +15,6 @@ of anyone's history. The NumPy expressions below are the reference.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import numpy as np
 
@@ -215,9 +214,9 @@ def attend_batch(state: KVState, q, k, v, batch, window: int | None):
     rows zero): the decodes as one group, each prefill chunk alone."""
     attn = batch.scratch(q.shape[1] * q.shape[2])
     if not isinstance(q, np.ndarray):     # a GPU die: every query of the step in one launch,
-        items = batch.memo(("cuda", window), partial(attention_cuda.Items.of, window=window))
-        attention_cuda.write(state, k, v, items)        # quantized once, as written
-        attention_cuda.attend(state, q, attn, items)    # blocks read where they are stored
+        plan = batch.memo("cuda", attention_cuda.StepPlan)
+        attention_cuda.write(state, k, v, plan)         # quantized once, as written
+        attention_cuda.attend(state, q, attn, plan, window)   # read where they are stored
         return attn
     decodes = batch.memo("decodes", DecodeGroup)
     if decodes.size:

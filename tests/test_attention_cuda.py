@@ -153,3 +153,19 @@ def test_the_gpu_die_reads_blocks_in_place_and_follows_the_cpu(tmp_path, die, ar
     monkeypatch.setattr(KVState, "window", refused)
     agree, kl, n = compare(cpu, emu, TINY_SEQS[:2])
     assert n == 40 and agree >= top1 and kl < kl_bound, (agree, kl)
+
+
+def test_the_benchmark_runs_on_the_emulated_die(capsys):
+    """bench/attention_gpu.py at a tiny size (the emulated die times the host shim: the
+    figures mean nothing here, the script's run does)."""
+    import json
+    from pantheon.bench import attention_gpu
+    attention_gpu.main(["--ctx", "40", "--batch", "2", "--chunk", "8", "--heads", "4",
+                        "--kv-heads", "2", "--head-dim", "32", "--rounds", "1", "--repeat",
+                        "1", "--types", "f16,q4_0"])
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["types"]) == {"f16", "q4_0"}
+    row = report["types"]["q4_0"]
+    assert row["decode"] > 0 and row["prefill_chunk"] > 0 and row["decode_array_path"] > 0
+    # 2 slots x (k, v) x 2 kv heads x a row of 32 in q4_0 (18 bytes) x positions 0..31
+    assert row["decode_kv_bytes"] == 2 * 2 * 2 * 18 * 32

@@ -55,6 +55,12 @@ def cmd_run(args) -> int:
 def cmd_bench(args) -> int:
     if args.bench == "engine":
         from pantheon.bench.engine import main
+        if args.write_gguf:
+            if not args.synthetic:
+                raise ValueError("bench engine --write-gguf needs --synthetic NAME")
+            from pantheon.bench.synthetic import write_gguf
+            print(write_gguf(args.synthetic, args.write_gguf))
+            return 0
         if args.synthetic:
             from pantheon.bench.synthetic import synthetic_model
             args.model = synthetic_model(args.synthetic)
@@ -458,9 +464,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_activations(engine, default="int16")
     engine.add_argument("--contexts", metavar="N,N",
                         help="also time batch-1 decode after prompts of these lengths")
-    engine.add_argument("--synthetic", choices=["qwen35-wide"],
+    engine.add_argument("--synthetic", choices=["qwen35-wide", "qwen35-0.8b"],
                         help="a random-weight model of this shape instead of -m (written "
                              "once into the cache directory)")
+    engine.add_argument("--write-gguf", metavar="FILE",
+                        help="with --synthetic: write that model to FILE and exit (e.g. "
+                             "qwen35-0.8b as F16, for llama-quantize FILE OUT Q4_K_M)")
     engine.add_argument("--compare-llama", metavar="BIN_DIR",
                         help="also run llama.cpp's llama-bench (and llama-batched-bench for "
                              "the batch sizes, if BIN_DIR holds it) on the same file and "

@@ -84,6 +84,17 @@ def test_a_step_of_decodes_and_chunks_against_numpy(xp, kk, vk, hd, n_heads, n_k
     np.testing.assert_array_equal(xp.asnumpy(state.k[2, :, 30:37]), want)
 
 
+@pytest.mark.parametrize("kk, vk, window", [("q8_0", "q4_0", None), ("f16", "q8_0", 20)])
+def test_decodes_split_over_key_segments_merge_to_the_same(xp, kk, vk, window, monkeypatch):
+    """Few decodes over long windows: the keys cut into segments, a block each, merged
+    (here 4 segments: slot 0's 10 keys as 3 + 3 + 3 + 1, slot 3's 5 as 2 + 2 + 1 + none)."""
+    monkeypatch.setattr(ac, "SPLIT_KEYS", 2)
+    monkeypatch.setattr(ac, "MAX_SPLITS", 4)
+    monkeypatch.setattr(ac, "TARGET_BLOCKS", 1000)
+    assert ac.splits_for(4, 10) == 4 and ac.splits_for(4, 3) == 1
+    test_a_step_of_decodes_and_chunks_against_numpy(xp, kk, vk, 64, 4, 2, window)
+
+
 @pytest.mark.parametrize("kind", ["q8_0", "q4_0", "f16"])
 def test_writes_are_the_numpy_quantizers_bytes(xp, kind):
     """Large, tiny, zero and tied blocks (q4_0 keeps the first largest magnitude)."""

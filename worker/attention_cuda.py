@@ -19,14 +19,17 @@ the batch at its slot and position; per layer:
                   (hd <= 32 * MAXE), so a row's reads are coalesced whatever its type;
                   each warp walks every WARPS-th key with an online softmax (running
                   max, sum and weighted values in registers), then the block merges its
-                  warps through shared memory.
+                  warps through shared memory. Few queries over long windows: the
+                  keys are cut into segments, a block each (enough blocks for the die),
+                  and attend_merge combines the segments' (max, sum, values).
     attend_chunk  the prefill chunks, in tiles of consecutive queries of one slot that
                   share every key read: keys come TK at a time, widened into shared
                   memory; lane l scores key l for each (query, head) pair of its warp,
                   a pair's softmax update takes two reductions per tile, values are read
                   once per warp and key.
 Nothing is dequantized to device memory: a step's scratch is a block's shared memory
-(16.5 KiB, or 32 KiB for a tile of keys).
+(16.5 KiB, or 32 KiB for a tile of keys), and with segments one row of hd + 2 floats
+per query head and segment (at most MAX_SPLITS).
 
 fp32 arithmetic only (compute_37: no fp16 math, no dp4a); fp16 scales convert with cvt
 on the device. The same source compiles on the host under worker/simt_host.py (the
@@ -45,6 +48,9 @@ HEADS = 4                # query heads of one group per block (must match the so
 MAXE = 8                 # elements per lane: heads up to 256 (must match the source)
 WARPS = 4                # warps per attention block (must match the source)
 MAX_HEAD_DIM = 32 * MAXE
+TARGET_BLOCKS = 104      # decode blocks a step aims at: 8 per multiprocessor of a K80 die
+SPLIT_KEYS = 256         # the fewest keys a decode's segment takes
+MAX_SPLITS = 32
 KINDS = ("f32", "f16", "q8_0", "q4_0")
 
 SOURCE = r"""
@@ -179,20 +185,25 @@ extern "C" __global__ void kv_write(const float* __restrict__ x,
 }
 
 /* out[rows[i], heads c*HEADS.. of kv head h's group] = softmax(q k^T) v over keys
-   first[i] .. last[i] of slot slots[i] */
+   first[i] .. last[i] of slot slots[i]. With splits > 1 the keys are cut into `splits`
+   segments, a block each, and each block leaves its segment's (max, sum, weighted
+   values) in part[(i, head, segment)] for attend_merge (long windows, few queries: the
+   die's multiprocessors all get work). */
 #define ATTEND_PARAMS const float* __restrict__ q, const unsigned char* __restrict__ kc, \
     const unsigned char* __restrict__ vc, float* __restrict__ out, \
-    const int* __restrict__ rows, const int* __restrict__ slots, \
-    const int* __restrict__ first, const int* __restrict__ last, int n_heads, int n_kv, \
-    int ctx, int hd, int kk, int vk
+    float* __restrict__ part, const int* __restrict__ rows, \
+    const int* __restrict__ slots, const int* __restrict__ first, \
+    const int* __restrict__ last, int n_heads, int n_kv, int ctx, int hd, int kk, int vk, \
+    int splits
 
 extern "C" __global__ void __launch_bounds__(128) attend(ATTEND_PARAMS) {
     __shared__ float sm_m[WARPS][HEADS], sm_l[WARPS][HEADS];
     __shared__ float sm_acc[WARPS][HEADS][32 * MAXE];
     const int group = n_heads / n_kv, chunks = (group + HEADS - 1) / HEADS;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int i = blockIdx.x / (n_kv * chunks), h = blockIdx.x / chunks % n_kv;
-    const int c = blockIdx.x % chunks, j0 = h * group + c * HEADS;
+    const int sp = blockIdx.x % splits, unit = blockIdx.x / splits;
+    const int i = unit / (n_kv * chunks), h = unit / chunks % n_kv;
+    const int c = unit % chunks, j0 = h * group + c * HEADS;
     const int count = group - c * HEADS < HEADS ? group - c * HEADS : HEADS;
     const int row = rows[i];
     float qr[HEADS][MAXE], acc[HEADS][MAXE], m[HEADS], l[HEADS];
@@ -209,7 +220,9 @@ extern "C" __global__ void __launch_bounds__(128) attend(ATTEND_PARAMS) {
     }
     const u64 kb = (u64)row_bytes(kk, hd), vb = (u64)row_bytes(vk, hd);
     const u64 base = ((u64)slots[i] * n_kv + h) * ctx;
-    for (int p = first[i] + warp; p <= last[i]; p += WARPS) {
+    const int seg = (last[i] - first[i] + splits) / splits;
+    const int lo = first[i] + sp * seg, hi = lo + seg - 1 < last[i] ? lo + seg - 1 : last[i];
+    for (int p = lo + warp; p <= hi; p += WARPS) {
         const unsigned char* krow = kc + (base + p) * kb;
         const unsigned char* vrow = vc + (base + p) * vb;
         float kf[MAXE], vf[MAXE], s[HEADS];
@@ -261,7 +274,34 @@ extern "C" __global__ void __launch_bounds__(128) attend(ATTEND_PARAMS) {
             sum += sm_l[w][j] * f;
             o += sm_acc[w][j][e] * f;
         }
-        out[((u64)row * n_heads + j0 + j) * hd + e] = o / sum;
+        if (splits == 1) {
+            out[((u64)row * n_heads + j0 + j) * hd + e] = o / sum;
+        } else {
+            float* dst = part + (((u64)i * n_heads + j0 + j) * splits + sp) * (hd + 2);
+            if (e == 0) {
+                dst[0] = mx;
+                dst[1] = sum;
+            }
+            dst[2 + e] = o;
+        }
+    }
+}
+
+/* out[rows[i], head] from the `splits` segments' partial results of attend */
+extern "C" __global__ void attend_merge(const float* __restrict__ part, float* __restrict__ out,
+                                        const int* __restrict__ rows, int n_heads, int hd,
+                                        int splits) {
+    const int i = blockIdx.x / n_heads, head = blockIdx.x % n_heads;
+    const float* src = part + ((u64)i * n_heads + head) * splits * (hd + 2);
+    float mx = NO_SCORE;
+    for (int s = 0; s < splits; ++s) mx = fmaxf(mx, src[s * (hd + 2)]);
+    float sum = 0.0f;
+    for (int s = 0; s < splits; ++s) sum += src[s * (hd + 2) + 1] * expf(src[s * (hd + 2)] - mx);
+    for (int e = threadIdx.x; e < hd; e += blockDim.x) {
+        float o = 0.0f;
+        for (int s = 0; s < splits; ++s)
+            o += src[s * (hd + 2) + 2 + e] * expf(src[s * (hd + 2)] - mx);
+        out[((u64)rows[i] * n_heads + head) * hd + e] = o / sum;
     }
 }
 
@@ -365,7 +405,7 @@ extern "C" __global__ void __launch_bounds__(128) attend_chunk(CHUNK_PARAMS) {
 
 """
 
-KERNELS = ("kv_write", "attend", "attend_chunk")
+KERNELS = ("kv_write", "attend", "attend_merge", "attend_chunk")
 CODE = {kind: np.int32(i) for i, kind in enumerate(KINDS)}      # the source's KV_*
 
 
@@ -387,6 +427,7 @@ class Items:
     first: object
     last: object
     n: int
+    longest: int          # the most keys one query reads
 
 
 class StepPlan:
@@ -416,7 +457,9 @@ class StepPlan:
                 np.maximum(last - window + 1, 0).astype(np.int32)
             xp = self.xp
             self._items[window] = Items(*(xp.asarray(a) for a in (rows, slots, first, last)),
-                                        n=len(rows))
+                                        n=len(rows),
+                                        longest=int((last - first).max() + 1) if len(rows)
+                                        else 0)
         return self._items[window]
 
     def tiles(self, per_tile: int):
@@ -456,15 +499,30 @@ def write_launch(kind: str, x, cache, plan: StepPlan, ctx: int) -> Launch:
                    CODE[kind]))
 
 
-def attend_launch(kinds: tuple[str, str], q, kc, vc, out, items: Items, ctx: int) -> Launch:
+def splits_for(blocks: int, longest: int) -> int:
+    """Key segments per decode: enough blocks for the die (TARGET_BLOCKS), each segment
+    at least SPLIT_KEYS keys (below that the merge costs more than it spreads)."""
+    return max(1, min(-(-TARGET_BLOCKS // max(blocks, 1)), longest // SPLIT_KEYS, MAX_SPLITS))
+
+
+def attend_launches(kinds: tuple[str, str], q, kc, vc, out, items: Items, ctx: int,
+                    part=None) -> list[Launch]:
+    """The decode kernel, and the merge of its segments when `part` (float32 [n, Hq,
+    splits, hd + 2]) is given."""
     n, n_heads, hd = q.shape
     n_kv = kc.shape[1]
     chunks = -(-(n_heads // n_kv) // HEADS)
+    splits = 1 if part is None else part.shape[2]
     i32 = np.int32
-    return Launch("attend", items.n * n_kv * chunks, 32 * WARPS,
-                  (q, kc, vc, out, items.rows, items.slots, items.first, items.last,
-                   i32(n_heads), i32(n_kv), i32(ctx), i32(hd), CODE[kinds[0]],
-                   CODE[kinds[1]]))
+    part_arg = out if part is None else part              # never read with one segment
+    launches = [Launch("attend", items.n * n_kv * chunks * splits, 32 * WARPS,
+                       (q, kc, vc, out, part_arg, items.rows, items.slots, items.first,
+                        items.last, i32(n_heads), i32(n_kv), i32(ctx), i32(hd),
+                        CODE[kinds[0]], CODE[kinds[1]], i32(splits)))]
+    if part is not None:
+        launches.append(Launch("attend_merge", items.n * n_heads, 32 * min(4, -(-hd // 32)),
+                               (part, out, items.rows, i32(n_heads), i32(hd), i32(splits))))
+    return launches
 
 
 def chunk_launch(kinds: tuple[str, str], q, kc, vc, out, tiles, ctx: int,
@@ -520,7 +578,14 @@ def attend(state, q, out, plan: StepPlan, window: int | None) -> None:
     q = _f32(cp, q)
     items = plan.items(window)
     if items.n:
-        run(attend_launch(state.kinds, q, state.k, state.v, out, items, state.ctx), cp)
+        n_heads, hd, n_kv = q.shape[1], q.shape[2], state.k.shape[1]
+        blocks = items.n * n_kv * -(-(n_heads // n_kv) // HEADS)
+        splits = splits_for(blocks, items.longest)
+        part = None if splits == 1 else \
+            cp.empty((items.n, n_heads, splits, hd + 2), dtype=cp.float32)
+        for launch in attend_launches(state.kinds, q, state.k, state.v, out, items,
+                                      state.ctx, part):
+            run(launch, cp)
     tiles = plan.tiles(chunk_geometry(q.shape[1], state.k.shape[1])[0])
     if tiles is not None:
         run(chunk_launch(state.kinds, q, state.k, state.v, out, tiles, state.ctx, window), cp)

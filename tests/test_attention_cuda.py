@@ -181,3 +181,26 @@ def test_the_benchmark_runs_on_the_emulated_die(capsys):
     assert row["decode"] > 0 and row["prefill_chunk"] > 0 and row["decode_array_path"] > 0
     # 2 slots x (k, v) x 2 kv heads x a row of 32 in q4_0 (18 bytes) x positions 0..31
     assert row["decode_kv_bytes"] == 2 * 2 * 2 * 18 * 32
+
+
+def test_a_decode_step_allocates_no_window_of_the_cache(tmp_path, monkeypatch):
+    """The emulated die's memory high-water mark over one decode step at 240 positions
+    (q8_0): a float copy of one layer's window (2 KV heads x 240 x 32 x keys and values,
+    123 kB) would show (the path before the kernels: 207 kB); the step's own arrays are
+    4 kB."""
+    from pantheon.worker import emulated
+    path = tm.write_gguf("qwen3", tmp_path / "q3.gguf", tensor_type="Q8_0")
+    emu = load_engine(path, die="emu:0", n_slots=1, ctx=256, kv_cache=KVCacheTypes.of("q8_0"))
+    rng = np.random.default_rng(1)
+    emu.forward(rng.integers(3, 320, 120), [Span(0, 0, 120)])
+    emu.forward(rng.integers(3, 320, 120), [Span(0, 120, 120)])
+    charge, peak = emulated._charge, []
+
+    def counted(a):
+        charge(a)
+        peak.append(emulated._die().used)
+    monkeypatch.setattr(emulated, "_charge", counted)
+    before = emulated._die().used
+    emu.forward(np.array([7]), [Span(0, 240, 1)])
+    window = 2 * 240 * 32 * 4 * 2
+    assert peak and max(peak) - before < window // 8, (max(peak) - before, window)

@@ -60,9 +60,9 @@ class KVState:
             dtype = (kind, kind)
         self.kinds = dtype
         if any(k in QUANTIZED for k in dtype) and head_dim % BLOCK:
-            raise KVUnreadable(f"a {'/'.join(dtype)} KV cache needs a head size that is a "
-                             f"multiple of {BLOCK}; this model's is {head_dim}: use "
-                             f"--kv-cache f16 or f32")
+            raise KVUnreadable(f"a {'/'.join(dtype)} KV cache needs a head size that is "
+                               f"a multiple of {BLOCK}; this model's is {head_dim}: use "
+                               f"--kv-cache f16 or f32")
         if xp is not np:                # a GPU die: worker/attention_cuda.py reads it
             from .attention_cuda import check_head
             check_head(head_dim)

@@ -7,10 +7,11 @@ A sliding window is exact everywhere: a query at position p sees keys (p - windo
 p], whether its prompt came in one chunk, in many, or token by token; only the keys
 a window can reach are read.
 
-On the CPU the C kernels (worker/kernels.c) run both; on a GPU die every query of the
-step is one launch of worker/attention_cuda.py's kernels, which write the step's keys
-and values (quantized once) and read the cache in its stored type, with no float copy
-of anyone's history. The NumPy expressions below are the reference.
+On the CPU the C kernels (worker/kernels.c) run both; on a GPU die each layer's step is
+a few launches of worker/attention_cuda.py's kernels (the step's keys and values written,
+quantized once; the decodes; the prefill chunks in tiles), which read the cache in its
+stored type with no float copy of anyone's history. The NumPy expressions below are
+the reference.
 """
 from __future__ import annotations
 
@@ -213,7 +214,7 @@ def attend_batch(state: KVState, q, k, v, batch, window: int | None):
     are cached at their spans' positions; → [T, Hq * hd] (a step scratch buffer, padding
     rows zero): the decodes as one group, each prefill chunk alone."""
     attn = batch.scratch(q.shape[1] * q.shape[2])
-    if not isinstance(q, np.ndarray):     # a GPU die: every query of the step in one launch,
+    if not isinstance(q, np.ndarray):     # a GPU die: the whole step in a few launches
         plan = batch.memo("cuda", attention_cuda.StepPlan)
         attention_cuda.write(state, k, v, plan)         # quantized once, as written
         attention_cuda.attend(state, q, attn, plan, window)   # read where they are stored

@@ -135,6 +135,8 @@ def test_the_source_compiles_for_kepler_without_spills(arch):
     frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores", out.log)
     assert sorted(names) == sorted(ac.KERNELS) and len(frames) == len(names)
     assert [(n, f) for n, f in zip(names, frames) if f != ("0", "0")] == []
+    ptx = nvrtc_check.compile_source(ac.SOURCE, f"compute_{arch}", ("--std=c++17",))
+    assert ptx.ok and b"__local_depot" not in ptx.code     # every per-lane array in registers
 
 
 # emulated die against the CPU die, measured (the old path, which dequantized the window

@@ -32,6 +32,7 @@ from ..common.keys import KeyPair, curve_server
 from ..common.model_file import ModelFileError
 from ..common.weight_format import QUANTIZE_MODES, weight_bytes
 from .admission import Admission
+from .model_policy import Want
 from . import split_placement
 from .dies import DieTable, PlacementError
 from .placement import Placer
@@ -205,6 +206,7 @@ class Admin:
         rule, say what it may open); `reason` goes to the log and the load metrics."""
         path = field(body, "path", str, required=True)
         pin = field(body, "pin", bool, False)
+        evict = field(body, "evict", bool, True)
         if not Path(path).is_absolute():       # the server's folder is not the caller's
             raise AdminError(400, f"model path must be absolute, got {path!r}", "path")
         if not trusted and self.model_dirs is not None and not self.model_dirs.allows(path):
@@ -261,10 +263,20 @@ class Admin:
         if self.draining:
             raise AdminError(503, "the server is shutting down: no new loads")
         self.loading.add(name)
-        task = asyncio.ensure_future(self.place_and_upload(path, name, dies, ctx, slots,
-                                                           on_progress, quantize, reason, spec,
-                                                           split=split, activations=activations,
-                                                           kv=kv))
+
+        def upload():
+            return self.place_and_upload(path, name, dies, ctx, slots, on_progress, quantize,
+                                         reason, spec, split=split, activations=activations,
+                                         kv=kv)
+        one_die = split is None and (dies is None or len(dies) == 1)
+        # a request's load makes room itself (it holds the autoloader's room already)
+        if self.autoload is not None and reason == "admin" and one_die:
+            want = Want(name=name, path=path, dies=dies, slots=slots, ctx=ctx,
+                        quantize=quantize, kv=kv)
+            task = asyncio.ensure_future(self.upload_evicting(want, upload) if evict
+                                         else self.upload_saying_what_could_go(want, upload))
+        else:
+            task = asyncio.ensure_future(upload())
         self.load_tasks.add(task)
         try:
             loaded = await task
@@ -279,6 +291,42 @@ class Admin:
         finally:
             self.load_tasks.discard(task)
             self.loading.discard(name)
+            self.registry.change.fire()             # its end: load waiters look again
+
+    async def upload_saying_what_could_go(self, want, upload) -> dict:
+        """An admin load with "evict": false: its 507 names the replicas that could go."""
+        try:
+            return await upload()
+        except AdminError as exc:
+            try:
+                could = await self.autoload.could_go(want) if exc.status == 507 else []
+            except Exception:              # only a hint: the 507 stands as it is
+                could = []
+            if not could:
+                raise
+            raise AdminError(507, f"{exc}; evicting {', '.join(could)} (idle, not pinned) "
+                                  "would make room: load without \"evict\": false",
+                             exc.param) from None
+
+    async def upload_evicting(self, want, upload) -> dict:
+        """An admin load that does not fit any die makes room as a request's load does:
+        the least recently used idle, unpinned replicas are evicted (a busy one is waited
+        for up to --queue-timeout), then it is placed again; the answer's `evicted` lists
+        them. One room-maker at a time: the autoloader's `room`."""
+        async with self.autoload.room:
+            try:
+                return await upload() | {"evicted": []}
+            except AdminError as exc:
+                if exc.status != 507:
+                    raise
+                first = exc
+            deadline = time.monotonic() + self.admission.timeout_s
+            evicted = await self.autoload.make_room(want, deadline, cap=False)
+            if not evicted:           # it fits by the budget, yet the die refused it
+                raise first
+            log.info("made room for %s: evicted %s", want.name,
+                     ", ".join(e["id"] for e in evicted))
+            return await upload() | {"evicted": evicted}
 
     async def place_and_upload(self, path, name, dies, ctx, slots, on_progress,
                                quantize="", reason="admin", spec=None,

@@ -30,6 +30,8 @@ def request_args(args) -> dict:
             out["split"] = [args.split]
         if args.pin:
             out["pin"] = True
+        if getattr(args, "no_evict", False):
+            out["evict"] = False
         if args.activations:
             out["activations"] = args.activations
         out = {k: v for k, v in out.items() if v is not None}

@@ -386,6 +386,9 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--slots", type=int, default=0)
     load.add_argument("--pin", action="store_true",
                       help="never unload it when idle nor evict it to make room")
+    load.add_argument("--no-evict", action="store_true",
+                      help="a 507 when no die has room, rather than evicting idle, "
+                           "unpinned replicas (least recently used first) to make it")
     load.add_argument("--spec", metavar="KIND",
                       help="its speculative decoding: ngram, draft (with --draft-model) or "
                            "none (default: the server's --spec)")

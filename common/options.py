@@ -27,6 +27,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable
 
 from . import settings
+from .stage_bind import StageBind
 from .weight_format import QUANTIZE_MODES
 
 SERVE, WORKER, RUN, BENCH = "serve", "worker", "run", "bench-engine"
@@ -58,6 +59,13 @@ def core_list(text: str) -> list[int]:
         return [int(c) for c in text.split(",") if c.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"cores are a comma-separated list of numbers: {text!r}")
+
+
+def stage_bind(text: str):
+    try:
+        return StageBind.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def comma_list(text: str) -> list[str]:
@@ -300,6 +308,11 @@ OPTIONS: tuple[Option, ...] = (
     Option(("--insecure",), (WORKER,), "connect to the frontend without keys, on loopback too: "
            "the worker obeys whatever process bound the address (warned)",
            action="store_true", field="WorkerConfig.insecure"),
+    Option(("--stage-bind",), (WORKER,), "where a tcp stage link of a split replica binds when "
+           "this worker holds its second stage: HOST is bound and advertised to the first "
+           "stage's worker (0.0.0.0: every interface, advertising the address toward the "
+           "frontend); default: that address, any free port", stage_bind,
+           metavar="HOST[:PORT[-PORT]]", field="WorkerConfig.stage_bind"),
 )
 
 

@@ -174,10 +174,16 @@ def build_parser() -> argparse.ArgumentParser:
                       help="split the replica across two dies (pipeline stages)")
     load.add_argument("--split", type=int, metavar="K",
                       help="with --dies A,B: the first layer of the second stage")
+    load.add_argument("--link", choices=["auto", "ipc", "tcp"],
+                      help="with --dies A,B: the stage link between them (default auto: ipc "
+                      "when both dies' workers run on one host, else tcp; CURVE with --keys)")
     load.add_argument("--ctx", type=int, default=0)
     load.add_argument("--slots", type=int, default=0)
     load.add_argument("--pin", action="store_true",
                       help="never unload it when idle nor evict it to make room")
+    load.add_argument("--no-evict", action="store_true",
+                      help="a 507 when no die has room, rather than evicting idle, "
+                           "unpinned replicas (least recently used first) to make it")
     load.add_argument("--spec", metavar="KIND",
                       help="its speculative decoding: ngram, draft (with --draft-model) or "
                            "none (default: the server's --spec)")

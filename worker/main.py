@@ -41,6 +41,7 @@ from ..common import protocol as p
 from ..common import settings
 from ..common.formats import FormatError
 from ..common.gguf_file import forget_cached
+from ..common.host_identity import host_identity
 from ..common.keys import KeyPair, curve_client, is_local_address, server_public, worker_pair
 from ..common.kv_cache import KVCacheTypes
 from ..common.model_file import ModelFileError
@@ -50,6 +51,7 @@ from .engine import Engine, load_engine
 from .scheduler import Request
 from .spec import SpecConfig
 from . import stage_link
+from .stage_socket import StageBind, StageLinkError, StageNet
 
 log = logging.getLogger("pantheon.worker")
 
@@ -132,11 +134,14 @@ class Worker:
     def __init__(self, device: Device, frontend: str, die: str, slots: int = settings.SLOTS,
                  prefix_cache_bytes: int = 0, parent_pid: int = 0, budget: int = 0,
                  keys: tuple[bytes, KeyPair] | None = None, proof: str = "",
-                 kv_cache: KVCacheTypes = KVCacheTypes()):
+                 kv_cache: KVCacheTypes = KVCacheTypes(), stage_bind: StageBind = StageBind()):
         self.device, self.die, self.slots = device, die, slots
         self.kv_cache = kv_cache         # for loads whose message names no KV type
         self.keys = keys                 # (server public key, own pair): CURVE
         self.proof = proof               # from the frontend that spawned us: our hello's
+        # a split replica's stage link: this worker's own pair, where a tcp one binds
+        self.stage_net = StageNet(keys[1] if keys else None, stage_bind, frontend)
+        self.host = host_identity()
         self.refused_at = -60.0          # the last refused hello logged
         self.parent_pid = parent_pid     # spawned by a frontend: live and die with it
         self.budget = budget
@@ -198,7 +203,8 @@ class Worker:
                                r.engine.state_bytes) for r in self.replicas.values()]
         return p.Hello(self.die, self.device.kind, self.device.name, total, free, self.slots,
                        os.getpid(), list(self.replicas), self.budget or total, resident,
-                       list(self.owner), self.proof)
+                       list(self.owner), self.proof, host=self.host,
+                       public_key=self.keys[1].public.decode() if self.keys else "")
 
     def beat(self) -> p.Heartbeat:
         """This moment's heartbeat (called by the heartbeat thread)."""
@@ -523,7 +529,8 @@ class Worker:
             if msg.stage is not None:       # a stage of a replica split across two dies
                 result = stage_link.load_stage(msg, self.device, self.slots,
                                                self.prefix_cache_bytes, progress,
-                                               spec=spec_config(msg.spec), kv_cache=kv)
+                                               spec=spec_config(msg.spec), kv_cache=kv,
+                                               net=self.stage_net)
                 self.loads.put((msg, result))
                 self.wake()
                 return
@@ -554,6 +561,8 @@ class Worker:
             if isinstance(result, Exception):
                 if isinstance(result, (ModelFileError, FormatError)):   # the file's fault
                     self.send(p.LoadFailed(msg.model_id, str(result), p.BAD_MODEL_FILE))
+                elif isinstance(result, StageLinkError):     # a port in use, keys missing
+                    self.send(p.LoadFailed(msg.model_id, str(result), p.STAGE_LINK))
                 else:   # MemoryError: CuPy's OutOfMemoryError (the emulated die's too) or the host's
                     code = p.OUT_OF_MEMORY if isinstance(result, MemoryError) else ""
                     self.send(p.LoadFailed(msg.model_id, f"{type(result).__name__}: {result}", code))
@@ -673,6 +682,7 @@ class WorkerConfig:
     keys: str | None = None                # CURVE: a worker folder of `pantheon keys`
     insecure: bool = False                 # join without keys where none are proven
     kv_cache: KVCacheTypes = field(default_factory=KVCacheTypes)  # a Load naming none
+    stage_bind: StageBind | None = None    # where a tcp stage link binds (None: the default)
 
 
 def link_keys(cfg: WorkerConfig, spawned: bool) -> tuple[bytes, KeyPair] | None:
@@ -713,7 +723,8 @@ def run(cfg: WorkerConfig) -> int:
     pin_cores(cfg.cores)
     worker = Worker(device, cfg.frontend, cfg.die, slots=cfg.slots,
                     prefix_cache_bytes=cfg.prefix_cache_bytes, parent_pid=cfg.parent_pid,
-                    budget=cfg.budget_bytes, keys=keys, proof=proof, kv_cache=cfg.kv_cache)
+                    budget=cfg.budget_bytes, keys=keys, proof=proof, kv_cache=cfg.kv_cache,
+                    stage_bind=cfg.stage_bind or StageBind())
     signal.signal(signal.SIGTERM, lambda *_: worker.stop())    # after this step
     if cfg.parent_pid:
         # a Ctrl-C reaches the whole process group: the frontend drains, then stops us

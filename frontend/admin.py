@@ -216,6 +216,12 @@ class Admin:
         name = field(body, "name", str) or Path(path).stem
         dies = field(body, "dies", list)
         split = field(body, "split", list)
+        link = field(body, "link", str) or ""
+        if link not in ("", "auto", "ipc", "tcp"):
+            raise AdminError(400, f"link must be auto, ipc or tcp, not {link!r}", "link")
+        if link not in ("", "auto") and (dies is None or len(dies) != 2):
+            raise AdminError(400, "link names a split's stage link: give \"dies\": [a, b]",
+                             "link")
         ctx, slots = field(body, "ctx", int, 0), field(body, "slots", int, 0)
         quantize = body.get("quantize") or ""
         if quantize is True:                           # the spec's boolean: true = q8_0
@@ -267,7 +273,7 @@ class Admin:
         def upload():
             return self.place_and_upload(path, name, dies, ctx, slots, on_progress, quantize,
                                          reason, spec, split=split, activations=activations,
-                                         kv=kv)
+                                         link=link, kv=kv)
         one_die = split is None and (dies is None or len(dies) == 1)
         # a request's load makes room itself (it holds the autoloader's room already)
         if self.autoload is not None and reason == "admin" and one_die:
@@ -330,7 +336,7 @@ class Admin:
 
     async def place_and_upload(self, path, name, dies, ctx, slots, on_progress,
                                quantize="", reason="admin", spec=None,
-                               activations="", split=None,
+                               activations="", split=None, link="",
                                kv: KVCacheTypes = KVCacheTypes()) -> dict:
         if not Path(path).exists():
             raise AdminError(404, f"model file not found: {path}", "path")
@@ -395,6 +401,7 @@ class Admin:
         replica.want_quantize, replica.reason, replica.want_kv = quantize, reason, kv
         replica.want_activations = activations
         replica.want_spec = spec
+        replica.want_link = "" if link == "auto" else link
         replica.state = ReplicaState.LOADING
         # phase 3: upload (the placer holds the fleet-wide upload lock); phase 4: publish
         sent = [None]
@@ -418,6 +425,10 @@ class Admin:
                 raise AdminError(400, f"{path} cannot be loaded: {replica.error}", "path")
             if replica.error_code == p.OUT_OF_MEMORY:       # no room, as admission's 507
                 raise AdminError(507, f"loading {name!r} on die {die} failed: {replica.error}")
+            if replica.error_code == split_placement.LINK_REFUSED:   # keys, --insecure, hosts
+                raise AdminError(400, f"loading {name!r} failed: {replica.error}", "link")
+            if replica.error_code == p.STAGE_LINK:          # a port in use, keys missing
+                raise AdminError(503, f"loading {name!r} across dies failed: {replica.error}")
             raise AdminError(500, f"loading {name!r} on die {die} failed: {replica.error}")
         return {"loaded": {"name": name, "die": die, **replica.as_json()}}
 

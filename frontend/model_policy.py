@@ -39,12 +39,6 @@ class LifecycleConfig:
         if self.max_loaded < 0:
             raise ValueError(f"--max-loaded {self.max_loaded}: 0 (no cap) or more")
 
-    @classmethod
-    def from_args(cls, args) -> "LifecycleConfig":
-        return cls(aliases=[parse_alias(a) for a in args.alias or []], pins=args.pin or [],
-                   keep_alive_s=args.keep_alive, max_loaded=args.max_loaded,
-                   autoload=not args.no_autoload, preload=not args.no_preload)
-
     def catalog(self, models: list[tuple[str, str | None]],
                 model_dirs: list[str] | None) -> Catalog:
         """The catalog, scanned (blocking: off the event loop); CatalogError for a bad

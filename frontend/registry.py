@@ -96,6 +96,7 @@ class Replica:
     reason: str = "start"          # why it was loaded: start, request, admin (autoload.py)
     stages: list | None = None     # split across two dies: split_placement.StagePlan each
     want_dies: list | None = None  # serve --model-dies: the two dies to split it across
+    want_link: str = ""            # a split's stage link: "ipc", "tcp"; "": by the hosts
     placement: str = ""            # why it was placed so (an automatic split says why)
     idle: asyncio.Event = field(default_factory=lambda: idle_event(), repr=False,
                                 compare=False)   # set while nothing is in flight

@@ -3099,8 +3099,8 @@ static inline int blocks32(const PnMat *m) { return i8_kind(m->code) && m->bs ==
  * sums in one int32 vector, scaled by the 8 rows' block scales times x's in one
  * multiply-add (and the mins by x's exact block sums in another). The row kernels pay a
  * conversion, a scale and a horizontal sum per block, row of W and row of x; here one per
- * 8 rows of W. x stays int16 per block of 32 (pn_quantize_x, unpaired), as precise as
- * the row kernels. W keeps the file's layout: nothing is repacked at load. */
+ * 8 rows of W. x stays int16 per block of 32 in the full range (bg_quantize, as the
+ * AVX-512 token lanes). W keeps the file's layout: nothing is repacked at load. */
 #if !defined(PN_ZMM)
 #define BG_X 6              /* rows of x a pass (4: 0.84x, 5: 0.95x, 8: 0.80x of 6, alternated) */
 
@@ -3235,9 +3235,45 @@ static void bg_chunk(const void *p, int64_t g) {        /* group g: rows 8g .. 8
     }
 }
 
+/* x [B, K] → int16 per block of 32 in the full range (32767 steps: the weights here are
+ * at most 127 in size, so no pair of products comes near int32's limits; with the row
+ * kernels' 16383 one near-tied position of a tiny Qwen3.5 model flipped), its step and
+ * its exact block sums: pn_quantize_x's arithmetic otherwise. */
+static void bg_quantize(const float *x, int64_t B, int64_t K, int16_t *xq, float *xd, float *xs) {
+    const int64_t nx = K / 32;
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u));
+    const __m256 half = _mm256_set1_ps(0.5f);
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t blk = 0; blk < nx; blk++) {
+            const float *v = x + b * K + blk * 32;
+            int16_t *q = xq + b * K + blk * 32;
+            __m256 a[4], mx = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
+            for (int h = 0; h < 4; h++) {
+                a[h] = _mm256_loadu_ps(v + 8 * h);
+                mx = _mm256_max_ps(mx, _mm256_and_ps(a[h], absmask));
+                sum = _mm256_add_ps(sum, a[h]);
+            }
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            const float d = _mm_cvtss_f32(m4) / 32767.0f, inv = d > 0 ? 1.0f / d : 0.0f;
+            const __m256 vinv = _mm256_set1_ps(inv);
+            __m256i iv[4];
+            for (int h = 0; h < 4; h++) {
+                __m256 r = _mm256_mul_ps(a[h], vinv);
+                iv[h] = _mm256_cvttps_epi32(_mm256_add_ps(r, _mm256_or_ps(_mm256_and_ps(r, sign), half)));
+            }
+            _mm256_storeu_si256((__m256i *)q, _mm256_permute4x64_epi64(_mm256_packs_epi32(iv[0], iv[1]), 0xD8));
+            _mm256_storeu_si256((__m256i *)(q + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(iv[2], iv[3]), 0xD8));
+            xd[b * nx + blk] = d;
+            xs[b * nx + blk] = hsum(sum);
+        }
+}
+
 static void gemm_b_groups(const PnMat *m, const float *x, int64_t B, const PnScratch *s,
                           float *out) {
-    pn_quantize_x(x, B, m->K, s->xq, s->xd, s->xs, 0);
+    bg_quantize(x, B, m->K, s->xq, s->xd, s->xs);
     BgArgs a = {m, s->xq, s->xd, s->xs, B, out};
     pool_run(bg_chunk, &a, (m->N + 7) / 8);
 }

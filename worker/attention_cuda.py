@@ -43,6 +43,7 @@ from functools import lru_cache
 import numpy as np
 
 from ..common.kv_cache import KVUnreadable
+from .kernels_cuda import HALF_TO_FLOAT
 
 HEADS = 4                # query heads of one group per block (must match the source)
 MAXE = 8                 # elements per lane: heads up to 256 (must match the source)
@@ -68,22 +69,7 @@ SOURCE = r"""
 #define NO_SCORE -3.0e38f
 typedef unsigned long long u64;
 
-__device__ __forceinline__ float h2f(unsigned short h) {
-#ifdef __CUDA_ARCH__
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-#else
-    const unsigned sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-    if (e == 0) {                                   /* zero or subnormal: man * 2^-24 */
-        const float f = (float)man * 5.9604644775390625e-08f;
-        return sign ? -f : f;
-    }
-    const unsigned bits = sign | (e == 0x1fu ? 0x7f800000u : (e + 112u) << 23) | (man << 13);
-    return __int_as_float((int)bits);
-#endif
-}
-
+""" + HALF_TO_FLOAT + r"""
 /* float → fp16 bits, rounding to nearest even (NumPy's astype(float16)) */
 __device__ __forceinline__ unsigned short f2h(float f) {
 #ifdef __CUDA_ARCH__
@@ -113,10 +99,10 @@ __device__ __forceinline__ int row_bytes(int kind, int hd) {
 __device__ __forceinline__ float load_element(int kind, const unsigned char* __restrict__ row,
                                               int e) {
     if (kind == KV_F32) return __ldg((const float*)row + e);
-    if (kind == KV_F16) return h2f(__ldg((const unsigned short*)row + e));
+    if (kind == KV_F16) return half_to_float(__ldg((const unsigned short*)row + e));
     const int per = kind == KV_Q8 ? 34 : 18;
     const unsigned char* b = row + (e >> 5) * per;
-    const float d = h2f((unsigned short)(__ldg(b) | (__ldg(b + 1) << 8)));
+    const float d = half_to_float((unsigned short)(__ldg(b) | (__ldg(b + 1) << 8)));
     const int j = e & 31;
     if (kind == KV_Q8) return d * (float)(signed char)__ldg(b + 2 + j);
     const unsigned byte = __ldg(b + 2 + (j & 15));

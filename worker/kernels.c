@@ -3751,6 +3751,170 @@ attn_fast(const float *restrict qb, const void *restrict Kh, const void *restric
  * 254), finer than an fp16 query (one digit, llama.cpp's q8_0 query, moved SmolLM2's
  * logits 3e-4 nats from the float path's). qi [g][hd] and qi2 the digits, dq [g][hd / 32]
  * the scales, qs and qs2 the blocks' sums of each digit. */
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+/* e^x for x <= 0 (the softmax's), 8 lanes: exp512's reduction and polynomial, 2^n built
+ * in the exponent bits; x < -87 gives 0 */
+static inline __m256 exp256(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f);
+    const __m256 tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                         _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+/* one stored row of type T (0 f32, 1 f16, 2 q8_0, 3 q4_0; hd floats) → floats at y:
+ * fp16 widened, each block's scale converted once per 32 elements */
+static inline __attribute__((always_inline)) void
+widen_row8(const int T, const void *restrict src, float *restrict y, const int64_t hd) {
+    if (T == 0) { memcpy(y, src, sizeof(float) * hd); return; }
+    if (T == 1) {
+        for (int64_t c = 0; c < hd; c += 8)
+            _mm256_store_ps(y + c, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)src + c))));
+        return;
+    }
+    const uint8_t *b = src;
+    for (int64_t blk = 0; blk < hd / 32; blk++, y += 32) {
+        uint16_t dh;
+        memcpy(&dh, b, 2);
+        const __m256 d = _mm256_set1_ps(half_to_float(dh));
+        __m128i q0, q1;                  /* elements 0..15, 16..31 as int8 */
+        if (T == 2) {                    /* widened straight from memory, 8 at a time */
+            for (int c = 0; c < 4; c++)
+                _mm256_store_ps(y + 8 * c, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                    _mm_loadl_epi64((const __m128i *)(b + 2 + 8 * c))))));
+            b += 34;
+            continue;
+        } else {
+            const __m128i q = _mm_loadu_si128((const __m128i *)(b + 2)), m = _mm_set1_epi8(15),
+                          e = _mm_set1_epi8(8);
+            q0 = _mm_sub_epi8(_mm_and_si128(q, m), e);
+            q1 = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), m), e);
+            b += 18;
+        }
+        _mm256_store_ps(y, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q0))));
+        _mm256_store_ps(y + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8)))));
+        _mm256_store_ps(y + 16, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q1))));
+        _mm256_store_ps(y + 24, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8)))));
+    }
+}
+
+/* The 256-bit builds' attention item (head sizes of NC8 * 8 floats, NC8 a multiple of 4):
+ * tiles of 16 positions whose keys, then values, are widened or dequantized once into
+ * scratch (in L1) and read there by every head of the group. Scores: 8 positions a time
+ * in 8 accumulators, reduced by a tree of horizontal adds; values: 6 heads x 16 floats a
+ * pass (12 accumulators: 16 registers hold them, two value vectors and a weight), kept in
+ * `ob` between tiles. */
+static inline __attribute__((always_inline)) void
+attn_fast8(const float *restrict qb, const void *restrict Kh, const void *restrict Vh,
+           int64_t L, int64_t g, float *restrict sc, float *restrict ob, const int NC8,
+           const int KT, const int VT) {
+    const int64_t hd = 8 * NC8, krb = kv_row_bytes(KT, hd), vrb = kv_row_bytes(VT, hd);
+    float tile[16 * 8 * NC8] __attribute__((aligned(32)));
+    for (int64_t l0 = 0; l0 < L; l0 += 16) {
+        const int64_t n = L - l0 < 16 ? L - l0 : 16;
+        const float *rows[16];
+        for (int i = 0; i < 16; i++) {
+            const int64_t l = l0 + (i < n ? i : n - 1);
+            if (KT == 0) rows[i] = (const float *)((const char *)Kh + l * krb);
+            else if (i < n) widen_row8(KT, (const char *)Kh + l * krb, tile + i * hd, hd), rows[i] = tile + i * hd;
+            else rows[i] = rows[n - 1];
+        }
+        for (int64_t j = 0; j < g; j++) {
+            const float *qj = qb + j * hd;
+            for (int h = 0; h < 16 && h < n; h += 8) {
+                __m256 a[8];
+                for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+                for (int c = 0; c < NC8; c++) {
+                    const __m256 qv = _mm256_loadu_ps(qj + 8 * c);
+                    for (int i = 0; i < 8; i++)
+                        a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[h + i] + 8 * c), a[i]);
+                }
+                const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]),
+                             t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+                const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+                const __m256 r = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                                               _mm256_permute2f128_ps(u0, u1, 0x31));
+                if (n - h >= 8) {
+                    _mm256_storeu_ps(sc + j * L + l0 + h, r);
+                } else {
+                    float out8[8];
+                    _mm256_storeu_ps(out8, r);
+                    for (int i = 0; i < n - h; i++) sc[j * L + l0 + h + i] = out8[i];
+                }
+            }
+        }
+    }
+    for (int64_t j = 0; j < g; j++) {                    /* softmax of each head's row */
+        float *s = sc + j * L, m = s[0];
+        int64_t l = 0;
+        __m256 vm = _mm256_set1_ps(-INFINITY);
+        for (; l + 8 <= L; l += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(s + l));
+        float mm[8];
+        _mm256_storeu_ps(mm, vm);
+        for (int i = 0; i < 8; i++) m = mm[i] > m ? mm[i] : m;
+        for (; l < L; l++) m = s[l] > m ? s[l] : m;
+        vm = _mm256_set1_ps(m);
+        __m256 vs = _mm256_setzero_ps();
+        for (l = 0; l + 8 <= L; l += 8) {
+            const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + l), vm));
+            _mm256_storeu_ps(s + l, e);
+            vs = _mm256_add_ps(vs, e);
+        }
+        float sum = hsum(vs);
+        for (; l < L; l++) { s[l] = expf(s[l] - m); sum += s[l]; }
+        const __m256 inv = _mm256_set1_ps(1.0f / sum);
+        for (l = 0; l + 8 <= L; l += 8) _mm256_storeu_ps(s + l, _mm256_mul_ps(_mm256_loadu_ps(s + l), inv));
+        for (; l < L; l++) s[l] *= 1.0f / sum;
+    }
+    for (int64_t i = 0; i < g * hd; i += 8) _mm256_storeu_ps(ob + i, _mm256_setzero_ps());
+    for (int64_t l0 = 0; l0 < L; l0 += 16) {
+        const int64_t n = L - l0 < 16 ? L - l0 : 16;
+        const float *rows[16];
+        for (int i = 0; i < n; i++) {
+            if (VT == 0) rows[i] = (const float *)((const char *)Vh + (l0 + i) * vrb);
+            else widen_row8(VT, (const char *)Vh + (l0 + i) * vrb, tile + i * hd, hd), rows[i] = tile + i * hd;
+        }
+        for (int c0 = 0; c0 < NC8; c0 += 2) {         /* 6 heads x 16 floats a pass */
+            for (int64_t j0 = 0; j0 < g; j0 += 6) {
+                const int jn = g - j0 < 6 ? (int)(g - j0) : 6;
+                __m256 acc[12];
+                for (int jj = 0; jj < 6; jj++) {
+                    if (jj >= jn) break;
+                    for (int c = 0; c < 2; c++)
+                        acc[jj * 2 + c] = _mm256_loadu_ps(ob + (j0 + jj) * hd + 8 * (c0 + c));
+                }
+                const float *w0 = sc + j0 * L + l0;
+                for (int64_t i = 0; i < n; i++) {
+                    const __m256 v0 = _mm256_loadu_ps(rows[i] + 8 * c0),
+                                 v1 = _mm256_loadu_ps(rows[i] + 8 * c0 + 8);
+                    for (int jj = 0; jj < 6; jj++) {
+                        if (jj >= jn) break;
+                        const __m256 w = _mm256_set1_ps(w0[jj * L + i]);
+                        acc[jj * 2] = _mm256_fmadd_ps(w, v0, acc[jj * 2]);
+                        acc[jj * 2 + 1] = _mm256_fmadd_ps(w, v1, acc[jj * 2 + 1]);
+                    }
+                }
+                for (int jj = 0; jj < jn; jj++)
+                    for (int c = 0; c < 2; c++)
+                        _mm256_storeu_ps(ob + (j0 + jj) * hd + 8 * (c0 + c), acc[jj * 2 + c]);
+            }
+        }
+    }
+}
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 static __thread void *qdigit_buf;
 static __thread int64_t qdigit_cap;
@@ -3837,6 +4001,25 @@ static void attn_item(const void *p, int64_t it) {
     }
 #undef ATTN_FAST
 #undef KSCORES
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    if (!attn_generic && (hd == 64 || hd == 128 || hd == 256)) {
+#define ATTN_FAST8(KT, VT) switch (hd) { \
+    case 64: attn_fast8(qb, Kh, Vh, L, g, sc, ob, 8, KT, VT); return; \
+    case 128: attn_fast8(qb, Kh, Vh, L, g, sc, ob, 16, KT, VT); return; \
+    default: attn_fast8(qb, Kh, Vh, L, g, sc, ob, 32, KT, VT); return; }
+        switch (a->kv) {
+        case 0: ATTN_FAST8(0, 0) break;
+        case 1 | 1 << 2: ATTN_FAST8(1, 1) break;
+        case 2 | 2 << 2: ATTN_FAST8(2, 2) break;
+        case 3 | 3 << 2: ATTN_FAST8(3, 3) break;
+        case 2 | 3 << 2: ATTN_FAST8(2, 3) break;
+        case 1 | 3 << 2: ATTN_FAST8(1, 3) break;
+        case 2 | 1 << 2: ATTN_FAST8(2, 1) break;
+        case 1 | 2 << 2: ATTN_FAST8(1, 2) break;
+        default: break;
+        }
+#undef ATTN_FAST8
+    }
 #endif
     /* the portable loops read float rows: one key or value row at a time is widened
      * (fp16) or dequantized (q8_0, q4_0) into a row of scratch; f32 rows are read as

@@ -10,7 +10,18 @@
   attention reads every position either way; the logits are not looked at.
 
     python -m pantheon.bench.kv_cache -m MODEL.gguf [--ctx 2048] [--batch 8] \\
-        [--budget-mb 4096] [--rounds 3] [--types f16,q8_0,q4_0]
+        [--budget-mb 4096] [--rounds 3] [--types f16,q8_0,q4_0] [--compare-llama DIR]
+
+With `--compare-llama DIR` (a folder holding llama.cpp's `llama-batched-bench`, e.g. what
+`../shared/tools/llama-anchor.sh` prints), each type is also run there with the same
+cache types, batch, context and threads, and its decode rate printed beside ours:
+
+    DIR/llama-batched-bench -m MODEL.gguf -c BATCH*CTX+64 -npp CTX-NTG -ntg NTG -npl BATCH \\
+        -fa on -ctk T -ctv T -t THREADS --output-format jsonl
+
+(llama.cpp prefills the BATCH x (CTX - NTG) prompt tokens first: minutes for a 1.5B model
+on 2 cores; `--llama-shared-prompt` adds `-pps`, one prompt shared by the sequences, which
+prefills once but leaves llama.cpp one copy of the history to read instead of BATCH.)
 """
 from __future__ import annotations
 
@@ -18,7 +29,9 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -89,12 +102,42 @@ def run(path: str, types: list[str], ctx: int, batch: int, budget_mb: float, rou
         row = out["types"][t]
         row["decode_tok_s"] = round(statistics.median(rates[t]), 2)
         row["rounds_tok_s"] = [round(r, 2) for r in rates[t]]
+        row["best_tok_s"] = round(max(rates[t]), 2)      # the least disturbed round
         row["bytes_vs_" + ref] = round(row["kv_bytes_per_position"] / f16["kv_bytes_per_position"], 4)
         row["slots_x_ctx_vs_" + ref] = round(row["slots_x_ctx"] / max(f16["slots_x_ctx"], 1), 3)
     for t in types:
         out["types"][t]["decode_vs_" + ref] = round(
             out["types"][t]["decode_tok_s"] / out["types"][ref]["decode_tok_s"], 3)
     out["load_avg_after"] = os.getloadavg()[0]
+    return out
+
+
+def llama_command(bindir: str, path: str, kind: str, ctx: int, batch: int, ntg: int,
+                  threads: int, shared: bool) -> list[str]:
+    """llama-batched-bench's command line for one cache type (both K and V)."""
+    cmd = [str(Path(bindir) / "llama-batched-bench"), "-m", path,
+           "-c", str(batch * ctx + 64), "-npp", str(ctx - ntg), "-ntg", str(ntg),
+           "-npl", str(batch), "-fa", "on", "-ctk", kind, "-ctv", kind, "-t", str(threads),
+           "--output-format", "jsonl"]
+    return cmd + (["-pps"] if shared else [])
+
+
+def llama_rates(bindir: str, path: str, types: list[str], ctx: int, batch: int, ntg: int,
+                threads: int, shared: bool) -> dict:
+    """{type: llama-batched-bench's decode and prefill tok/s} (one run per type: each
+    prefills its prompts first)."""
+    out = {}
+    for t in types:
+        cmd = llama_command(bindir, path, t, ctx, batch, ntg, threads, shared)
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        rows = [json.loads(line) for line in done.stdout.splitlines()
+                if line.startswith("{") and "speed_tg" in line]
+        if done.returncode != 0 or not rows:
+            raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n"
+                               f"{done.stderr[-1500:]}")
+        r = rows[-1]
+        out[t] = {"decode_tok_s": round(r["speed_tg"], 2), "prefill_tok_s": round(r["speed_pp"], 2),
+                  "command": " ".join(cmd), "load_avg": os.getloadavg()[0]}
     return out
 
 
@@ -107,9 +150,28 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-mb", type=float, default=4096)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--compare-llama", metavar="DIR",
+                    help="a folder with llama.cpp's llama-batched-bench: its decode rate "
+                         "per type beside ours")
+    ap.add_argument("--llama-ntg", type=int, default=32,
+                    help="tokens llama-batched-bench generates per sequence (after CTX - NTG "
+                         "prompt tokens)")
+    ap.add_argument("--llama-shared-prompt", action="store_true",
+                    help="pass -pps: one prompt shared by the sequences (one prefill)")
     a = ap.parse_args(argv)
-    print(json.dumps(run(a.model, a.types.split(","), a.ctx, a.batch, a.budget_mb, a.rounds,
-                         a.steps), indent=1))
+    types = a.types.split(",")
+    if a.compare_llama and not (Path(a.compare_llama) / "llama-batched-bench").exists():
+        ap.error(f"--compare-llama: no llama-batched-bench in {a.compare_llama}")
+    out = run(a.model, types, a.ctx, a.batch, a.budget_mb, a.rounds, a.steps)
+    if a.compare_llama:
+        from ..worker.kernels_cpu import threads
+        llama = llama_rates(a.compare_llama, a.model, types, a.ctx, a.batch, a.llama_ntg,
+                            threads(), a.llama_shared_prompt)
+        out["llama_batched_bench"] = llama
+        for t in types:
+            out["types"][t]["vs_llama"] = round(
+                out["types"][t]["decode_tok_s"] / llama[t]["decode_tok_s"], 3)
+    print(json.dumps(out, indent=1))
     return 0
 
 

@@ -187,7 +187,7 @@ def _attention(kt, vt, q, k, v, length, generic):
 @pytest.mark.parametrize("kt, vt", [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q8_0", "q4_0"),
                                     ("f16", "q4_0"), ("q4_0", "f32"), ("q8_0", "f16"),
                                     ("f16", "q8_0")])
-@pytest.mark.parametrize("hd", [64, 128])
+@pytest.mark.parametrize("hd", [64, 128, 256])
 def test_the_tiled_attention_reads_blocks_as_the_row_loops_do(kt, vt, hd):
     """Head sizes of 64 / 128 / 256 take the AVX-512 tiles (values dequantized in
     registers, a block's scale converted once; block keys as integer dots where the CPU

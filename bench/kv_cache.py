@@ -11,6 +11,11 @@
 
     python -m pantheon.bench.kv_cache -m MODEL.gguf [--ctx 2048] [--batch 8] \\
         [--budget-mb 4096] [--rounds 3] [--types f16,q8_0,q4_0] [--compare-llama DIR]
+    python -m pantheon.bench.kv_cache -m MODEL.gguf --attention-only [--rounds 7]
+
+`--attention-only` times the C decode attention alone: one layer's call over the batch's
+caches with the model's heads, the types alternated in rounds (less noisy on a shared
+host than whole steps, whose weights' products every type shares).
 
 With `--compare-llama DIR` (a folder holding llama.cpp's `llama-batched-bench`, e.g. what
 `../shared/tools/llama-anchor.sh` prints), each type is also run there with the same
@@ -112,6 +117,33 @@ def run(path: str, types: list[str], ctx: int, batch: int, budget_mb: float, rou
     return out
 
 
+def attention_rates(cfg, types: list[str], ctx: int, batch: int, rounds: int,
+                    reps: int = 10) -> dict:
+    """The C decode attention alone (worker/kernels.c), one layer's call over `batch`
+    slots of `ctx` positions with the model's heads, the types alternated in rounds:
+    {type: median ms a call, each round's}."""
+    from ..worker import kernels_cpu
+    rng = np.random.default_rng(0)
+    hkv, hd, hq = cfg.n_kv_heads, cfg.head_dim, cfg.n_heads
+    rows = rng.standard_normal((batch, hkv, ctx, hd), dtype=np.float32)
+    caches = {t: (quantize(rows, t), quantize(rows[:, :, ::-1], t)) for t in types}
+    q = (rng.standard_normal((batch, hq, hd)) * hd ** -0.5).astype(np.float32)
+    new = rng.standard_normal((batch, hkv, hd)).astype(np.float32)
+    out = np.empty((batch, hq * hd), dtype=np.float32)
+    bounds = kernels_cpu.DecodeBounds(np.arange(batch), np.zeros(batch, dtype=np.int64),
+                                      np.full(batch, ctx - 1), caches[types[0]][0].shape)
+    ms: dict[str, list[float]] = {t: [] for t in types}
+    for _ in range(rounds):
+        for t, (k, v) in caches.items():
+            kernels_cpu.attend_decodes(q, new, new, k, v, bounds, out)          # warm
+            began = time.perf_counter()
+            for _ in range(reps):
+                kernels_cpu.attend_decodes(q, new, new, k, v, bounds, out)
+            ms[t].append((time.perf_counter() - began) / reps * 1e3)
+    return {t: {"ms": round(statistics.median(ms[t]), 3), "best_ms": round(min(ms[t]), 3),
+                "rounds_ms": [round(x, 3) for x in ms[t]]} for t in types}
+
+
 def llama_command(bindir: str, path: str, kind: str, ctx: int, batch: int, ntg: int,
                   threads: int, shared: bool) -> list[str]:
     """llama-batched-bench's command line for one cache type (both K and V)."""
@@ -150,6 +182,9 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-mb", type=float, default=4096)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--attention-only", action="store_true",
+                    help="time the C decode attention alone (one layer's call, the model's "
+                         "heads), not the model's decode")
     ap.add_argument("--compare-llama", metavar="DIR",
                     help="a folder with llama.cpp's llama-batched-bench: its decode rate "
                          "per type beside ours")
@@ -162,6 +197,14 @@ def main(argv=None) -> int:
     types = a.types.split(",")
     if a.compare_llama and not (Path(a.compare_llama) / "llama-batched-bench").exists():
         ap.error(f"--compare-llama: no llama-batched-bench in {a.compare_llama}")
+    if a.attention_only:
+        got = attention_rates(read_config(a.model), types, a.ctx, a.batch, a.rounds)
+        ref = got[types[0]]["ms"]
+        for t in types:
+            got[t]["speed_vs_" + types[0]] = round(ref / got[t]["ms"], 3)
+        print(json.dumps({"model": os.path.basename(a.model), "ctx": a.ctx, "batch": a.batch,
+                          "load_avg": os.getloadavg()[0], "attention_ms": got}, indent=1))
+        return 0
     out = run(a.model, types, a.ctx, a.batch, a.budget_mb, a.rounds, a.steps)
     if a.compare_llama:
         from ..worker.kernels_cpu import threads

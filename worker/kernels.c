@@ -3748,8 +3748,8 @@ attn_fast(const float *restrict qb, const void *restrict Kh, const void *restric
 /* A query of g heads as two int8 digits per element for the integer key dots: for each
  * block of 32, d = max |x| / 127, x / d = q1 + q2 / 254 with q1 = round(x / d) and q2 =
  * round(254 (x / d - q1)), both in [-127, 127]; x is then within d / 508 of d (q1 + q2 /
- * 254), finer than an fp16 query (one digit, llama.cpp's q8_0 query, moved SmolLM2's
- * logits 3e-4 nats from the float path's). qi [g][hd] and qi2 the digits, dq [g][hd / 32]
+ * 254), finer than an fp16 query (one digit, llama.cpp's q8_0 query, moved a tiny
+ * model's logits 3e-4 nats from the float path's). qi [g][hd] and qi2 the digits, dq [g][hd / 32]
  * the scales, qs and qs2 the blocks' sums of each digit. */
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
 /* e^x for x <= 0 (the softmax's), 8 lanes: exp512's reduction and polynomial, 2^n built

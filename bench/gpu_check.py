@@ -5,9 +5,12 @@
 2. `pytest -m gpu` (kernels against NumPy, the CuPy forward against the references);
 3. `pantheon bench engine --die 0` on the default model and on a random-weight
    llama of TinyLlama-1.1B's shape in Q4_0 (written here, ~0.6 GB, deleted after);
-4. one JSON line: per model, decode tok/s per batch and the weight bytes those
+4. bench/attention_gpu.py on die 0: the attention over f16 / q8_0 / q4_0 KV caches
+   (kernels reading the blocks in place beside the dequantizing array path);
+5. one JSON line: per model, decode tok/s per batch and the weight bytes those
    steps read per second as a share of the die's memory bandwidth
-   (memoryClockRate * 2 * memoryBusWidth / 8; a batch-b step reads the weights once).
+   (memoryClockRate * 2 * memoryBusWidth / 8; a batch-b step reads the weights once),
+   and the attention figures.
 Exit status 0 only when the tests passed and both benchmarks ran.
 """
 from __future__ import annotations
@@ -142,6 +145,14 @@ def pytest_gpu() -> dict:
     return {"rc": out.returncode, "summary": tail[0]}
 
 
+def attention() -> dict:
+    out = subprocess.run([sys.executable, "-m", "pantheon.bench.attention_gpu", "--die", "0",
+                          "--rounds", "3"], capture_output=True, text=True, timeout=300)
+    if out.returncode:
+        return {"error": out.stderr.strip()[-500:]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main() -> int:
     from pantheon.common.default_model import cached_path
 
@@ -158,6 +169,7 @@ def main() -> int:
         models.append(bench(write_random_gguf(Path(tmp) / "random-1.1b-q4_0.gguf"), 0,
                             bytes_per_s))
     result["models"] = models
+    result["attention"] = attention()
     print(json.dumps(result))
     ok = result["pytest"]["rc"] == 0 and not any("error" in m for m in models)
     return 0 if ok else 1

@@ -4,8 +4,17 @@ checkpoint exists for (`pantheon bench engine --synthetic NAME`).
 `qwen35-wide`: a Qwen3.5 stack (llama.cpp's qwen35 GGUF layout, Q8_0 matrices) wide
 enough that its projections, not Python, set the pace: d_model 1024, 8 layers (every
 4th gated attention, the rest Gated DeltaNet: 8 key heads and 16 value heads of 128),
-SwiGLU 2816, a 4096-token vocabulary, no tokenizer. About 150 MB; written once into
-the cache directory and reused.
+SwiGLU 2816, a 4096-token vocabulary. About 150 MB; written once into the cache
+directory and reused.
+
+`qwen35-0.8b`: Qwen3.5-0.8B's shapes (24 layers of d_model 1024, every 4th gated
+attention with 8 query heads and 2 KV heads of 256, the rest Gated DeltaNet with 16 key
+and 16 value heads of 128; SwiGLU 3584; a 248,320-token tied head), as F16 (1.5 GB), for
+`pantheon bench engine --synthetic qwen35-0.8b --write-gguf FILE`; llama.cpp's
+`llama-quantize FILE OUT Q4_K_M` then makes the file both engines are measured on.
+
+Each file carries a byte-level tokenizer (the 256 bytes, a few merges, padding tokens up
+to the vocabulary) so llama.cpp loads it; its text means nothing, as the weights do not.
 """
 from __future__ import annotations
 
@@ -16,8 +25,12 @@ import numpy as np
 SHAPES = {
     "qwen35-wide": dict(d_model=1024, n_layers=8, d_ff=2816, vocab=4096, n_heads=8,
                         n_kv_heads=2, head_dim=128, rotary_dim=32, interval=4, n_k_heads=8,
-                        n_v_heads=16, d_k=128, d_v=128, conv_kernel=4),
+                        n_v_heads=16, d_k=128, d_v=128, conv_kernel=4, dtype="Q8_0"),
+    "qwen35-0.8b": dict(d_model=1024, n_layers=24, d_ff=3584, vocab=248320, n_heads=8,
+                        n_kv_heads=2, head_dim=256, rotary_dim=64, interval=4, n_k_heads=16,
+                        n_v_heads=16, d_k=128, d_v=128, conv_kernel=4, dtype="F16"),
 }
+ROPE_SECTIONS = [11, 11, 10, 0]      # Qwen3.5's M-RoPE sections (text: plain rope)
 
 
 def qwen35_tensors(s: dict, rng) -> dict[str, np.ndarray]:
@@ -53,6 +66,28 @@ def qwen35_tensors(s: dict, rng) -> dict[str, np.ndarray]:
     return out
 
 
+def byte_level_vocab(size: int) -> tuple[list[str], list[int], list[str]]:
+    """Tokens, their types and merges of a GPT-2 style byte-level tokenizer of `size`
+    tokens: the 256 byte symbols, three chat markers, then padding."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    symbols, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            symbols[b] = chr(b)
+        else:
+            symbols[b] = chr(256 + extra)
+            extra += 1
+    tokens = [symbols[b] for b in range(256)] + ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    types = [1] * 256 + [3, 3, 3]
+    if size < len(tokens):
+        raise ValueError(f"a vocabulary of {size} cannot hold {len(tokens)} tokens")
+    tokens += [f"<|pad_{i}|>" for i in range(size - len(tokens))]
+    types += [5] * (size - len(types))
+    space = symbols[ord(" ")]
+    merges = [f"{space} t", f"{space} a", "h e", "i n", "r e"]
+    return tokens, types, merges
+
+
 def write_qwen35(path: Path, s: dict, seed: int = 0) -> Path:
     import gguf
     wr = gguf.GGUFWriter(str(path), "qwen35")
@@ -67,6 +102,7 @@ def write_qwen35(path: Path, s: dict, seed: int = 0) -> Path:
     wr.add_value_length(s["head_dim"])
     wr.add_rope_freq_base(1e7)
     wr.add_rope_dimension_count(s["rotary_dim"])
+    wr.add_rope_dimension_sections(ROPE_SECTIONS)
     wr.add_layer_norm_rms_eps(1e-6)
     wr.add_ssm_conv_kernel(s["conv_kernel"])
     wr.add_ssm_state_size(s["d_k"])
@@ -75,15 +111,35 @@ def write_qwen35(path: Path, s: dict, seed: int = 0) -> Path:
     wr.add_ssm_inner_size(s["d_v"] * s["n_v_heads"])
     wr.add_full_attention_interval(s["interval"])
     wr.add_vocab_size(s["vocab"])
-    q8 = gguf.GGMLQuantizationType.Q8_0
+    tokens, types, merges = byte_level_vocab(s["vocab"])
+    wr.add_tokenizer_model("gpt2")
+    wr.add_tokenizer_pre("default")
+    wr.add_token_list(tokens)
+    wr.add_token_types(types)
+    wr.add_token_merges(merges)
+    wr.add_eos_token_id(256)
+    wr.add_bos_token_id(256)
+    wr.add_add_bos_token(False)
+    kind = gguf.GGMLQuantizationType[s["dtype"]]
     for name, data in qwen35_tensors(s, np.random.default_rng(seed)).items():
         if data.ndim == 2 and name.endswith(".weight") and "conv1d" not in name:
-            raw = gguf.quants.quantize(data, q8)
-            wr.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=q8)
+            raw = gguf.quants.quantize(data, kind)
+            wr.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=kind)
         else:
             wr.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType.F32)
     wr.write_header_to_file(), wr.write_kv_data_to_file(), wr.write_tensors_to_file()
     wr.close()
+    return path
+
+
+def write_gguf(name: str, path: Path) -> Path:
+    """Write synthetic model `name` to `path` (for llama-quantize and both engines)."""
+    if name not in SHAPES:
+        raise ValueError(f"unknown synthetic model {name!r}; known: {', '.join(SHAPES)}")
+    path = Path(path)
+    tmp = path.with_name(path.name + ".partial")
+    write_qwen35(tmp, SHAPES[name])
+    tmp.rename(path)
     return path
 
 

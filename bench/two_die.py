@@ -9,12 +9,14 @@ in turn, up to 2x when both dies work all the time.
 Prints one JSON object: per arrangement the median aggregate decode tokens/s at each
 batch size (after 64-token prompts), the two-die / one-die ratios, and the link's cost:
 bytes a decode step moves each way per sequence, and the median round trip of a frame
-that size (the head's hidden state out, the logits row back) over the ipc link.
+that size (the head's hidden state out, the logits row back) over the ipc link the stages
+run on and over a loopback tcp link with CURVE (what two hosts would use, less the wire).
 """
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -29,11 +31,26 @@ def cores() -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
 
-def child(role: str, model: str, argv: list[str], core_list: list[int]) -> subprocess.Popen:
+def child(role: str, model: str, argv: list[str], core_list: list[int],
+          tcp: dict | None = None) -> subprocess.Popen:
     # the kernels take as many threads as the process has cores (its affinity)
-    return subprocess.Popen([sys.executable, "-m", "pantheon.bench.two_die", role, model,
-                             *argv], stdout=subprocess.PIPE, text=True,
+    proc = subprocess.Popen([sys.executable, "-m", "pantheon.bench.two_die", role, model,
+                             *argv], stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True,
                             preexec_fn=lambda: os.sched_setaffinity(0, core_list))
+    proc.stdin.write(json.dumps(tcp or {}) + "\n")     # the tcp link's keys: never on argv
+    proc.stdin.flush()
+    return proc
+
+
+def tcp_link() -> dict:
+    """A loopback tcp address and two fresh CURVE pairs for the second link's figure."""
+    import zmq
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server, client = zmq.curve_keypair(), zmq.curve_keypair()
+    return {"link": f"tcp://127.0.0.1:{port}", "server": [k.decode() for k in server],
+            "client": [k.decode() for k in client]}
 
 
 def run_round(model: str, batches: str, steps: int, quantize: str, split: bool,
@@ -45,10 +62,11 @@ def run_round(model: str, batches: str, steps: int, quantize: str, split: bool,
         return json.loads(out)
     folder = tempfile.mkdtemp(prefix="pantheon-bench-link-")
     link = f"ipc://{folder}/link"
-    tail = child("tail", model, [batches, str(steps), quantize, link], have[-1:])
+    tcp = tcp_link()
+    tail = child("tail", model, [batches, str(steps), quantize, link], have[-1:], tcp)
     try:
         out = child("head", model, [batches, str(steps), quantize, link],
-                    have[:1]).communicate()[0]
+                    have[:1], tcp).communicate()[0]
     finally:
         tail.kill()
         tail.wait()
@@ -96,7 +114,10 @@ def role_main(argv: list[str]) -> int:
         print(json.dumps({"decode_tok_s": rates(engine, batches_l, steps_i)}))
         return 0
     link = argv[5]
+    tcp = json.loads(sys.stdin.readline() or "{}")
+    from ..common.keys import KeyPair
     from ..common.model_file import read_config
+    from ..worker.stage_socket import StageNet
     n = read_config(model).n_layers
     k = n // 2
     if role == "tail":
@@ -104,6 +125,11 @@ def role_main(argv: list[str]) -> int:
                              layers=(k, n))
         tail = stage_link.TailStage(engine, p.Stage(index=1, first_layer=k, end_layer=n,
                                                     link=link))
+        if tcp:                      # a second link, for its round trip only
+            stage_link.TailStage(engine, p.Stage(
+                index=1, first_layer=k, end_layer=n, link=tcp["link"],
+                server_key=tcp["server"][0], client_key=tcp["client"][0]),
+                StageNet(KeyPair(*(x.encode() for x in tcp["server"])))).start()
         tail.run()
         return 0
     engine = load_engine(model, "cpu", n_slots=n_slots, ctx=512, quantize=quantize,
@@ -120,14 +146,23 @@ def role_main(argv: list[str]) -> int:
     out = {"decode_tok_s": rates(engine, batches_l, steps_i)}
     d, v = engine.cfg.d_model, engine.cfg.vocab_size
     hidden = np.zeros((1, d), dtype=np.float32)
-    rtts = []
-    for _ in range(50):
-        t0 = time.perf_counter()
-        link_.call({"op": "echo", "reply_bytes": v * 4}, hidden.data)
-        rtts.append(time.perf_counter() - t0)
+
+    def round_trip(over) -> float:
+        rtts = []
+        for _ in range(50):
+            t0 = time.perf_counter()
+            over.call({"op": "echo", "reply_bytes": v * 4}, hidden.data)
+            rtts.append(time.perf_counter() - t0)
+        return round(float(np.median(rtts)) * 1e6, 1)
     out["link"] = {"bytes_out_per_seq": d * 4, "bytes_back_per_seq": v * 4,
-                   "round_trip_us": round(float(np.median(rtts)) * 1e6, 1),
-                   "round_trips_per_step": 2}
+                   "round_trip_us": round_trip(link_), "round_trips_per_step": 2}
+    if tcp:
+        curve = stage_link.HeadLink(
+            p.Stage(index=0, first_layer=0, end_layer=k, link=tcp["link"],
+                    server_key=tcp["server"][0]), 10,
+            net=StageNet(KeyPair(*(x.encode() for x in tcp["client"]))))
+        out["link"]["round_trip_tcp_curve_us"] = round_trip(curve)
+        curve.close()
     print(json.dumps(out))
     return 0
 

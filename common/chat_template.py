@@ -17,6 +17,7 @@ import re
 from datetime import datetime
 
 import jinja2
+import jinja2.meta
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -145,6 +146,7 @@ class ChatTemplate:
         self._shield = Shield(specials) if specials else None
         self._bos, self._eos = bos_text, eos_text
         self._template = None
+        self.variables: frozenset[str] = frozenset()   # the names the template reads
         if source is not None:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                 extensions=[loopcontrols, _GenerationBlock])
@@ -152,25 +154,39 @@ class ChatTemplate:
             env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
             try:
                 self._template = env.from_string(source)
+                self.variables = frozenset(jinja2.meta.find_undeclared_variables(
+                    env.parse(source)))
             except jinja2.TemplateSyntaxError as exc:
                 raise TemplateError(f"chat template syntax error (line {exc.lineno}): "
                                     f"{exc.message}") from exc
 
+    def reads(self, name: str) -> bool:
+        """Whether the template reads the variable `name` (e.g. Qwen3's enable_thinking)."""
+        return name in self.variables
+
     def render(self, messages: list[dict], *, tools: list[dict] | None = None,
-               add_generation_prompt: bool = True, **extra) -> Prompt:
-        """The prompt text; `extra` reaches the template as variables (e.g. enable_thinking)."""
+               add_generation_prompt: bool = True, prefill: str | None = None,
+               **extra) -> Prompt:
+        """The prompt text; `extra` reaches the template as variables (e.g. enable_thinking).
+        `prefill`: the start of the reply (an assistant prefill), after the generation
+        prompt and left open (no end of turn), so the model continues it."""
         messages = [_flatten(m) for m in messages]
         literals: list[str] = []
         if self._shield is not None:
-            messages, tools, extra = self._shield((messages, tools, extra), literals)
+            messages, tools, extra, prefill = self._shield((messages, tools, extra, prefill),
+                                                           literals)
+        if prefill is not None:
+            add_generation_prompt = True
         if self._template is None:
-            return Prompt.restore(_chatml(messages, add_generation_prompt), literals)
-        try:
-            text = self._template.render(messages=messages, tools=tools,
-                                         add_generation_prompt=add_generation_prompt,
-                                         bos_token=self._bos, eos_token=self._eos, **extra)
-        except TemplateError:
-            raise
-        except Exception as exc:  # the template is third-party code: any failure is its error
-            raise TemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
-        return Prompt.restore(text, literals)
+            text = _chatml(messages, add_generation_prompt)
+        else:
+            try:
+                text = self._template.render(messages=messages, tools=tools,
+                                             add_generation_prompt=add_generation_prompt,
+                                             bos_token=self._bos, eos_token=self._eos, **extra)
+            except TemplateError:
+                raise
+            except Exception as exc:  # third-party code: any failure is the template's error
+                raise TemplateError(f"chat template failed: {type(exc).__name__}: "
+                                    f"{exc}") from exc
+        return Prompt.restore(text + (prefill or ""), literals)

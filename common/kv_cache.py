@@ -14,11 +14,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .model_file import ModelFileError
+
 # type: (bytes per block, elements per block)
 KV_TYPES = {"f32": (4, 1), "f16": (2, 1), "q8_0": (34, 32), "q4_0": (18, 32)}
 KV_TYPE_NAMES = tuple(KV_TYPES)
 QUANTIZED = ("q8_0", "q4_0")
 BLOCK = 32
+
+
+class KVUnreadable(ModelFileError):
+    """A model whose heads a die cannot hold or read in the asked KV type (a q8_0 / q4_0
+    head without whole blocks, a head longer than the GPU attention reads): a load
+    error the admin API answers 400 (bad_model_file), never a crashed worker."""
 
 
 def element_bytes(kind: str) -> float:

@@ -85,6 +85,10 @@ class Hello:
     # a spawned worker's proof: the secret its frontend handed it at spawn (in its
     # environment, never on a command line); "" for an external worker
     proof: str = ""
+    # which host it runs on (common/host_identity.py): two stages of a split replica on
+    # one host share an ipc link, else tcp
+    host: str = bounded(256, default="")
+    public_key: str = bounded(64, default="")   # its CURVE public key (z85); "": no keys
 
 
 @dataclass(slots=True)
@@ -143,6 +147,8 @@ class Loaded:
     load_s: float
     spec: str = ""           # the speculation it runs ("" none: off, or refused by its layers)
     activations: str = ""    # what its CPU products take: int8 or int16 ("": a GPU die's own)
+    link: str = bounded(lim.MAX_TEXT_CHARS, default="")   # a split replica's stage 1: the
+    # address its stage link bound (ipc:// or tcp://), which stage 0 connects to
 
 
 @dataclass(slots=True)
@@ -157,6 +163,7 @@ class LoadProgress:
 
 BAD_MODEL_FILE = "bad_model_file"
 OUT_OF_MEMORY = "out_of_memory"
+STAGE_LINK = "stage_link"    # a split replica's stage link could not be set up (port, keys)
 
 
 @dataclass(slots=True)
@@ -242,16 +249,19 @@ class Speculation:
 class Stage:
     """One stage of a replica split across two dies (worker/stage_link.py): layers
     [first_layer, end_layer) of the stack. Stage 0 (the embedding, the scheduler, sampling)
-    connects to `link`; stage 1 (the last layers and the head) binds it. `server_key`:
-    the CURVE public key stage 1 serves the link with ("": none, an ipc link in a private
-    folder); stage 1 gets `secret_key` too."""
+    connects to `link`; stage 1 (the last layers and the head) binds it. Stage 1's `link`
+    is what to bind: "ipc" (a private folder of its own), "tcp" (its worker's
+    `--stage-bind` address) or a whole address; its Loaded says the address it bound,
+    which stage 0's `link` then names. CURVE when `server_key` is set (z85 public keys,
+    never a secret: each worker serves or dials with its own pair): `server_key` is stage
+    1's worker's key, `client_key` stage 0's, the one key stage 1 lets in."""
 
     index: int
     first_layer: int
     end_layer: int
     link: str = bounded(lim.MAX_TEXT_CHARS, default="")
     server_key: str = bounded(64, default="")
-    secret_key: str = bounded(64, default="")
+    client_key: str = bounded(64, default="")
 
 
 @dataclass(slots=True)

@@ -68,7 +68,10 @@ def log_level() -> str:
 
 def log_format() -> str:
     """`text` or `json` (`PANTHEON_LOG_FORMAT`, default text; `--log-format` wins)."""
-    return os.environ.get("PANTHEON_LOG_FORMAT", "") or "text"
+    raw = os.environ.get("PANTHEON_LOG_FORMAT", "").strip().lower() or "text"
+    if raw not in ("text", "json"):
+        raise ValueError(f"PANTHEON_LOG_FORMAT must be text or json, not {raw!r}")
+    return raw
 
 
 def api_key() -> str | None:

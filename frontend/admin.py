@@ -32,6 +32,7 @@ from ..common.keys import KeyPair, curve_server
 from ..common.model_file import ModelFileError
 from ..common.weight_format import QUANTIZE_MODES, weight_bytes
 from .admission import Admission
+from .model_policy import Want
 from . import split_placement
 from .dies import DieTable, PlacementError
 from .placement import Placer
@@ -205,6 +206,7 @@ class Admin:
         rule, say what it may open); `reason` goes to the log and the load metrics."""
         path = field(body, "path", str, required=True)
         pin = field(body, "pin", bool, False)
+        evict = field(body, "evict", bool, True)
         if not Path(path).is_absolute():       # the server's folder is not the caller's
             raise AdminError(400, f"model path must be absolute, got {path!r}", "path")
         if not trusted and self.model_dirs is not None and not self.model_dirs.allows(path):
@@ -214,6 +216,12 @@ class Admin:
         name = field(body, "name", str) or Path(path).stem
         dies = field(body, "dies", list)
         split = field(body, "split", list)
+        link = field(body, "link", str) or ""
+        if link not in ("", "auto", "ipc", "tcp"):
+            raise AdminError(400, f"link must be auto, ipc or tcp, not {link!r}", "link")
+        if link not in ("", "auto") and (dies is None or len(dies) != 2):
+            raise AdminError(400, "link names a split's stage link: give \"dies\": [a, b]",
+                             "link")
         ctx, slots = field(body, "ctx", int, 0), field(body, "slots", int, 0)
         quantize = body.get("quantize") or ""
         if quantize is True:                           # the spec's boolean: true = q8_0
@@ -261,10 +269,20 @@ class Admin:
         if self.draining:
             raise AdminError(503, "the server is shutting down: no new loads")
         self.loading.add(name)
-        task = asyncio.ensure_future(self.place_and_upload(path, name, dies, ctx, slots,
-                                                           on_progress, quantize, reason, spec,
-                                                           split=split, activations=activations,
-                                                           kv=kv))
+
+        def upload():
+            return self.place_and_upload(path, name, dies, ctx, slots, on_progress, quantize,
+                                         reason, spec, split=split, activations=activations,
+                                         link=link, kv=kv)
+        one_die = split is None and (dies is None or len(dies) == 1)
+        # a request's load makes room itself (it holds the autoloader's room already)
+        if self.autoload is not None and reason == "admin" and one_die:
+            want = Want(name=name, path=path, dies=dies, slots=slots, ctx=ctx,
+                        quantize=quantize, kv=kv)
+            task = asyncio.ensure_future(self.upload_evicting(want, upload) if evict
+                                         else self.upload_saying_what_could_go(want, upload))
+        else:
+            task = asyncio.ensure_future(upload())
         self.load_tasks.add(task)
         try:
             loaded = await task
@@ -279,10 +297,46 @@ class Admin:
         finally:
             self.load_tasks.discard(task)
             self.loading.discard(name)
+            self.registry.change.fire()             # its end: load waiters look again
+
+    async def upload_saying_what_could_go(self, want, upload) -> dict:
+        """An admin load with "evict": false: its 507 names the replicas that could go."""
+        try:
+            return await upload()
+        except AdminError as exc:
+            try:
+                could = await self.autoload.could_go(want) if exc.status == 507 else []
+            except Exception:              # only a hint: the 507 stands as it is
+                could = []
+            if not could:
+                raise
+            raise AdminError(507, f"{exc}; evicting {', '.join(could)} (idle, not pinned) "
+                                  "would make room: load without \"evict\": false",
+                             exc.param) from None
+
+    async def upload_evicting(self, want, upload) -> dict:
+        """An admin load that does not fit any die makes room as a request's load does:
+        the least recently used idle, unpinned replicas are evicted (a busy one is waited
+        for up to --queue-timeout), then it is placed again; the answer's `evicted` lists
+        them. One room-maker at a time: the autoloader's `room`."""
+        async with self.autoload.room:
+            try:
+                return await upload() | {"evicted": []}
+            except AdminError as exc:
+                if exc.status != 507:
+                    raise
+                first = exc
+            deadline = time.monotonic() + self.admission.timeout_s
+            evicted = await self.autoload.make_room(want, deadline, cap=False)
+            if not evicted:           # it fits by the budget, yet the die refused it
+                raise first
+            log.info("made room for %s: evicted %s", want.name,
+                     ", ".join(e["id"] for e in evicted))
+            return await upload() | {"evicted": evicted}
 
     async def place_and_upload(self, path, name, dies, ctx, slots, on_progress,
                                quantize="", reason="admin", spec=None,
-                               activations="", split=None,
+                               activations="", split=None, link="",
                                kv: KVCacheTypes = KVCacheTypes()) -> dict:
         if not Path(path).exists():
             raise AdminError(404, f"model file not found: {path}", "path")
@@ -347,6 +401,7 @@ class Admin:
         replica.want_quantize, replica.reason, replica.want_kv = quantize, reason, kv
         replica.want_activations = activations
         replica.want_spec = spec
+        replica.want_link = "" if link == "auto" else link
         replica.state = ReplicaState.LOADING
         # phase 3: upload (the placer holds the fleet-wide upload lock); phase 4: publish
         sent = [None]
@@ -370,6 +425,10 @@ class Admin:
                 raise AdminError(400, f"{path} cannot be loaded: {replica.error}", "path")
             if replica.error_code == p.OUT_OF_MEMORY:       # no room, as admission's 507
                 raise AdminError(507, f"loading {name!r} on die {die} failed: {replica.error}")
+            if replica.error_code == split_placement.LINK_REFUSED:   # keys, --insecure, hosts
+                raise AdminError(400, f"loading {name!r} failed: {replica.error}", "link")
+            if replica.error_code == p.STAGE_LINK:          # a port in use, keys missing
+                raise AdminError(503, f"loading {name!r} across dies failed: {replica.error}")
             raise AdminError(500, f"loading {name!r} on die {die} failed: {replica.error}")
         return {"loaded": {"name": name, "die": die, **replica.as_json()}}
 

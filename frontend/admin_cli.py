@@ -28,8 +28,12 @@ def request_args(args) -> dict:
             out["dies"] = (args.dies or []) + (getattr(args, "dies_split", None) or [])
         if getattr(args, "split", None) is not None:
             out["split"] = [args.split]
+        if getattr(args, "link", None):
+            out["link"] = args.link
         if args.pin:
             out["pin"] = True
+        if getattr(args, "no_evict", False):
+            out["evict"] = False
         if args.activations:
             out["activations"] = args.activations
         out = {k: v for k, v in out.items() if v is not None}

@@ -5,7 +5,10 @@ A Messages body is validated here, in Anthropic's terms (its field names in ever
 then translated into the one internal `ChatRequest`: the system prompt becomes a system
 turn, `tool_use` blocks an assistant turn's `tool_calls`, `tool_result` blocks `tool`
 turns, `tools` / `tool_choice` OpenAI's function tools. From there it is chat's way
-(template, context, admission, the worker, the emitter); only the answer differs:
+(template, context, admission, the worker, the emitter); a final assistant message is
+a prefill (rendered after the generation prompt, left open: the reply continues it and
+holds only the continuation), and `thinking` reaches the template as `enable_thinking`
+when it reads it (Qwen3's). Only the answer differs:
 `MessagesRenderer` turns the emitter's events (reasoning, content, tool blocks) into
 content blocks (`thinking`, `text`, `tool_use`) and, streamed, into Anthropic's event
 sequence. Errors take Anthropic's shape: `{"type": "error", "error": {type, message}}`.
@@ -208,6 +211,11 @@ def parse_messages_request(body: bytes, session: str | None, limits,
             "parallel_tool_calls": _parallel(data.get("tool_choice"))}
     for name in ("temperature", "top_p", "top_k"):
         chat[name] = data.get(name)
+    if turns[-1]["role"] == "assistant" and not turns[-1].get("tool_calls"):
+        chat["continue_final_message"] = True     # a prefill: the reply continues it
+    thinking = _thinking(data.get("thinking"))
+    if data.get("thinking") is not None:           # Qwen3-style templates read it
+        chat["chat_template_kwargs"] = {"enable_thinking": thinking}
     try:
         req = chat_request(chat, session, limits)
     except APIError as exc:          # chat's names where Anthropic's differ
@@ -216,7 +224,7 @@ def parse_messages_request(body: bytes, session: str | None, limits,
             exc.message = exc.message.replace(exc.param, rename[exc.param], 1)
             exc.param = rename[exc.param]
         raise
-    return req, _thinking(data.get("thinking"))
+    return req, thinking
 
 
 def _usage(gen) -> dict:
@@ -388,7 +396,7 @@ class MessagesService:
         """{"input_tokens": N}: the prompt as /v1/messages would render it."""
         try:
             req, _, deadline, size = await self.parse(request, counting=True)
-            model = self.chat.registry.resolve(req.model)
+            model = await self.chat.registry.want(req.model)     # a catalog model loads
             count = await self.chat.preparer.run(deadline, count_prompt, model, req, size=size)
         except APIError as exc:
             return JSONResponse(error_body(exc), status_code=exc.status, headers=exc.headers)

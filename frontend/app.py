@@ -361,6 +361,8 @@ def build_app(registry: Registry, lifecycle: Lifecycle, admin: Admin,
                 Route("/v1/responses/{id}", responses_api.retrieve, methods=["GET"]),
                 Route("/v1/responses/{id}", responses_api.delete, methods=["DELETE"]),
                 Route("/v1/responses/{id}/cancel", responses_api.cancel, methods=["POST"]),
+                Route("/v1/responses/{id}/input_items", responses_api.input_items,
+                      methods=["GET"]),
                 *(admin_routes if http_admin else []), *board.routes()],
         exception_handlers={APIError: api_error, HTTPException: http_error,
                             Exception: server_error})

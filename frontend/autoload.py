@@ -29,8 +29,8 @@ from .catalog import Catalog, Entry
 from .dies import PlacementError, replica_bytes
 from .errors import APIError
 from .keep_alive import FOREVER
-from .model_policy import LifecycleConfig, Policy
-from .registry import Registry, Replica, ReplicaState, ServedModel
+from .model_policy import LifecycleConfig, Policy, Want
+from .registry import Change, Registry, Replica, ReplicaState, ServedModel
 
 log = logging.getLogger("pantheon.frontend.autoload")
 
@@ -141,6 +141,7 @@ class AutoLoader:
         if not self.claims[name]:
             del self.claims[name]
         self.released[name] = time.monotonic()
+        self.registry.change.fire()        # a load waiting for this model to go idle looks
 
     def busy(self, model: ServedModel) -> bool:
         return bool(self.claims.get(model.name) or self.admission.queued(model)
@@ -202,7 +203,7 @@ class AutoLoader:
         async with self.room:
             if not await self.until_gone(entry.name, deadline):
                 return                                     # an admin load got there first
-            await self.make_room(entry, deadline)
+            await self.make_room(Want(name=entry.name, path=entry.path), deadline)
             log.info("loading %s (reason: %s)", entry.name, reason)
             await self.admin.load({"path": entry.path, "name": entry.name}, trusted=True,
                                   reason=reason)
@@ -211,83 +212,104 @@ class AutoLoader:
     async def until_gone(self, name: str, deadline: float) -> bool:
         """True once `name` has no replica left (an idle unload under way finishes
         first); False when it is ready, or an admin's load of it has ended, or at the
-        deadline (the waiters then see whether it is ready)."""
-        while time.monotonic() < deadline:
+        deadline (the waiters then see whether it is ready). Woken by the registry's
+        changes, not by polling."""
+        while True:
+            change = self.registry.change.event           # before looking: none is missed
             model = self.registry.models.get(name)
             if model is None or not model.replicas:
                 return True
             if model.ready() or all(r.state == ReplicaState.FAILED for r in model.replicas):
                 return False
-            await asyncio.sleep(0.05)
-        return False
+            if not await Change.wait(change, deadline - time.monotonic()):
+                return False
 
     def config(self, path: str):
         if path not in self.configs:
             self.configs[path] = read_config(path)
         return self.configs[path]
 
-    async def make_room(self, entry: Entry, deadline: float) -> None:
-        """Unload the least recently used idle, unpinned replicas until the model fits a
-        die (and the resident count is under --max-loaded); wait for busy ones to go
-        idle up to `deadline`; a 507 naming what holds the memory when nothing can go."""
-        cfg = await asyncio.to_thread(self.config, entry.path)
+    def fits(self, want: Want, cfg) -> None:
+        """Return when a die has room for `want` now; PlacementError when none has."""
         placer = self.admin.placer
+        self.admin.die_table.choose(want.path, cfg, want.dies, want.slots or placer.slots,
+                                    want.ctx or placer.ctx, want.quantize or placer.quantize,
+                                    kv=want.kv.over(placer.kv_cache))
+
+    async def make_room(self, want: Want, deadline: float, cap: bool = True) -> list[dict]:
+        """Unload the least recently used idle, unpinned replicas until `want` fits a die
+        (and, `cap`, the resident count is under --max-loaded); wait for busy ones to go
+        idle up to `deadline` (woken when a request lets go of its model or a replica
+        goes); a 507 naming what holds the memory when nothing can go. The replicas it
+        unloaded, as {"id", "model", "die"}."""
+        cfg = await asyncio.to_thread(self.config, want.path)
+        evicted: list[dict] = []
         while True:
-            over = bool(self.policy.max_loaded) and self.resident() >= self.policy.max_loaded
+            change = self.registry.change.event            # before looking: none is missed
+            over = cap and bool(self.policy.max_loaded) \
+                and self.resident() >= self.policy.max_loaded
             why = f"--max-loaded {self.policy.max_loaded} models are resident" if over else ""
             if not over:
                 try:
-                    self.admin.die_table.choose(entry.path, cfg, None, placer.slots,
-                                                placer.ctx, placer.quantize, kv=placer.kv_cache)
-                    return
+                    self.fits(want, cfg)
+                    return evicted
                 except PlacementError as exc:
                     if exc.status != 507:
                         raise AdminError(exc.status, str(exc)) from None
                     why = str(exc)
-            victims = self.victims(entry, cfg, over, busy_too=False)
+            victims = self.victims(want, cfg, over, busy_too=False)
             if victims:
                 lru = min(victims, key=lambda mr: mr[1].last_used)
                 targets = [(lru[0], r) for r in lru[0].replicas] if over else [lru]
+                evicted += [{"id": r.model_id, "model": m.name, "die": r.die}
+                            for m, r in targets]
                 await asyncio.gather(*(self.unload(m, r, "evicted") for m, r in targets))
                 continue
-            if not self.victims(entry, cfg, over, busy_too=True) \
+            if not self.victims(want, cfg, over, busy_too=True) \
                     or time.monotonic() >= deadline:
                 held = "; ".join(f"{r.model_id} on die {r.die} ({r.reserved / 2**20:.1f} MiB, "
                                  + ("pinned" if self.pinned(m.name) else
                                     f"{r.inflight} running") + ")"
-                                 for m, r in self.registry.replicas() if m.name != entry.name)
-                raise AdminError(507, f"cannot load {entry.name!r}: {why}" +
+                                 for m, r in self.registry.replicas() if m.name != want.name)
+                raise AdminError(507, f"cannot load {want.name!r}: {why}" +
                                  (f"; held by {held}" if held else ""))
-            await asyncio.sleep(0.1)    # a busy replica goes idle: then it can go
+            await Change.wait(change, deadline - time.monotonic())   # a busy one goes idle
+
+    async def could_go(self, want: Want) -> list[str]:
+        """The replicas make_room would evict for `want` now (the LRU first)."""
+        cfg = await asyncio.to_thread(self.config, want.path)
+        return [r.model_id for _, r in sorted(self.victims(want, cfg, False, busy_too=False),
+                                              key=lambda mr: mr[1].last_used)]
 
     def resident(self) -> int:
         return sum(1 for m in self.registry.models.values() if m.replicas)
 
-    def evictable(self, model: ServedModel, r: Replica, entry: Entry, busy_too: bool) -> bool:
+    def evictable(self, model: ServedModel, r: Replica, want: Want, busy_too: bool) -> bool:
         """May go now; or, `busy_too`, will or may go (busy, or already unloading)."""
-        if model.name == entry.name or self.pinned(model.name):
+        if model.name == want.name or self.pinned(model.name):
             return False
         if busy_too:
             return r.state in (ReplicaState.READY, ReplicaState.UNLOADING)
         return r.state == ReplicaState.READY and r.model_id not in self.unloading \
             and not (r.inflight or self.busy(model))
 
-    def victims(self, entry: Entry, cfg, whole_model: bool, busy_too: bool) -> list[tuple]:
+    def victims(self, want: Want, cfg, whole_model: bool, busy_too: bool) -> list[tuple]:
         """What may go to make room: replicas of models whose every replica may go
         (--max-loaded), or replicas on a die where the new one fits once they are gone.
         `busy_too`: those that may go once their requests are over."""
         pairs = [(m, r) for m, r in self.registry.replicas()
-                 if self.evictable(m, r, entry, busy_too)]
+                 if self.evictable(m, r, want, busy_too)]
         if whole_model:
             return [(m, r) for m, r in pairs
-                    if all(self.evictable(m, x, entry, busy_too) for x in m.replicas)]
+                    if all(self.evictable(m, x, want, busy_too) for x in m.replicas)]
         placer, useful = self.admin.placer, []
         for die in self.admin.die_table.snapshot():
-            if not die.alive:
+            if not die.alive or (want.dies is not None and die.die not in want.dies):
                 continue
-            need = replica_bytes(entry.path, cfg, die.kind, placer.slots or
-                                 self.admin.die_table.slots, placer.ctx, placer.quantize,
-                                 placer.kv_cache)
+            need = replica_bytes(want.path, cfg, die.kind, want.slots or placer.slots or
+                                 self.admin.die_table.slots, want.ctx or placer.ctx,
+                                 want.quantize or placer.quantize,
+                                 want.kv.over(placer.kv_cache))
             here = [(m, r) for m, r in pairs if r.die == die.die]
             if need <= die.free_budget + sum(r.reserved for _, r in here):
                 useful += here
@@ -408,4 +430,4 @@ class AutoLoader:
         return out
 
 
-__all__ = ["AutoLoader", "LifecycleConfig", "Policy", "looks_like_path"]
+__all__ = ["AutoLoader", "LifecycleConfig", "Policy", "Want", "looks_like_path"]

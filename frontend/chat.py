@@ -21,7 +21,7 @@ from .errors import APIError
 from .lifecycle import Choice, Job, Lifecycle
 from .limits import RequestLimits
 from .openai_api import (ChatRenderer, ChatRequest, completion_id, context_exceeded,
-                         parse_chat_request, session_header)
+                         parse_chat_request, render_options, session_header)
 from .preparer import Preparer
 from .registry import Registry, ServedModel
 from .tools import prepare_conversation, tool_call_grammar
@@ -64,9 +64,10 @@ def cache_salt(headers, salt: str | None) -> str:
 
 
 def fit_context(model: ServedModel, messages: list[dict], tools, ctx: int,
-                cap: bool) -> tuple[list[int], str, bool]:
+                cap: bool, render: dict | None = None) -> tuple[list[int], str, bool]:
     """(prompt ids, prompt text, capped). Drops the oldest turns, keeping the system
-    prompt and the last user turn, until the prompt leaves room for a reply.
+    prompt and the last user turn, until the prompt leaves room for a reply. `render`:
+    render_text's prefill and template args (render_options; never dropped).
 
     The fewest turns to drop is found by bisection: a prompt only shrinks as more of the
     oldest turns go, so O(log turns) renders, each linear in the conversation (a scan
@@ -75,7 +76,8 @@ def fit_context(model: ServedModel, messages: list[dict], tools, ctx: int,
         """(ids, text, tokens); ids None, tokens a lower bound, for a text too long to
         fit whatever it tokenizes to (it is not tokenized: seconds per megabyte)."""
         gone = set(droppable[:dropped])
-        text = model.render_text([m for i, m in enumerate(messages) if i not in gone], tools)
+        text = model.render_text([m for i, m in enumerate(messages) if i not in gone], tools,
+                                 **(render or {}))
         least = len(text) // model.tokenizer.max_token_chars
         if least >= ctx:
             return None, text, least
@@ -130,7 +132,8 @@ class ChatService:
         messages, tools = prepare_conversation(req.messages, req.tools, req.tool_choice,
                                                model.tokenizer.chat_template)
         try:
-            return grammar, *fit_context(model, messages, tools, ctx, self.context_cap)
+            return grammar, *fit_context(model, messages, tools, ctx, self.context_cap,
+                                         render_options(req))
         except TemplateError as exc:
             raise APIError(400, f"the chat template refused the conversation: {exc}",
                            param="messages") from exc
@@ -167,6 +170,7 @@ class ChatService:
         renderer = ChatRenderer(completion_id(), int(time.time()), model.name,
                                 model.tokenizer, req, req.n, capped) if renderer is None \
             else renderer(model, req, capped)
+        renderer.model = self.registry.shown_name(req.model, model)    # the name asked by
         return Job(model, choices, req.stream, renderer,
                    None if capped else req.session_id,      # a capped turn is not cached
                    req.include_usage, salt=cache_salt(request.headers, req.cache_salt))

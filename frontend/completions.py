@@ -73,7 +73,8 @@ class CompletionService:
                                   prediction=prediction))
             echoes.append((source if isinstance(source, str) else model.tokenizer.decode(ids))
                           if req.echo else "")
-        renderer = CompletionRenderer(completion_id("cmpl"), int(time.time()), model.name,
+        renderer = CompletionRenderer(completion_id("cmpl"), int(time.time()),
+                                      self.registry.shown_name(req.model, model),
                                       model.tokenizer, req, len(choices), echoes)
         return Job(model, choices, req.stream, renderer, req.session_id, req.include_usage,
                    salt=cache_salt(request.headers, req.cache_salt))

@@ -18,6 +18,7 @@ from .body import parse_json, read_body
 from .chat import cache_salt
 from .emitter import Emitter
 from .errors import APIError
+from .keep_alive import parse_keep_alive
 from .lifecycle import Choice, Job
 from .openai_api import context_exceeded, counts
 from ..common.protocol import Sampling
@@ -127,7 +128,8 @@ class EmbeddingsService:
         data, inputs = await chat.preparer.run(deadline, parse_request, body, chat.limits,
                                                size=len(body))
         fmt = data.get("encoding_format") or "float"
-        model = chat.registry.resolve(data.get("model"))
+        model = await chat.registry.want(data.get("model"),
+                                         parse_keep_alive(data.get("keep_alive")))
         dims = data.get("dimensions")
         width = model.config.d_model
         if dims is not None and (not isinstance(dims, int) or isinstance(dims, bool)
@@ -140,6 +142,7 @@ class EmbeddingsService:
         choices = [Choice(ids, Sampling(temperature=0.0), 1,
                           Emitter(tools=False, reasoning=False), pooling=pooling)
                    for ids in prompts]
-        job = Job(model, choices, False, EmbeddingsRenderer(model.name, fmt, dims),
+        job = Job(model, choices, False, EmbeddingsRenderer(
+            chat.registry.shown_name(data.get("model"), model), fmt, dims),
                   salt=cache_salt(request.headers, salt))
         await chat.lifecycle.run(request, send, job)

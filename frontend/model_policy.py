@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..common.kv_cache import KVCacheTypes
 from .catalog import Catalog, CatalogError, parse_alias
 from .keep_alive import FOREVER
 
@@ -38,12 +39,6 @@ class LifecycleConfig:
         if self.max_loaded < 0:
             raise ValueError(f"--max-loaded {self.max_loaded}: 0 (no cap) or more")
 
-    @classmethod
-    def from_args(cls, args) -> "LifecycleConfig":
-        return cls(aliases=[parse_alias(a) for a in args.alias or []], pins=args.pin or [],
-                   keep_alive_s=args.keep_alive, max_loaded=args.max_loaded,
-                   autoload=not args.no_autoload, preload=not args.no_preload)
-
     def catalog(self, models: list[tuple[str, str | None]],
                 model_dirs: list[str] | None) -> Catalog:
         """The catalog, scanned (blocking: off the event loop); CatalogError for a bad
@@ -62,3 +57,17 @@ class LifecycleConfig:
                                    f"{', '.join(catalog.all_names()) or 'nothing'}")
             pins.add(entry.name)
         return Policy(self.autoload, self.keep_alive_s, pins, self.max_loaded)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Want:
+    """What a load asks of a die, for making room: the model's name and file and its
+    replica's shape (0, "", None: the server's)."""
+
+    name: str
+    path: str
+    dies: list[str] | None = None
+    slots: int = 0
+    ctx: int = 0
+    quantize: str = ""
+    kv: KVCacheTypes = KVCacheTypes()

@@ -62,6 +62,14 @@ class ChatRequest(GenerationRequest):
     logprobs: bool = False
     top_logprobs: int = 0
     parallel_tool_calls: bool = True    # false: the reply ends with its first tool call
+    prefill: str | None = None          # the reply's start, continued (an assistant prefill)
+    template_args: dict = field(default_factory=dict)   # chat template variables
+
+
+def render_options(req: ChatRequest) -> dict:
+    """render_text's options a request sets: its prefill and template args."""
+    return {k: v for k, v in (("prefill", req.prefill), ("args", req.template_args))
+            if v is not None and v != {}}
 
 
 @dataclass(slots=True, kw_only=True)
@@ -350,12 +358,51 @@ def chat_request(data: dict, session_header: str | None = None,
     limits.stop(fields["stop"])
     limits.tokens(fields["n"], max_tokens)
     limits.tools(data.get("tools"))
-    return ChatRequest(messages=messages, max_tokens=max_tokens,
+    prefill = None
+    if _optional(data, "continue_final_message", bool, "a boolean"):
+        last = messages[-1]
+        if last["role"] != "assistant" or last.get("tool_calls"):
+            raise _bad("continue_final_message", "continue_final_message needs the last "
+                                                 "message to be an assistant's text")
+        prefill = messages.pop()["content"] or ""
+    return ChatRequest(messages=messages, max_tokens=max_tokens, prefill=prefill,
+                       template_args=template_args(data),
                        tools=_tools(data.get("tools"), data.get("tool_choice")),
                        tool_choice=data.get("tool_choice"),
                        logprobs=logprobs, top_logprobs=numbers["top_logprobs"] or 0,
                        parallel_tool_calls=_optional(data, "parallel_tool_calls", bool,
                                                      "a boolean") is not False, **fields)
+
+
+EFFORTS = ("none", "minimal", "low", "medium", "high")
+# what a template's own variables are; chat_template_kwargs cannot set them
+TEMPLATE_OWN = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
+MAX_TEMPLATE_ARGS_CHARS = 64 << 10
+
+
+def template_args(data: dict) -> dict:
+    """The chat template's variables a body sets: `reasoning_effort` (OpenAI's; passed as
+    it is, and as Qwen3's `enable_thinking`: off for "none" and "minimal") and vLLM's
+    `chat_template_kwargs`, which win. A template gets those it reads (render_text)."""
+    args = {}
+    effort = data.get("reasoning_effort")
+    if effort is not None:
+        if effort not in EFFORTS:
+            raise _bad("reasoning_effort", f"reasoning_effort must be one of "
+                                           f"{', '.join(EFFORTS)}, got {_show(effort)}")
+        args = {"reasoning_effort": effort, "enable_thinking": effort not in EFFORTS[:2]}
+    kwargs = _optional(data, "chat_template_kwargs", dict, "an object")
+    if kwargs:
+        own = sorted(set(kwargs) & set(TEMPLATE_OWN))
+        if own:
+            raise _bad("chat_template_kwargs", f"chat_template_kwargs cannot set {own[0]} "
+                                               "(the request's own fields do)")
+        if len(json.dumps(kwargs)) > MAX_TEMPLATE_ARGS_CHARS:
+            raise _bad("chat_template_kwargs", f"chat_template_kwargs may take at most "
+                                               f"{MAX_TEMPLATE_ARGS_CHARS} characters of JSON",
+                       code="limit_exceeded")
+        args.update(kwargs)
+    return args
 
 
 # ---- responses -------------------------------------------------------------------------

@@ -84,9 +84,15 @@ class Placer:
             log.info("%s is still resident on die %s: kept, not reloaded", held.model_id,
                      worker.die)
             self.pool.changed()
-            self.change.set()
+            self.changed()
             return True
         return False
+
+    def changed(self) -> None:
+        """A replica became ready or failed: wake the placement waiter and the registry's
+        (the autoloader's load waiters)."""
+        self.change.set()
+        self.registry.change.fire()
 
     def stop_waiting(self) -> None:
         if self.expected:
@@ -128,7 +134,7 @@ class Placer:
                     continue
                 replica.state, replica.error = ReplicaState.FAILED, str(exc)
                 log.error("cannot place %s: %s", model.name, exc)
-                self.change.set()
+                self.changed()
                 continue
             self.start_load(model, replica, live[replica.die])
 
@@ -174,7 +180,7 @@ class Placer:
             return
         finally:
             replica.progress = self.pool.progress.pop(replica.model_id, replica.progress)
-            self.change.set()
+            self.changed()
         replica.state, replica.worker = ReplicaState.READY, worker
         replica.loads += 1
         replica.reserved = loaded.weight_bytes + loaded.kv_bytes     # the real figure now
@@ -183,7 +189,7 @@ class Placer:
         replica.spec = loaded.spec
         replica.activations = loaded.activations
         self.pool.changed()                       # queued requests may start now
-        self.change.set()
+        self.changed()
         log.info("%s ready on die %s: %d slots x %d ctx, loaded in %.1f s", model.name,
                  worker.die, loaded.slots, loaded.ctx, loaded.load_s)
         self.count(model.name, "loaded", loaded.load_s, replica.reason)

@@ -38,6 +38,29 @@ class ReplicaState:
     FAILED = "failed"        # the load failed; `error` says why
 
 
+class Change:
+    """A moment anyone may wait for: `fire()` wakes every waiter of the moment, and each
+    later waiter waits for the next one. A waiter takes `event` *before* it looks at the
+    state it waits on, then waits on that event: a change between the look and the wait
+    has set it already, so none is missed (only the event loop fires and waits)."""
+
+    def __init__(self):
+        self.event = asyncio.Event()
+
+    def fire(self) -> None:
+        self.event.set()
+        self.event = asyncio.Event()
+
+    @staticmethod
+    async def wait(event: asyncio.Event, timeout_s: float) -> bool:
+        """True when `event` fired within `timeout_s` seconds."""
+        try:
+            await asyncio.wait_for(event.wait(), max(0.0, timeout_s))
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+
 def idle_event() -> asyncio.Event:
     event = asyncio.Event()
     event.set()
@@ -73,6 +96,7 @@ class Replica:
     reason: str = "start"          # why it was loaded: start, request, admin (autoload.py)
     stages: list | None = None     # split across two dies: split_placement.StagePlan each
     want_dies: list | None = None  # serve --model-dies: the two dies to split it across
+    want_link: str = ""            # a split's stage link: "ipc", "tcp"; "": by the hosts
     placement: str = ""            # why it was placed so (an automatic split says why)
     idle: asyncio.Event = field(default_factory=lambda: idle_event(), repr=False,
                                 compare=False)   # set while nothing is in flight
@@ -108,9 +132,14 @@ class ServedModel:
         router sends a request only to a replica whose context holds it)."""
         return max((r.ctx for r in self.ready()), default=0)
 
-    def render_text(self, messages: list[dict], tools=None) -> str:
-        """The chat template's prompt text (CPU work: call off the event loop)."""
-        return self.template.render(messages, tools=tools, add_generation_prompt=True)
+    def render_text(self, messages: list[dict], tools=None, prefill: str | None = None,
+                    args: dict | None = None) -> str:
+        """The chat template's prompt text (CPU work: call off the event loop); `prefill`
+        the reply's start, to be continued; `args` reach the template as variables, those
+        it reads (enable_thinking, reasoning_effort...)."""
+        extra = {k: v for k, v in (args or {}).items() if self.template.reads(k)}
+        return self.template.render(messages, tools=tools, add_generation_prompt=True,
+                                    prefill=prefill, **extra)
 
 
 def open_model(path: str, name: str | None, created: int) -> ServedModel:
@@ -173,12 +202,23 @@ class Registry:
         self.models: dict[str, ServedModel] = {}
         self.ids = itertools.count(1)
         self.autoload = None       # autoload.AutoLoader: the catalog, loads on request
+        self.change = Change()     # fired when a replica is ready, failed or gone, and when
+                                   # a request lets go of a model (what load waiters wait on)
 
     async def want(self, name: str | None, keep_alive: float | None = None) -> ServedModel:
         """resolve(), loading a catalog model first when the server has an AutoLoader."""
         if self.autoload is not None:
             return await self.autoload.resolve(name, keep_alive)
         return self.resolve(name)
+
+    def shown_name(self, asked: str | None, model: ServedModel) -> str:
+        """The `model` a reply shows: the name the client asked by when it names this
+        model (its own name, or a catalog alias of it), as Ollama and llama-swap echo it;
+        else (no name, or the single-model shortcut's other name) the model's own."""
+        if not asked or asked == model.name:
+            return model.name
+        entry = self.autoload.catalog.lookup(asked) if self.autoload is not None else None
+        return asked if entry is not None and entry.name == model.name else model.name
 
     def add(self, model: ServedModel, die: str | None) -> Replica:
         """A new replica of `model` (a new served name, or one more copy of it, whose file
@@ -194,6 +234,7 @@ class Registry:
             model.replicas.remove(replica)
         if not model.replicas:
             self.models.pop(model.name, None)
+        self.change.fire()
 
     def count(self) -> int:
         return sum(len(m.replicas) for m in self.models.values())

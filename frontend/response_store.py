@@ -3,7 +3,8 @@
 
 A stored response keeps its response object and its conversation as chat turns (the
 input that produced it, earlier turns included, and its own output as an assistant
-turn), so a follow-up names only the response it continues. Entries live `ttl_s`
+turn), so a follow-up names only the response it continues, and its own input as
+items (what `GET /v1/responses/{id}/input_items` lists). Entries live `ttl_s`
 seconds and take at most `max_bytes` together (their JSON size); past that the oldest
 go first. Responses still running are held apart (`running`), unbounded by either
 limit since admission bounds how many there are, so they can be read and cancelled.
@@ -14,7 +15,7 @@ from __future__ import annotations
 import json
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
@@ -24,6 +25,7 @@ class Stored:
     session: str                # the prefix-cache session its follow-ups share
     size: int
     expires: float
+    items: list[dict] = field(default_factory=list)   # its own input, as items (input_items)
 
 
 class ResponseStore:
@@ -31,15 +33,20 @@ class ResponseStore:
         self.ttl_s, self.max_bytes, self.clock = ttl_s, max_bytes, clock
         self.entries: OrderedDict[str, Stored] = OrderedDict()     # oldest first
         self.bytes = 0
-        self.running: dict[str, tuple[dict, object]] = {}    # id → (response, its Job)
+        # id → (response, its Job, its input items)
+        self.running: dict[str, tuple[dict, object, list[dict]]] = {}
 
-    def put(self, rid: str, response: dict, turns: list[dict], session: str) -> bool:
-        """Keep a finished response; False when it alone is bigger than the store."""
+    def put(self, rid: str, response: dict, turns: list[dict], session: str,
+            items: list[dict] | None = None) -> bool:
+        """Keep a finished response (`items`: its own input, as input items); False when it
+        alone is bigger than the store."""
         self.delete(rid)
-        size = len(json.dumps(response)) + len(json.dumps(turns))
+        items = items or []
+        size = len(json.dumps(response)) + len(json.dumps(turns)) + len(json.dumps(items))
         if size > self.max_bytes:
             return False
-        self.entries[rid] = Stored(response, turns, session, size, self.clock() + self.ttl_s)
+        self.entries[rid] = Stored(response, turns, session, size, self.clock() + self.ttl_s,
+                                   items=items)
         self.bytes += size
         self.expire()
         while self.bytes > self.max_bytes:

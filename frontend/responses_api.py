@@ -1,5 +1,5 @@
-"""OpenAI's Responses API (`/v1/responses`: create, retrieve, delete, cancel) as an edge
-of the chat path.
+"""OpenAI's Responses API (`/v1/responses`: create, retrieve, input_items, delete,
+cancel) as an edge of the chat path.
 
 A body's `input` (a string, or items: messages, `function_call`, `function_call_output`,
 `reasoning`) becomes chat turns, after the turns of the response it continues
@@ -42,6 +42,7 @@ class ResponsesRequest:
     previous: str | None
     store: bool
     echo: dict = field(default_factory=dict)
+    items: list[dict] = field(default_factory=list)     # the input as items, with ids
 
 
 def _text(content, where: str) -> str:
@@ -94,6 +95,29 @@ def _item(item, i: int, turns: list[dict]) -> None:
         raise _bad(f"{where}.type", f"{where}.type {kind!r} is not supported (message, "
                                     "function_call, function_call_output and reasoning "
                                     "items are)", code="unsupported")
+
+
+ITEM_IDS = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+            "reasoning": "rs"}
+
+
+def input_item(item) -> dict:
+    """An input item (checked by _item) as input_items lists it: its id (the client's, or
+    a new one), its type, "completed", a message's content as parts."""
+    if isinstance(item, str):
+        item = {"role": "user", "content": item}
+    kind = item.get("type", "message")
+    given = item.get("id")
+    out = {"id": given if isinstance(given, str) and given else new_id(ITEM_IDS[kind]),
+           "type": kind, **{k: v for k, v in item.items() if k not in ("id", "type")}}
+    out.setdefault("status", "completed")
+    if kind == "message":
+        part = "output_text" if item["role"] == "assistant" else "input_text"
+        content = item.get("content")
+        parts = [{"type": part, "text": content}] if isinstance(content, str) else content
+        out["content"] = [p | {"annotations": p.get("annotations", [])}
+                          if p.get("type") == "output_text" else p for p in parts]
+    return out
 
 
 def _tools(tools) -> list[dict] | None:
@@ -184,6 +208,7 @@ def parse_responses_request(body: bytes) -> ResponsesRequest:
             "tools": _tools(data.get("tools")), "tool_choice": _tool_choice(data.get("tool_choice")),
             "response_format": _format(data.get("text")), "user": data.get("user"),
             "parallel_tool_calls": data.get("parallel_tool_calls"),
+            "reasoning_effort": (reasoning or {}).get("effort"),
             **{k: data[k] for k in SAMPLING_FIELDS if k in data}}
     echo = {"instructions": instructions, "max_output_tokens": max_tokens,
             "previous_response_id": previous, "tools": data.get("tools") or [],
@@ -194,7 +219,8 @@ def parse_responses_request(body: bytes) -> ResponsesRequest:
             "reasoning": reasoning or {"effort": None, "summary": None},
             "store": store, "metadata": metadata or {}, "truncation": "disabled",
             "background": False}
-    return ResponsesRequest(chat, turns, instructions, previous, store, echo)
+    items = [input_item(item) for item in (raw if isinstance(raw, list) else [raw])]
+    return ResponsesRequest(chat, turns, instructions, previous, store, echo, items=items)
 
 
 def chat_for(rr: ResponsesRequest, earlier: list[dict], session: str | None, limits):
@@ -216,7 +242,32 @@ def chat_for(rr: ResponsesRequest, earlier: list[dict], session: str | None, lim
             exc.param = "max_output_tokens"
         elif exc.param == "response_format":
             exc.param = "text.format"
+        elif exc.param == "reasoning_effort":
+            exc.message = exc.message.replace("reasoning_effort", "reasoning.effort", 1)
+            exc.param = "reasoning.effort"
         raise
+
+
+def page(items: list[dict], query) -> dict:
+    """One page of a list: `order` asc or desc (the default, OpenAI's), `limit` 1-100
+    (default 20), `after` the id of the item the page follows."""
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise _bad("order", f"order must be asc or desc, not {order!r}")
+    limit = query.get("limit", "20")
+    if not limit.isdigit() or not 1 <= int(limit) <= 100:
+        raise _bad("limit", f"limit must be an integer in [1, 100], not {limit!r}")
+    ordered = items if order == "asc" else items[::-1]
+    start, after = 0, query.get("after")
+    if after is not None:
+        ids = [item["id"] for item in ordered]
+        if after not in ids:
+            raise _bad("after", f"after {after!r} is no input item of this response")
+        start = ids.index(after) + 1
+    data = ordered[start:start + int(limit)]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": start + len(data) < len(ordered)}
 
 
 class ResponsesService:
@@ -253,11 +304,11 @@ class ResponsesService:
         def finished(response: dict, turn: dict) -> None:
             self.store.running.pop(rid, None)
             if rr.store:
-                self.store.put(rid, response, history + [turn], session)
+                self.store.put(rid, response, history + [turn], session, items=rr.items)
         job = await chat.job(request, req, deadline, len(body),
                              lambda model, req, capped:
                              ResponsesRenderer(rid, model, req, rr.echo, finished))
-        self.store.running[rid] = (job.renderer.response("in_progress"), job)
+        self.store.running[rid] = (job.renderer.response("in_progress"), job, rr.items)
         try:
             await chat.lifecycle.run(request, send, job)
         finally:
@@ -273,11 +324,12 @@ class ResponsesService:
         turns, _ = self.earlier(rr.previous)
         req = await chat.preparer.run(deadline, chat_for, rr, turns, None, chat.limits,
                                       size=len(body))
-        model = chat.registry.resolve(req.model)
+        model = await chat.registry.want(req.model)          # a catalog model loads
         count = await chat.preparer.run(deadline, count_prompt, model, req, size=len(body))
         return JSONResponse({"object": "response.input_tokens", "input_tokens": count})
 
     def found(self, request: Request):
+        """(response, its Job while it runs else None, its input items); 404 if unknown."""
         rid = request.path_params["id"]
         stored = self.store.get(rid)
         if stored is None:
@@ -286,10 +338,16 @@ class ResponsesService:
                 return running
             raise APIError(404, f"Response with id {rid!r} not found.", param="response_id",
                            code="response_not_found")
-        return stored.response, None
+        return stored.response, None, stored.items
 
     async def retrieve(self, request: Request) -> JSONResponse:
         return JSONResponse(self.found(request)[0])
+
+    async def input_items(self, request: Request) -> JSONResponse:
+        """GET /v1/responses/{id}/input_items: the response's own input items, a page
+        at a time as OpenAI pages lists (`after` an item id, `limit`, `order`)."""
+        items = self.found(request)[2]
+        return JSONResponse(page(items, request.query_params))
 
     async def delete(self, request: Request) -> JSONResponse:
         rid = request.path_params["id"]
@@ -301,7 +359,7 @@ class ResponsesService:
     async def cancel(self, request: Request) -> JSONResponse:
         """A response still running ends now (its client gets a 409 or an `error` event);
         a finished one cannot be cancelled."""
-        response, job = self.found(request)
+        response, job, _ = self.found(request)
         if job is None:
             raise APIError(400, f"response {response['id']!r} is {response['status']}: only "
                                 "a response in progress can be cancelled",

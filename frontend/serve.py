@@ -14,7 +14,7 @@ import zmq
 import zmq.asyncio
 
 from ..common import protocol as p
-from ..common import settings, speculation
+from ..common import options, settings, speculation
 from ..common.key_set import KeySet
 from ..common.kv_cache import KVCacheTypes
 from ..common.weight_format import weight_bytes
@@ -22,6 +22,7 @@ from .admission import Admission
 from .admin import Admin, AdminSocket
 from .app import build_app
 from .autoload import AutoLoader, LifecycleConfig
+from .catalog import parse_alias
 from .dies import DieTable
 from .drain import Drain, DrainingServer, shutting_down
 from .lifecycle import Lifecycle
@@ -346,43 +347,16 @@ def main(args) -> int:
     for die in spawn:                       # a bad name stops here, with the accepted forms
         if parse_die(die).kind == "emu" and spawn.count(die) > 1:
             raise ValueError(f"die {die!r} twice: give each emulated die its own index")
-    cfg = ServeConfig(
-        models=models, host=args.host, port=args.port, worker_addr=args.worker_addr,
-        spawn=spawn, slots=args.slots, ctx=args.ctx,
+    cfg = options.config(
+        ServeConfig, args, options.SERVE, models=models, spawn=spawn,
         api_key=KeySet.of(KeySet([args.api_key], args.api_key_file)),
-        max_body_bytes=args.max_body_bytes, worker_timeout_s=args.worker_timeout,
-        prefill_chunk=args.prefill_chunk if args.prefill_chunk is not None
-        else settings.prefill_chunk(), prefix_cache_mb=args.prefix_cache_mb,
-        queue_depth=args.queue_depth if args.queue_depth is not None else settings.queue_depth(),
-        queue_timeout_s=args.queue_timeout, admin_addr=args.admin_addr,
         admin_key=KeySet.of(KeySet([args.admin_key], args.admin_key_file)),
-        max_models=args.max_models,
-        context_cap=not args.no_context_cap, worker_lost_after_s=args.worker_lost_after,
-        quantize=args.quantize, activations=args.activations,
-        shutdown_timeout_s=args.shutdown_timeout,
         kv_cache=getattr(args, "kv", None) or KVCacheTypes.of(settings.kv_cache()),
-        spec=args.spec, spec_n=args.spec_n, spec_k=args.spec_k, draft_model=args.draft_model or "",
-        metrics_auth=args.metrics_auth, log_format=args.log_format or settings.log_format(),
-        log_prompts=args.log_prompts, keys_dir=args.keys, insecure=args.insecure,
-        http_admin=not args.no_http_admin, dashboard=args.dashboard, model_dirs=args.model_dir,
-        request_limits=RequestLimits(
-            max_messages=args.max_messages, max_request_tokens=args.max_request_tokens,
-            max_choices=args.max_request_choices,
-            max_stop_chars=args.max_stop_chars,
-            max_tool_schema_bytes=args.max_tool_schema_bytes,
-            max_tool_schema_depth=args.max_tool_schema_depth),
-        connection_limits=ConnectionLimits(
-            header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
-            write_timeout_s=args.write_timeout, max_header_bytes=args.max_header_bytes,
-            max_connections=args.max_connections, send_buffer_bytes=args.send_buffer_bytes,
-            max_connections_per_client=args.max_connections_per_client),
-        stream_buffer_tokens=args.stream_buffer_tokens, allowed_hosts=args.allowed_hosts,
-        cors_origins=args.cors_origins, max_request_slots=args.max_request_slots,
-        prepare_timeout_s=args.prepare_timeout, lifecycle=LifecycleConfig.from_args(args),
-        model_dies=[[d for d in v.split(",") if d] if v else None
-                    for v in (getattr(args, "model_dies", None) or [])],
-        responses_ttl_s=args.responses_ttl, responses_max_mb=args.responses_max_mb,
-        pooling=args.pooling, **registry_settings())
+        request_limits=options.config(RequestLimits, args, options.SERVE),
+        connection_limits=options.config(ConnectionLimits, args, options.SERVE),
+        lifecycle=options.config(LifecycleConfig, args, options.SERVE,
+                                 aliases=[parse_alias(a) for a in args.alias or []]),
+        **registry_settings())
     return asyncio.run(serve(cfg))
 
 

@@ -9,24 +9,27 @@ counts its weights (the embedding and head matrices are held by both, the layers
 their stage's die) plus its layers' share of KV and recurrent state. Auto-placement
 splits only when no single die fits.
 
-The stage link is an ipc address in a folder of its own (mode 0700) on this host: the
-frontend spawns (or is given) workers on one host for a split replica. Stage 1 is loaded
-first (it binds the link), then stage 0 (it connects and warms through it); a stage that
-fails leaves nothing loaded on either die. If either die's worker is lost, the replica
-leaves routing (the head's step fails at once: its link closes) and both stages are
-loaded again once both dies are back. Unload frees both.
+The stage link (worker/stage_socket.py) is chosen here, per load: ipc (a folder of stage
+1's own, mode 0700) when both workers run on one host (their hellos' host identities
+match), tcp otherwise (stage 1's worker binds its `--stage-bind` address and its Loaded
+names it); `"link": "tcp"` asks for tcp on one host too. A tcp link is CURVE when the
+fleet has keys (`serve --keys`): stage 1 serves with its worker's key, stage 0 dials with
+its own, and stage 1 lets in that one key; without keys a tcp link needs `serve
+--insecure`, as a keyless external worker does. Stage 1 is loaded first (it binds the
+link), then stage 0 (it connects and warms through it); a stage that fails (a port in
+use, keys missing, a refused handshake) leaves nothing loaded on either die. If either
+die's worker is lost, the replica leaves routing (the head's step fails at once: its link
+closes) and both stages are loaded again once both dies are back. Unload frees both.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import re
-import shutil
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 from ..common import protocol as p
+from ..common.host_identity import same_host
 from ..common.model_file import ModelConfig
 from ..common.kv_cache import KVCacheTypes
 from ..common.weight_format import held_as, kv_itemsize, tensor_list
@@ -37,6 +40,7 @@ from .workers import LoadError, WorkerLost
 log = logging.getLogger("pantheon.frontend.split")
 
 LAYER = re.compile(r"(?:^|\.)(?:blk|layers|h)\.(\d+)\.")
+LINK_REFUSED = "link_refused"     # a LoadError's code: this fleet cannot make that link
 
 
 @dataclass
@@ -45,11 +49,13 @@ class StagePlan:
     first_layer: int
     end_layer: int
     reserved: int            # bytes admitted on its die
-    folder: str = ""         # the stage link's private folder (stage 1's, while loaded)
+    link: str = ""           # the stage link's address, as stage 1 bound it (while loaded)
+    curve: bool = False      # the link is CURVE
 
     def as_json(self) -> dict:
         return {"die": self.die, "layers": [self.first_layer, self.end_layer],
-                "reserved_bytes": self.reserved}
+                "reserved_bytes": self.reserved,
+                **({"link": self.link, "curve": self.curve} if self.link else {})}
 
 
 def tail_id(model_id: str) -> str:
@@ -156,10 +162,17 @@ async def load(placer, model, replica, worker) -> None:
         replica.state, replica.worker = ReplicaState.PLACED, None
         placer.change.set()
         return
-    forget_folder(stages[1])
-    folder = Path(tempfile.mkdtemp(prefix="pantheon-link-"))      # 0700, ours alone
-    stages[1].folder = str(folder)
-    address = f"ipc://{folder}/link"
+    try:
+        what, server_key, client_key = link_plan(placer.pool, worker, tail_worker,
+                                                 replica.want_link)
+    except LoadError as exc:
+        replica.state, replica.error, replica.error_code = ReplicaState.FAILED, str(exc), exc.code
+        log.error("loading %s across dies %s and %s refused: %s", model.name, worker.die,
+                  tail_worker.die, exc)
+        placer.count(model.name, "failed", reason=replica.reason)
+        placer.change.set()
+        return
+    keys = dict(server_key=server_key, client_key=client_key)
     base = dict(path=replica.path or model.path, name=model.name,
                 slots=replica.want_slots or placer.slots, ctx=replica.want_ctx or placer.ctx,
                 prefill_chunk=placer.prefill_chunk,
@@ -167,13 +180,9 @@ async def load(placer, model, replica, worker) -> None:
                 activations=replica.want_activations or placer.activations,
                 kv_cache_k=replica.want_kv.over(placer.kv_cache).k,
                 kv_cache_v=replica.want_kv.over(placer.kv_cache).v)
-    head_msg = p.Load(model_id=replica.model_id, **base,
-                      spec=replica.want_spec if replica.want_spec is not None else placer.spec,
-                      stage=p.Stage(index=0, first_layer=0, end_layer=stages[0].end_layer,
-                                    link=address))
     tail_msg = p.Load(model_id=tail_id(replica.model_id), **base,
                       stage=p.Stage(index=1, first_layer=stages[1].first_layer,
-                                    end_layer=stages[1].end_layer, link=address))
+                                    end_layer=stages[1].end_layer, link=what, **keys))
     loaded = None
     try:
         async with placer.upload_lock:
@@ -186,6 +195,14 @@ async def load(placer, model, replica, worker) -> None:
             await quiet_unload(placer.pool, tail_worker, tail_id(replica.model_id))
             tail = await placer.pool.load(tail_worker, tail_msg)
             try:
+                if not tail.link:
+                    raise LoadError("the second stage's worker named no stage link address "
+                                    "(an older worker?)", p.STAGE_LINK)
+                head_msg = p.Load(
+                    model_id=replica.model_id, **base,
+                    spec=replica.want_spec if replica.want_spec is not None else placer.spec,
+                    stage=p.Stage(index=0, first_layer=0, end_layer=stages[0].end_layer,
+                                  link=tail.link, **keys))
                 loaded = await placer.pool.load(worker, head_msg)
             except BaseException:
                 await quiet_unload(placer.pool, tail_worker, tail_id(replica.model_id))
@@ -204,9 +221,8 @@ async def load(placer, model, replica, worker) -> None:
     finally:
         replica.progress = placer.pool.progress.pop(replica.model_id, replica.progress)
         placer.pool.progress.pop(tail_id(replica.model_id), None)
-        if loaded is None:                  # the folder goes with the replica's unload
-            forget_folder(stages[1])
         placer.change.set()
+    stages[1].link, stages[1].curve = tail.link, bool(server_key)
     replica.state, replica.worker = ReplicaState.READY, worker
     replica.loads += 1
     stages[0].reserved = loaded.weight_bytes + loaded.kv_bytes
@@ -216,16 +232,39 @@ async def load(placer, model, replica, worker) -> None:
     replica.spec = loaded.spec
     placer.pool.changed()
     placer.change.set()
-    log.info("%s ready across dies %s and %s: %d slots x %d ctx, loaded in %.1f s + %.1f s",
-             model.name, worker.die, tail_worker.die, loaded.slots, loaded.ctx,
-             tail.load_s, loaded.load_s)
+    log.info("%s ready across dies %s and %s (stage link %s%s): %d slots x %d ctx, loaded "
+             "in %.1f s + %.1f s", model.name, worker.die, tail_worker.die, tail.link,
+             ", CURVE" if server_key else "", loaded.slots, loaded.ctx, tail.load_s,
+             loaded.load_s)
     placer.count(model.name, "loaded", loaded.load_s + tail.load_s, replica.reason)
 
 
-def forget_folder(stage: StagePlan) -> None:
-    if stage.folder:
-        shutil.rmtree(stage.folder, ignore_errors=True)
-        stage.folder = ""
+def link_plan(pool, head, tail, want: str = "") -> tuple[str, str, str]:
+    """(what stage 1 binds: "ipc" or "tcp", the server key, the client key) for a split
+    across the workers `head` and `tail`; LoadError(LINK_REFUSED) when this fleet cannot
+    make the link asked for."""
+    one_host = same_host(head.hello.host, tail.hello.host)
+    what = want or ("ipc" if one_host else "tcp")
+    if what == "ipc":
+        if not one_host:
+            raise LoadError(f"an ipc stage link needs both dies on one host; dies {head.die} "
+                            f"and {tail.die} run on different hosts (use tcp)", LINK_REFUSED)
+        return "ipc", "", ""
+    if getattr(pool, "keyed", False):                # the fleet has keys: CURVE
+        missing = [w.die for w in (head, tail) if not w.hello.public_key]
+        if missing:
+            raise LoadError(f"keys missing: a tcp stage link in a fleet with --keys is CURVE, "
+                            f"and the worker of die {', '.join(missing)} announced no public "
+                            f"key (start it with --keys DIR)", LINK_REFUSED)
+        return "tcp", tail.hello.public_key, head.hello.public_key
+    if not getattr(pool, "external", False):
+        raise LoadError(f"keys missing: a tcp stage link between dies {head.die} and "
+                        f"{tail.die} would carry activations unauthenticated and in clear; "
+                        "start the fleet with --keys DIR (CURVE), or serve --insecure",
+                        LINK_REFUSED)
+    log.warning("--insecure: the stage link between dies %s and %s is tcp without keys",
+                head.die, tail.die)
+    return "tcp", "", ""
 
 
 async def quiet_unload(pool, worker, model_id: str) -> None:
@@ -242,7 +281,7 @@ async def unload_tail(pool, replica) -> None:
     if getattr(replica, "stages", None):
         live = {w.die: w for w in pool.live()}
         await quiet_unload(pool, live.get(replica.stages[1].die), tail_id(replica.model_id))
-        forget_folder(replica.stages[1])
+        replica.stages[1].link = ""
 
 
 class SplitWatch:
@@ -261,7 +300,7 @@ class SplitWatch:
         for model, replica in self.split_replicas():
             if replica.stages[1].die != worker.die or replica.state == ReplicaState.UNLOADING:
                 continue
-            head = replica.worker
+            head, replica.stages[1].link = replica.worker, ""    # its link went with it
             if replica.state in (ReplicaState.READY, ReplicaState.LOADING):
                 log.warning("%s lost its second stage (die %s): out of routing until it "
                             "is back", replica.model_id, worker.die)

@@ -14,7 +14,7 @@ from ..common import limits as wire
 from ..common.chat_template import TemplateError
 from .body import parse_json, read_body
 from .errors import APIError
-from .openai_api import chat_request
+from .openai_api import chat_request, render_options
 from .tools import prepare_conversation
 
 
@@ -27,9 +27,11 @@ def render(model, req, generation_prompt: bool = True) -> str:
     messages, tools = prepare_conversation(req.messages, req.tools, req.tool_choice,
                                            model.tokenizer.chat_template)
     try:
-        if generation_prompt:
-            return model.render_text(messages, tools)
-        return model.template.render(messages, tools=tools, add_generation_prompt=False)
+        if generation_prompt or req.prefill is not None:
+            return model.render_text(messages, tools, **render_options(req))
+        return model.template.render(messages, tools=tools, add_generation_prompt=False,
+                                     **{k: v for k, v in req.template_args.items()
+                                        if model.template.reads(k)})
     except TemplateError as exc:
         raise APIError(400, f"the chat template refused the conversation: {exc}",
                        param="messages") from exc
@@ -90,7 +92,7 @@ class TokenizeService:
         data = await chat.preparer.run(deadline, parse_json, body, size=len(body))
         if data.get("model") is not None and not isinstance(data["model"], str):
             raise _bad("model", "model must be a string")
-        model = chat.registry.resolve(data.get("model"))
+        model = await chat.registry.want(data.get("model"))   # a catalog model loads
         return JSONResponse(await chat.preparer.run(deadline, fn, model, data, *args,
                                                     size=len(body)))
 

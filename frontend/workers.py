@@ -166,6 +166,7 @@ class WorkerPool:
         self.unanswered: dict[str, RequestStream] = {}   # sent, no word from the worker yet
         # workers without a spawn proof may join: CURVE judged their key, or --insecure
         self.external = curve is not None if external is None else external
+        self.keyed = curve is not None      # the fleet uses keys: tcp stage links are CURVE
         if self.external and curve is None:
             log.warning("--insecure: the worker link takes workers without keys: any "
                         "process on this host can join as a worker for a die that has none")

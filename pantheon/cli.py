@@ -14,8 +14,7 @@ from pantheon.common import blas_env  # noqa: E402  (no NumPy: before anything l
 
 blas_env.apply()
 
-from pantheon.common import logs, settings
-from pantheon.common.weight_format import QUANTIZE_MODES as QUANTIZE_CHOICES
+from pantheon.common import logs, options, settings
 
 
 def model_path(arg: str | None):
@@ -55,6 +54,12 @@ def cmd_run(args) -> int:
 def cmd_bench(args) -> int:
     if args.bench == "engine":
         from pantheon.bench.engine import main
+        if args.write_gguf:
+            if not args.synthetic:
+                raise ValueError("bench engine --write-gguf needs --synthetic NAME")
+            from pantheon.bench.synthetic import write_gguf
+            print(write_gguf(args.synthetic, args.write_gguf))
+            return 0
         if args.synthetic:
             from pantheon.bench.synthetic import synthetic_model
             args.model = synthetic_model(args.synthetic)
@@ -86,10 +91,6 @@ def cmd_bench(args) -> int:
 
 def cmd_serve(args) -> int:
     from pantheon.frontend.serve import main
-    args.api_key = args.api_key or settings.api_key()
-    args.admin_key = args.admin_key or settings.admin_key()
-    args.admin_addr = args.admin_addr or settings.admin_addr()
-    args.keys = args.keys or settings.keys_dir()
     return main(args)
 
 
@@ -112,123 +113,8 @@ def cmd_keys(args) -> int:
 
 
 def cmd_worker(args) -> int:
-    args.keys = args.keys or settings.keys_dir()
     from pantheon.worker.main import main
     return main(args)
-
-
-def core_list(text: str) -> list[int]:
-    try:
-        return [int(c) for c in text.split(",") if c.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"cores are a comma-separated list of numbers: {text!r}")
-
-
-def comma_list(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
-
-
-def add_lifecycle_arguments(serve: argparse.ArgumentParser) -> None:
-    """`serve`'s catalog and model lifecycle (docs/models.md, "Models on demand")."""
-    serve.add_argument("--alias", action="append", metavar="NAME=PATH",
-                       help="one more name for a model file or folder (or for a catalog "
-                            "name); repeatable")
-    serve.add_argument("--pin", action="append", metavar="NAME",
-                       help="never unload or evict this model (the --model ones are pinned); "
-                            "repeatable")
-    serve.add_argument("--keep-alive", type=float, default=300.0, metavar="S",
-                       help="unload a replica after S seconds without a request (default "
-                            "300; -1: never); a request's keep_alive overrides it")
-    serve.add_argument("--max-loaded", type=int, default=0, metavar="N",
-                       help="resident models at most; a load past it evicts the least "
-                            "recently used idle one (default 0: no cap but memory)")
-    serve.add_argument("--no-autoload", action="store_true",
-                       help="a request for a model that is not loaded is a 503: only "
-                            "--model and the admin API load")
-    serve.add_argument("--no-preload", action="store_true",
-                       help="load nothing at start: the --model files (or the default) "
-                            "load on their first request")
-
-
-def add_security_arguments(serve: argparse.ArgumentParser) -> None:
-    """`serve`'s guards off loopback and its bounds on clients (docs/security.md)."""
-    s = settings
-    serve.add_argument("--keys", metavar="DIR", help="CURVE on the worker link and the admin "
-                       "socket: a folder from `pantheon keys generate` (env "
-                       "PANTHEON_KEYS_DIR); required off loopback")
-    serve.add_argument("--insecure", action="store_true",
-                       help="start even where a bind off loopback lacks its key, and let "
-                            "workers join the link without keys (warned at every start)")
-    serve.add_argument("--no-http-admin", action="store_true",
-                       help="no /admin/ routes on the HTTP server (the admin socket stays; "
-                            "no dashboard)")
-    serve.add_argument("--dashboard", choices=("on", "readonly", "off"), default="on",
-                       help="the operator's page at /dashboard (behind the admin key when "
-                            "one is set): on, readonly (no load/unload buttons) or off "
-                            "(default on)")
-    serve.add_argument("--model-dir", action="append", metavar="DIR",
-                       help="a folder of models: each *.gguf and Hugging Face folder in it "
-                            "is served on request under its name, and /admin/models/load "
-                            "may open models from it; repeatable (default for loads: the "
-                            "cache folder and those of the --model files)")
-    serve.add_argument("--allowed-hosts", metavar="NAMES", type=comma_list, default=[],
-                       help="Host header names accepted besides localhost, 127.0.0.1, [::1] "
-                            "and the bind address (comma list; '*': any). Off loopback the "
-                            "Host is checked only when this is given")
-    serve.add_argument("--cors-origins", metavar="ORIGINS", type=comma_list, default=[],
-                       help="web origins a browser client may call the API from (comma "
-                            "list, e.g. https://app.example; '*': any); default none: no "
-                            "CORS headers, cross-site requests refused")
-    serve.add_argument("--max-connections-per-client", type=int,
-                       default=s.MAX_CONNECTIONS_PER_CLIENT,
-                       help="open HTTP connections from one IP address (its idle ones are "
-                            "closed first, then 503)")
-    serve.add_argument("--max-request-slots", type=int, default=0,
-                       help="slots one request's choices (n x prompts) hold at once; the "
-                            "rest run as those finish, queued behind other requests "
-                            "(default 0: half a replica's slots)")
-    serve.add_argument("--prepare-timeout", type=float, default=s.PREPARE_TIMEOUT_S,
-                       help="seconds for a request's templating and tokenization, queue "
-                            "included (503 beyond)")
-    serve.add_argument("--responses-ttl", type=float, default=s.RESPONSES_TTL_S, metavar="S",
-                       help="seconds a stored /v1/responses response (and its conversation, "
-                            "for previous_response_id) is kept")
-    serve.add_argument("--responses-max-mb", type=float, default=s.RESPONSES_MAX_MB,
-                       metavar="MB", help="stored responses together, MB (the oldest go "
-                                          "first)")
-    serve.add_argument("--pooling", choices=["auto", "mean", "last"], default="auto",
-                       help="how /v1/embeddings pools a prompt's final hidden states: auto "
-                            "(as the model file says; mean when it says nothing), mean, or "
-                            "the last token's")
-    serve.add_argument("--header-timeout", type=float, default=s.HEADER_TIMEOUT_S,
-                       help="seconds for a request's line and headers (408 beyond)")
-    serve.add_argument("--body-timeout", type=float, default=s.BODY_TIMEOUT_S,
-                       help="seconds for a request's body after its headers (408 beyond)")
-    serve.add_argument("--write-timeout", type=float, default=s.WRITE_TIMEOUT_S,
-                       help="seconds a client may read nothing while data waits for it "
-                            "before its connection is dropped")
-    serve.add_argument("--max-header-bytes", type=int, default=s.MAX_HEADER_BYTES,
-                       help="request line and headers, bytes (431 beyond)")
-    serve.add_argument("--max-connections", type=int, default=s.MAX_CONNECTIONS,
-                       help="open HTTP connections (503 beyond)")
-    serve.add_argument("--send-buffer-bytes", type=int, default=s.SEND_BUFFER_BYTES,
-                       help="per connection: the socket's send buffer and ours (0: the "
-                            "kernel's autotuned one)")
-    serve.add_argument("--max-messages", type=int, default=s.MAX_MESSAGES,
-                       help="chat messages per request (400 beyond)")
-    serve.add_argument("--max-request-tokens", type=int, default=s.MAX_REQUEST_TOKENS,
-                       help="n x max_tokens (x prompts) per request (400 beyond)")
-    serve.add_argument("--max-request-choices", type=int, default=s.MAX_REQUEST_CHOICES,
-                       help="n x prompts per request (400 beyond)")
-    serve.add_argument("--max-stop-chars", type=int, default=s.MAX_STOP_CHARS,
-                       help="characters per stop string (400 beyond)")
-    serve.add_argument("--max-tool-schema-bytes", type=int, default=s.MAX_TOOL_SCHEMA_BYTES,
-                       help="`tools` as compact JSON, bytes (400 beyond)")
-    serve.add_argument("--max-tool-schema-depth", type=int, default=s.MAX_TOOL_SCHEMA_DEPTH,
-                       help="`tools` nesting depth (400 beyond)")
-    serve.add_argument("--stream-buffer-tokens", type=int, default=s.STREAM_BUFFER_TOKENS,
-                       help="tokens held for a client that stops reading its stream; its "
-                            "request is aborted beyond")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -256,99 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--top-k", type=int, default=0)
     run.add_argument("--top-p", type=float, default=1.0)
     run.add_argument("--seed", type=int)
-    run.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="auto",
-                     help="weights in memory: auto (as stored), none (fp32), q8_0, q4")
-    add_kv_cache(run)
-    add_activations(run)
+    options.add_options(run, options.RUN)
     run.set_defaults(func=cmd_run)
 
     serve = sub.add_parser("serve", help="the OpenAI-compatible server (frontend + workers)")
-    serve.add_argument("--host", default=settings.HOST, help="HTTP bind address")
-    serve.add_argument("--port", type=int, default=settings.PORT)
-    serve.add_argument("--model", action="append", metavar="PATH",
-                       help="GGUF file or Hugging Face folder; repeatable (default: SmolLM2)")
-    serve.add_argument("--name", action="append", metavar="NAME",
-                       help="served name of the --model at the same position")
-    serve.add_argument("--model-dies", action="append", metavar="A,B",
-                       help="split the --model at the same position across these two dies "
-                       "(pipeline stages, one per die)")
-    serve.add_argument("--spawn-workers", default="cpu", metavar="DIES",
-                       help="dies to spawn workers for: cpu, CUDA numbers, emu:INDEX[:SIZE] "
-                       "(an emulated CUDA die), e.g. cpu,0,1")
-    serve.add_argument("--no-spawn", action="store_true",
-                       help="spawn nothing; wait for externally supervised workers")
-    serve.add_argument("--worker-addr", default=settings.WORKER_ADDR,
-                       help="ZeroMQ address the frontend binds for workers")
-    serve.add_argument("--slots", type=int, default=settings.SLOTS,
-                       help="KV slots per model replica (1: single-user mode)")
-    serve.add_argument("--prefill-chunk", type=int, default=None,
-                       help="prompt tokens per step; bounds a decode stall to one chunk "
-                       "(default 128, or QWEN35_BS_PREFILL_CHUNK)")
-    serve.add_argument("--prefix-cache-mb", type=float, default=settings.PREFIX_CACHE_MB,
-                       help="per worker: host memory for KV states of idle conversations")
-    serve.add_argument("--queue-depth", type=int, default=None,
-                       help="requests that may wait for a slot per model (env BS_QUEUE_DEPTH, "
-                            f"default {settings.QUEUE_DEPTH})")
-    serve.add_argument("--queue-timeout", type=float, default=settings.QUEUE_TIMEOUT_S,
-                       help="seconds a request may wait for a slot before a 429")
-    serve.add_argument("--ctx", type=int, default=0,
-                       help="context per slot (default: the model's, at most 4096)")
-    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (env "
-                       "PANTHEON_API_KEY); visible to every user in the process list: "
-                       "prefer --api-key-file")
-    serve.add_argument("--api-key-file", metavar="FILE", help="API keys, one per line, "
-                       "reread when the file changes (chmod 600)")
-    serve.add_argument("--admin-key", help="key for /admin/ routes and the admin socket "
-                       "(env PANTHEON_ADMIN_KEY; default: the API key guards /admin/); "
-                       "visible in the process list: prefer --admin-key-file")
-    serve.add_argument("--admin-key-file", metavar="FILE", help="admin keys, one per "
-                       "line, reread when the file changes (chmod 600)")
-    serve.add_argument("--admin-addr", help="ZeroMQ admin socket to bind "
-                       f"(env PANTHEON_ADMIN_ADDR, default {settings.ADMIN_ADDR})")
-    serve.add_argument("--max-models", type=int, default=settings.MAX_MODELS,
-                       help="resident replicas at most (the spec's MR_MAX_MODELS)")
-    serve.add_argument("--max-body-bytes", type=int, default=settings.MAX_BODY_BYTES)
-    serve.add_argument("--no-context-cap", action="store_true",
-                       help="refuse (400) a conversation longer than the context instead of "
-                            "dropping its oldest turns")
-    serve.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="auto",
-                       help="weights in memory: auto (GGUF blocks as stored, float tensors "
-                            "as stored), none (dense fp32, the exact reference), q8_0 or q4 "
-                            "(float tensors quantized at load)")
-    add_kv_cache(serve)
-    add_activations(serve)
-    serve.add_argument("--spec", default="", metavar="KIND",
-                       help="speculative decoding of every --model: ngram (prompt lookup: "
-                            "the sequence's last tokens matched earlier in its prompt and "
-                            "output propose what followed) or draft (--draft-model); exact, "
-                            "greedy and sampled")
-    serve.add_argument("--draft-model", metavar="PATH",
-                       help="--spec draft: a small model of the same tokenizer, on the same "
-                            "die, proposing its greedy tokens")
-    serve.add_argument("--spec-n", type=int, default=3, metavar="N",
-                       help="prompt lookup's longest n-gram (1-64, default 3)")
-    serve.add_argument("--spec-k", type=int, default=8, metavar="K",
-                       help="the longest proposal verified in one step (1-16, default 8)")
-    serve.add_argument("--shutdown-timeout", type=float, default=settings.SHUTDOWN_TIMEOUT_S,
-                       metavar="S", help="on SIGTERM/SIGINT, seconds that running and queued "
-                       "requests may take to finish before they are ended (a second signal "
-                       "skips the wait)")
-    serve.add_argument("--metrics-auth", action="store_true",
-                       help="GET /metrics takes the API key (default: public, like /health)")
-    serve.add_argument("--log-format", choices=["text", "json"],
-                       help="log lines as text or one JSON object each (env PANTHEON_LOG_FORMAT)")
-    serve.add_argument("--log-prompts", action="store_true",
-                       help="put each request's prompt text in its access-log line")
-    serve.add_argument("--worker-timeout", type=float, default=settings.WORKER_TIMEOUT_S,
-                       help="seconds of silence (or of one step) after which a worker is "
-                            "slow: it keeps its requests and gets new ones only when no "
-                            "other replica can serve")
-    serve.add_argument("--worker-lost-after", type=float,
-                       default=settings.WORKER_LOST_AFTER_S,
-                       help="seconds a worker may answer neither heartbeats nor probes "
-                            "before it is lost (a spawned one is then killed and restarted)")
-    add_security_arguments(serve)
-    add_lifecycle_arguments(serve)
+    options.add_options(serve, options.SERVE)
     serve.set_defaults(func=cmd_serve)
 
     admin = sub.add_parser("admin", help="load, unload and inspect models on a running server")
@@ -376,10 +174,16 @@ def build_parser() -> argparse.ArgumentParser:
                       help="split the replica across two dies (pipeline stages)")
     load.add_argument("--split", type=int, metavar="K",
                       help="with --dies A,B: the first layer of the second stage")
+    load.add_argument("--link", choices=["auto", "ipc", "tcp"],
+                      help="with --dies A,B: the stage link between them (default auto: ipc "
+                      "when both dies' workers run on one host, else tcp; CURVE with --keys)")
     load.add_argument("--ctx", type=int, default=0)
     load.add_argument("--slots", type=int, default=0)
     load.add_argument("--pin", action="store_true",
                       help="never unload it when idle nor evict it to make room")
+    load.add_argument("--no-evict", action="store_true",
+                      help="a 507 when no die has room, rather than evicting idle, "
+                           "unpinned replicas (least recently used first) to make it")
     load.add_argument("--spec", metavar="KIND",
                       help="its speculative decoding: ngram, draft (with --draft-model) or "
                            "none (default: the server's --spec)")
@@ -387,10 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--spec-n", type=int, metavar="N", help="prompt lookup's longest n-gram")
     load.add_argument("--spec-k", type=int, metavar="K",
                       help="the longest proposal verified in one step")
-    load.add_argument("--activations", choices=settings.ACTIVATIONS,
-                      help="its CPU products' activations (default: the server's "
-                           "--activations)")
-    add_kv_cache(load)
+    options.add_options(load, options.ADMIN_LOAD)
     unload = admin_sub.add_parser("unload", help="unload every replica of a name, one die's, "
                                   "or one replica (--id)")
     unload.add_argument("name", nargs="?", help="the model's name (optional with --id)")
@@ -408,28 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     admin.set_defaults(func=cmd_admin)
 
     worker = sub.add_parser("worker", help="one worker process for one die")
-    worker.add_argument("--die", default="cpu", help="cpu (or cpu:N), a CUDA device number, "
-                        "or emu:INDEX[:SIZE] (an emulated CUDA die, for tests)")
-    worker.add_argument("--frontend", default=settings.WORKER_ADDR,
-                        help="the frontend's ZeroMQ address")
-    worker.add_argument("--slots", type=int, default=settings.SLOTS,
-                        help="default KV slots per model")
-    worker.add_argument("--cores", type=core_list, help="pin to these CPU cores, e.g. 0,1")
-    worker.add_argument("--prefix-cache-mb", type=float, default=settings.PREFIX_CACHE_MB,
-                        help="host memory for KV states of idle conversations (0: off)")
-    worker.add_argument("--budget-mb", type=float,
-                        help="memory models may use on this die (default: all of it)")
-    worker.add_argument("--log-format", choices=["text", "json"],
-                        help="log lines as text or one JSON object each (env PANTHEON_LOG_FORMAT)")
-    worker.add_argument("--parent-pid", type=int,
-                        help="exit when this process (the spawning frontend) is gone")
-    worker.add_argument("--keys", metavar="DIR", help="CURVE: a worker folder from `pantheon "
-                        "keys generate` (server.key, worker.key_secret; env PANTHEON_KEYS_DIR); "
-                        "required unless --insecure")
-    worker.add_argument("--insecure", action="store_true",
-                        help="connect to the frontend without keys, on loopback too: the "
-                             "worker obeys whatever process bound the address (warned)")
-    add_kv_cache(worker)
+    options.add_options(worker, options.WORKER)
     worker.set_defaults(func=cmd_worker)
 
     keys = sub.add_parser("keys", help="CURVE keys for the ZeroMQ links off loopback")
@@ -452,15 +232,15 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--steps", type=int, default=32, help="decode steps per batch size")
     engine.add_argument("--batches", metavar="N,N", default="1,4,8",
                         help="decode batch sizes (aggregate tokens/s each); default 1,4,8")
-    engine.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="auto",
-                        help="weights in memory, as `serve --quantize`")
-    add_kv_cache(engine)
-    add_activations(engine, default="int16")
+    options.add_options(engine, options.BENCH)
     engine.add_argument("--contexts", metavar="N,N",
                         help="also time batch-1 decode after prompts of these lengths")
-    engine.add_argument("--synthetic", choices=["qwen35-wide"],
+    engine.add_argument("--synthetic", choices=["qwen35-wide", "qwen35-0.8b"],
                         help="a random-weight model of this shape instead of -m (written "
                              "once into the cache directory)")
+    engine.add_argument("--write-gguf", metavar="FILE",
+                        help="with --synthetic: write that model to FILE and exit (e.g. "
+                             "qwen35-0.8b as F16, for llama-quantize FILE OUT Q4_K_M)")
     engine.add_argument("--compare-llama", metavar="BIN_DIR",
                         help="also run llama.cpp's llama-bench (and llama-batched-bench for "
                              "the batch sizes, if BIN_DIR holds it) on the same file and "
@@ -487,18 +267,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def add_kv_cache(parser) -> None:
-    kinds = settings.KV_CACHE_TYPES
-    parser.add_argument("--kv-cache", choices=kinds, type=str.lower,
-                        help="KV cache type of keys and values: f32 (a CPU's default), f16 "
-                             "(a GPU's), q8_0 or q4_0 (blocks of 32 with an fp16 scale, "
-                             "llama.cpp's layout); env PANTHEON_KV_CACHE, QWEN35_KV_Q4=1: q4_0")
-    parser.add_argument("--kv-cache-k", choices=kinds, type=str.lower,
-                        help="the keys' type alone (llama.cpp's -ctk)")
-    parser.add_argument("--kv-cache-v", choices=kinds, type=str.lower,
-                        help="the values' type alone (llama.cpp's -ctv)")
-
-
 def kv_cache_of(args):
     """The KV types a command's flags (and the environment's default) ask for."""
     from pantheon.common.kv_cache import KVCacheTypes
@@ -506,18 +274,19 @@ def kv_cache_of(args):
                            getattr(args, "kv_cache_k", None), getattr(args, "kv_cache_v", None))
 
 
-def add_activations(parser, default: str = "auto") -> None:
-    parser.add_argument("--activations", choices=settings.ACTIVATIONS, default=default,
-                        help="what a CPU die's Q4_K/Q5_K/Q6_K products take at batch 1 "
-                             "(AVX2 builds): int16 (16000 steps per 256), int8 (127: half "
-                             "the multiplies, coarser) or auto (int8 where a short text "
-                             "measured at the file's first load stays within top-1 99 %% "
-                             f"and KL 0.01 of int16; cached); default {default}")
+def command_of(args) -> str:
+    """The option table's name of the parsed command (common/options.py)."""
+    if args.command == "bench":
+        return f"bench-{args.bench}"
+    if args.command == "admin":
+        return f"admin-{args.admin_command}"
+    return args.command
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        options.resolve(args, command_of(args))     # defaults from the environment
         logs.setup(settings.log_level(),
                    getattr(args, "log_format", None) or settings.log_format())
         logging.getLogger("httpx").setLevel(logging.WARNING)   # one line per request: noise

@@ -165,6 +165,7 @@ def test_replicas_are_known_by_content_not_by_path(fleet):
     ({"path": SMOL, "name": "q", "quantize": 7}, 400),
     ({"path": SMOL, "name": "a", "activations": "int4"}, 400),       # lists the choices
     ({"path": SMOL, "name": "a", "activations": 8}, 400),
+    ({"path": SMOL, "name": "e", "evict": "no"}, 400),             # a boolean
     ({"path": SMOL, "name": NAME, "dies": ["gpu9"]}, 507),         # no such die
 ])
 def test_load_errors(fleet, body, status):

@@ -137,3 +137,19 @@ def test_two_calls_in_one_turn_are_two_tool_use_blocks():
                                         Event("tool", call % "Rome")]])
     assert [b["input"]["city"] for b in body["content"]] == ["Oslo", "Rome"]
     assert body["content"][0]["id"] != body["content"][1]["id"]
+
+
+def test_a_final_assistant_message_is_a_prefill_and_thinking_reaches_the_template():
+    req, _ = parse(messages=[{"role": "user", "content": "Count"},
+                             {"role": "assistant", "content": [{"type": "text", "text": "1, 2,"}]}])
+    assert req.prefill == "1, 2," and [m["role"] for m in req.messages] == ["user"]
+    assert req.template_args == {}                     # thinking absent: the template's default
+    req, _ = parse(messages=[{"role": "user", "content": "Weather?"}, {
+        "role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1",
+                                          "name": "get_weather", "input": {}}]}],
+                   tools=[TOOL])
+    assert req.prefill is None                         # a tool call is a finished turn
+    for thinking, flag in (({"type": "disabled"}, False),
+                           ({"type": "enabled", "budget_tokens": 64}, True)):
+        req, shown = parse(messages=[{"role": "user", "content": "Hi"}], thinking=thinking)
+        assert req.template_args == {"enable_thinking": flag} and shown is flag

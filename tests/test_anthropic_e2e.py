@@ -50,6 +50,32 @@ def test_create_and_stream_agree(client):
     assert kinds.index("content_block_stop") < kinds.index("message_delta")
 
 
+def test_a_final_assistant_message_is_a_prefill_the_reply_continues(server, client):
+    """The prompt is the template's generation prompt followed by the prefill, left
+    open: the reply equals a greedy completion of exactly those tokens, and holds only
+    the continuation (streamed as whole)."""
+    prefill = "The capital of France is"
+    kw = dict(model="m", max_tokens=6, extra_body=T0, messages=HELLO + [
+        {"role": "assistant", "content": [{"type": "text", "text": prefill}]}])
+    whole = client.messages.create(**kw)
+    text = whole.content[0].text
+    with client.messages.stream(**kw) as stream:
+        assert stream.get_final_message().content[0].text == text
+    auth = {"Authorization": f"Bearer {KEY}"}
+
+    def tokens(**body):
+        r = httpx.post(server.url + "/tokenize", headers=auth, json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+    ids = tokens(messages=HELLO) + tokens(prompt=prefill, add_special_tokens=False)
+    assert whole.usage.input_tokens + whole.usage.cache_read_input_tokens == len(ids)
+    assert client.messages.count_tokens(model="m", messages=kw["messages"]).input_tokens \
+        == len(ids)
+    done = httpx.post(server.url + "/v1/completions", headers=auth, timeout=60, json={
+        "prompt": ids, "max_tokens": 6, "temperature": 0}).json()
+    assert done["choices"][0]["text"] == text and not text.startswith(prefill)
+
+
 def test_tool_use_round_trip(client):
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     first = client.messages.create(model="m", max_tokens=60, extra_body=T0, messages=messages,

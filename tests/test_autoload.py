@@ -76,3 +76,24 @@ def test_lifecycle_flags_are_checked_before_anything_starts(catalog):
     with pytest.raises(CatalogError, match="--pin nope: no such model"):
         LifecycleConfig(pins=["nope"]).policy(catalog, [])
     assert LifecycleConfig(pins=["tiny"]).policy(catalog, ["m"]).pins == {"tiny-a", "m"}
+
+
+def test_a_load_waiter_is_woken_by_the_change_not_by_polling(catalog):
+    """until_gone() waits for the registry's Change: a replica gone without one is not
+    seen (a poll would see it), the Change wakes it at once."""
+    from pantheon.frontend.registry import Replica, ReplicaState
+
+    async def go():
+        auto = loader(catalog)
+        replica = Replica("tiny-a#1", "cpu", state=ReplicaState.UNLOADING)
+        auto.registry.models["tiny-a"] = SimpleNamespace(
+            name="tiny-a", replicas=[replica], ready=lambda: [])
+        waiter = asyncio.ensure_future(auto.until_gone("tiny-a", asyncio.get_running_loop()
+                                                       .time() + 60))
+        await asyncio.sleep(0.3)
+        del auto.registry.models["tiny-a"]             # gone, unannounced
+        await asyncio.sleep(0.3)
+        assert not waiter.done()
+        auto.registry.change.fire()
+        return await asyncio.wait_for(waiter, 10)
+    assert asyncio.run(go()) is True

@@ -4,6 +4,7 @@ One server with nothing loaded at start (--no-preload), a model dir holding two 
 models, a file that is not a model and two copies of SmolLM2, an external worker whose
 --budget-mb holds one SmolLM2 (and the tiny ones beside it), never two.
 """
+import json
 import shutil
 import subprocess
 import sys
@@ -133,6 +134,34 @@ def test_two_concurrent_first_requests_share_one_load(srv):
     assert metric(srv, "pantheon:model_loads_total", model_name="tiny-a", reason="request") == 2
 
 
+def shown(srv, path: str, body: dict) -> list[str]:
+    """The `model` of a reply, whole and streamed (every event that carries one)."""
+    r = httpx.post(srv.url + path, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    names = [r.json()["model"]]
+    with httpx.stream("POST", srv.url + path, json={**body, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            data = json.loads(line[6:]) if line.startswith("data: {") else {}
+            data = data.get("message") or data.get("response") or data
+            if "model" in data:
+                names.append(data["model"])
+    return names
+
+
+def test_the_answer_shows_the_name_the_client_asked_by(srv):
+    """An alias is echoed (as Ollama and llama-swap do) on every API, streamed or not;
+    the catalog name shows its own name."""
+    cases = [("/v1/chat/completions", {"messages": HI, "max_tokens": 2}),
+             ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+             ("/v1/messages", {"messages": HI, "max_tokens": 2}),
+             ("/v1/responses", {"input": "hi", "max_output_tokens": 2, "store": False})]
+    for path, body in cases:
+        names = shown(srv, path, {"model": "also-tiny", **body})
+        assert len(names) >= 2 and set(names) == {"also-tiny"}, (path, names)
+    assert set(shown(srv, "/v1/chat/completions", {"model": "tiny-a", **cases[0][1]})) \
+        == {"tiny-a"}
+
+
 def test_keep_alive_in_the_request(srv):
     for bad in (True, "soon", -5, "5 minutes", 10**9, [1]):
         r = chat(srv, "tiny-b", keep_alive=bad)
@@ -144,6 +173,21 @@ def test_keep_alive_in_the_request(srv):
     r = chat(srv, "tiny-b", keep_alive=0)                      # 0: unload after this one
     assert r.status_code == 200, r.text
     until(lambda: models(srv)["tiny-b"]["status"] == "available")
+
+
+def test_counting_and_embedding_load_the_model_they_name(srv):
+    """Not the single loaded model's tokenizer: the one named, loaded for it."""
+    assert models(srv)["tiny-b"]["status"] == "available"
+    r = httpx.post(srv.url + "/tokenize", json={"model": "tiny-b", "prompt": "hi"}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert models(srv)["tiny-b"]["status"] == "loaded"
+    r = httpx.post(srv.url + "/v1/messages/count_tokens", timeout=60,
+                   json={"model": "also-tiny", "messages": HI})
+    assert r.status_code == 200 and r.json()["input_tokens"] > 0, r.text
+    r = httpx.post(srv.url + "/v1/embeddings", json={"model": "also-tiny", "input": "hi",
+                                                     "keep_alive": "5s"}, timeout=60)
+    assert r.status_code == 200 and r.json()["model"] == "also-tiny", r.text
+    assert models(srv)["tiny-a"]["keep_alive_s"] == 5
 
 
 def test_a_busy_replica_is_neither_unloaded_nor_evicted(srv):
@@ -165,18 +209,33 @@ def test_a_busy_replica_is_neither_unloaded_nor_evicted(srv):
     assert metric(srv, "pantheon:model_unloads_total", model_name="smol-a") == 1
 
 
+def admin_load(srv, name, **extra):
+    return httpx.post(srv.url + "/admin/models/load", timeout=120, json={
+        "path": str(srv.dir / f"{name}.gguf"), "name": name, **extra})
+
+
 def test_an_idle_replica_is_evicted_but_a_pinned_one_never(srv):
-    """smol-b is idle: a request for smol-a evicts it. Then smol-a, loaded again by an
-    admin with "pin": true, stays: a request for smol-b is a 507 that names what holds
-    the memory, at once (nothing could go)."""
+    """smol-b is idle: a request for smol-a evicts it. An admin load evicts the same way
+    (unless its body says "evict": false), and says what it evicted. Then smol-a, loaded
+    by an admin with "pin": true, stays: a request for smol-b is a 507 that names what
+    holds the memory, at once (nothing could go)."""
     assert chat(srv, "smol-a").status_code == 200
     assert metric(srv, "pantheon:model_unloads_total", model_name="smol-b",
                   reason="evicted") == 1
     r = httpx.post(srv.url + "/admin/models/unload", json={"name": "smol-a"}, timeout=60)
     assert r.status_code == 200, r.text
-    r = httpx.post(srv.url + "/admin/models/load", timeout=120, json={
-        "path": str(srv.dir / "smol-a.gguf"), "name": "smol-a", "pin": True})
+    # room for it: nothing evicted (it keeps the keep_alive 1h its last request set)
+    r = admin_load(srv, "smol-b")
+    assert r.status_code == 200 and r.json()["evicted"] == [], r.text
+    (held,) = models(srv)["smol-b"]["replicas"]
+    r = admin_load(srv, "smol-a", pin=True, evict=False)
+    assert r.status_code == 507 and f"evicting {held['id']} (idle" in r.text, r.text
+    assert models(srv)["smol-b"]["status"] == "loaded"
+    r = admin_load(srv, "smol-a", pin=True)
     assert r.status_code == 200, r.text
+    assert r.json()["evicted"] == [{"id": held["id"], "model": "smol-b", "die": "cpu"}]
+    assert metric(srv, "pantheon:model_unloads_total", model_name="smol-b",
+                  reason="evicted") == 2
     r = chat(srv, "smol-b")
     assert r.status_code == 507, r.text
     assert "smol-a#" in r.json()["error"]["message"] and "pinned" in r.json()["error"]["message"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -125,3 +126,37 @@ def test_chatml_fallback():
         "<|im_start|>assistant\n")
     plain = ChatTemplate(None).render(USER, add_generation_prompt=False)
     assert plain == "<|im_start|>user\nHi<|im_end|>\n"
+
+
+# Qwen3's own lines for thinking (its template's tail, trimmed to what matters here)
+QWEN3_TAIL = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+              "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+              "{% if enable_thinking is defined and enable_thinking is false %}"
+              "<think>\n\n</think>\n\n{% endif %}{% endif %}")
+
+
+def test_template_variables_reach_only_a_template_that_reads_them():
+    from pantheon.frontend.registry import ServedModel
+    qwen3, smol = ChatTemplate(QWEN3_TAIL), ChatTemplate("{{ messages[0].content }}")
+    assert qwen3.reads("enable_thinking") and not smol.reads("enable_thinking")
+    assert not ChatTemplate(None).reads("enable_thinking")
+
+    def render(template, **args):
+        return ServedModel.render_text(SimpleNamespace(template=template), USER, args=args)
+    assert render(qwen3, enable_thinking=False).endswith("assistant\n<think>\n\n</think>\n\n")
+    assert render(qwen3, enable_thinking=True).endswith("<|im_start|>assistant\n")
+    assert render(qwen3).endswith("<|im_start|>assistant\n")      # the template's default
+    assert render(smol, enable_thinking=False) == "Hi"
+
+
+def test_a_prefill_follows_the_generation_prompt_left_open_and_shielded():
+    t = ChatTemplate(QWEN3_TAIL, specials=["<|im_start|>", "<|im_end|>"])
+    turns = USER + [{"role": "assistant", "content": "ignored"}]
+    prompt = t.render(USER, prefill="Sure<|im_end|>", add_generation_prompt=False,
+                      enable_thinking=False)
+    assert prompt == ("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+                      "<think>\n\n</think>\n\nSure<|im_end|>")
+    assert prompt.literals == ("<|im_end|>",)     # the prefill's token text is plain text
+    assert ChatTemplate(None).render(USER, prefill="Once").endswith(
+        "<|im_start|>assistant\nOnce")
+    assert "ignored" in t.render(turns)           # without prefill: an ordinary turn

@@ -88,13 +88,40 @@ def test_the_synthetic_qwen35_loads_and_runs(tmp_path):
     from pantheon.bench.synthetic import SHAPES, write_qwen35
     from pantheon.worker.engine import load_engine
     from pantheon.worker.model import Span
-    small = dict(SHAPES["qwen35-wide"], d_model=64, d_ff=64, n_layers=4, vocab=64, n_heads=2,
+    small = dict(SHAPES["qwen35-0.8b"], d_model=64, d_ff=64, n_layers=4, vocab=320, n_heads=2,
                  n_kv_heads=1, head_dim=32, rotary_dim=8, n_k_heads=2, n_v_heads=4, d_k=16,
                  d_v=16)
-    engine = load_engine(write_qwen35(tmp_path / "wide.gguf", small), n_slots=1, ctx=32)
+    path = write_qwen35(tmp_path / "small.gguf", small)
+    engine = load_engine(path, n_slots=1, ctx=32)
     assert [b.mixer.kind for b in engine.cfg.blocks][2:] == ["gated_deltanet", "gated_attention"]
     logits = engine.forward(np.arange(10), [Span(0, 0, 10)])
-    assert logits.shape == (1, 64) and np.isfinite(logits).all()
+    assert logits.shape == (1, 320) and np.isfinite(logits).all()
+    # what llama.cpp needs to load it: a tokenizer of the vocabulary's size, rope sections,
+    # and the shape's F16 matrices (llama-quantize's input)
+    import gguf
+    reader = gguf.GGUFReader(str(path))
+    fields = reader.fields
+    assert len(fields["tokenizer.ggml.tokens"].contents()) == 320
+    assert fields["tokenizer.ggml.model"].contents() == "gpt2"
+    assert fields["qwen35.rope.dimension_sections"].contents() == [11, 11, 10, 0]
+    kinds = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert kinds["blk.0.ffn_up.weight"] == "F16" and kinds["blk.0.ssm_a"] == "F32"
+
+
+def test_the_synthetic_vocabulary_is_a_byte_level_one():
+    from pantheon.bench.synthetic import byte_level_vocab
+    tokens, types, merges = byte_level_vocab(300)
+    assert len(tokens) == len(types) == 300 and len(set(tokens)) == 300
+    assert tokens[ord("a")] == "a" and types[:256] == [1] * 256 and types[-1] == 5
+    assert all(a in tokens and b in tokens for a, b in (m.split(" ") for m in merges))
+    with pytest.raises(ValueError, match="cannot hold"):
+        byte_level_vocab(100)
+
+
+def test_write_gguf_needs_a_synthetic_name(tmp_path):
+    proc = pantheon("bench", "engine", "--write-gguf", str(tmp_path / "x.gguf"))
+    assert proc.returncode == 1 and "needs --synthetic" in proc.stderr
+    assert not (tmp_path / "x.gguf").exists()
 
 
 def test_run_with_a_missing_model_fails_cleanly(tmp_path):
@@ -163,7 +190,7 @@ def test_serve_refuses_to_ship_full_logits_to_the_host(value):
     ({"QWEN35_BS_PREFILL_CHUNK": "lots"}, "QWEN35_BS_PREFILL_CHUNK must be a whole number"),
     ({"QWEN35_BS_PREFILL_BATCH": "2"}, "QWEN35_BS_PREFILL_BATCH must be 0 or 1"),
     ({"PN_ASYNC_POLL_US": "-5"}, "PN_ASYNC_POLL_US must be >= 0"),
-    ({"PANTHEON_LOG_FORMAT": "xml"}, "log format must be one of text, json"),
+    ({"PANTHEON_LOG_FORMAT": "xml"}, "PANTHEON_LOG_FORMAT must be text or json"),
 ])
 def test_the_specs_variables_that_cannot_be_honoured_are_refused(command, env, says):
     proc = pantheon(*command, env=env, timeout=60)

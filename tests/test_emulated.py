@@ -170,3 +170,30 @@ def test_out_of_memory_on_the_die_at_load_is_a_507(server):
     finally:
         worker.terminate()
         worker.wait(15)
+
+
+def test_a_quantized_cache_serves_on_the_die_and_a_head_it_cannot_read_is_a_400(server):
+    """A q4_0 cache on the emulated die (the GPU attention reads the blocks) serves a
+    chat; heads of 512 (past the GPU attention's 256) are the file's 400, and the die's
+    worker goes on serving."""
+    folder = server.path.parent
+    q4 = tm.write_gguf("qwen3", folder / "q4.gguf", tensor_type="Q8_0")         # heads of 32
+    r = admin(server, "models/load", path=str(q4), name="q4", dies=["emu:0"], kv_cache="q4_0")
+    assert r.status_code == 200, r.text
+    assert " KV (q4_0)" in server.logs()
+    out = server.client().chat.completions.create(
+        model="q4", messages=[{"role": "user", "content": "hello"}], max_tokens=6,
+        temperature=0)
+    assert out.choices[0].finish_reason in ("length", "stop") and out.usage.completion_tokens
+    wide = tm.write_gguf(tm.with_head("qwen3", 512), folder / "h512.gguf")
+    r = admin(server, "models/load", path=str(wide), name="h512", dies=["emu:0"])
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert "heads of up to 256 elements; this model's are 512" in error["message"], error
+    dies = {d["die"]: d for d in admin(server, "dies").json()["dies"]}
+    assert dies["emu:0"]["alive"] and not any("h512" in m for m in dies["emu:0"]["models"])
+    out = server.client().chat.completions.create(
+        model="q4", messages=[{"role": "user", "content": "again"}], max_tokens=3,
+        temperature=0)
+    assert out.usage.completion_tokens
+    assert admin(server, "models/unload", name="q4").status_code == 200

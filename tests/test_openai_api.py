@@ -320,3 +320,25 @@ def test_parallel_tool_calls_is_a_boolean_defaulting_to_true():
     with pytest.raises(APIError) as info:
         chat_request({"messages": messages, "parallel_tool_calls": "no"})
     assert info.value.param == "parallel_tool_calls"
+
+
+def test_reasoning_effort_and_template_kwargs_become_template_args():
+    assert parse_chat_request(body()).template_args == {}
+    req = parse_chat_request(body(reasoning_effort="none"))
+    assert req.template_args == {"reasoning_effort": "none", "enable_thinking": False}
+    req = parse_chat_request(body(reasoning_effort="high",
+                                  chat_template_kwargs={"enable_thinking": False, "x": 1}))
+    assert req.template_args == {"reasoning_effort": "high", "enable_thinking": False, "x": 1}
+    for bad, param in (({"reasoning_effort": "max"}, "reasoning_effort"),
+                       ({"chat_template_kwargs": []}, "chat_template_kwargs"),
+                       ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+                       ({"continue_final_message": True}, "continue_final_message")):
+        with pytest.raises(APIError) as exc:
+            parse_chat_request(body(**bad))
+        assert exc.value.status == 400 and exc.value.param == param, bad
+
+
+def test_continue_final_message_makes_the_last_assistant_turn_a_prefill():
+    req = parse_chat_request(body(messages=USER + [{"role": "assistant", "content": "Well,"}],
+                                  continue_final_message=True))
+    assert req.prefill == "Well," and req.messages == USER

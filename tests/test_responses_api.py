@@ -136,3 +136,12 @@ def test_parallel_tool_calls_reaches_the_chat_request():
     call = '\n{"name": "get_weather", "arguments": {"city": "%s"}}\n'
     out = renderer().whole([fake()], [[Event("tool", call % "Oslo"), Event("tool", call % "Rome")]])
     assert [json.loads(i["arguments"])["city"] for i in out["output"]] == ["Oslo", "Rome"]
+
+
+def test_reasoning_effort_reaches_the_template_args():
+    req = chat_for(parse(input="hi", reasoning={"effort": "minimal"}), [], None,
+                   RequestLimits())
+    assert req.template_args == {"reasoning_effort": "minimal", "enable_thinking": False}
+    with pytest.raises(APIError) as exc:
+        chat_for(parse(input="hi", reasoning={"effort": "extreme"}), [], None, RequestLimits())
+    assert exc.value.param == "reasoning.effort" and "reasoning.effort must" in exc.value.message

@@ -94,6 +94,35 @@ def test_previous_response_id_reuses_the_prefix(client):
     assert client.responses.retrieve(second.id).output_text == second.output_text
 
 
+def test_input_items_are_listed_a_page_at_a_time(client):
+    given = [{"role": "user", "content": "My name is Ada."},
+             {"type": "message", "role": "assistant", "id": "msg_given",
+              "content": [{"type": "output_text", "text": "Hello Ada."}]},
+             {"role": "user", "content": [{"type": "input_text", "text": "Who am I?"}]}]
+    first = client.responses.create(model="m", input=given, max_output_tokens=1)
+    page = client.responses.input_items.list(first.id)          # newest first, as OpenAI
+    assert [(i.type, i.role) for i in page.data] == [
+        ("message", "user"), ("message", "assistant"), ("message", "user")]
+    assert page.data[1].id == "msg_given" and page.data[1].content[0].text == "Hello Ada."
+    assert page.data[2].content[0].type == "input_text"
+    assert page.data[2].content[0].text == "My name is Ada." and not page.has_more
+    ids = [i.id for i in page.data]
+    assert len(set(ids)) == 3 and ids[0].startswith("msg_")
+    pager = client.responses.input_items.list(first.id, limit=1, order="asc")
+    assert [i.id for i in pager] == ids[::-1]                   # page by page, via after
+    later = client.responses.input_items.list(first.id, after=ids[0])
+    assert [i.id for i in later.data] == ids[1:]
+    # a follow-up lists its own input only
+    second = client.responses.create(model="m", previous_response_id=first.id,
+                                     input="And now?", max_output_tokens=1)
+    (item,) = client.responses.input_items.list(second.id).data
+    assert item.content[0].text == "And now?"
+    with pytest.raises(openai.BadRequestError):
+        client.responses.input_items.list(first.id, limit=0)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_nope")
+
+
 def test_json_schema_output(client):
     schema = {"type": "object", "properties": {"name": {"type": "string"},
                                                "age": {"type": "integer"}},

@@ -1,6 +1,8 @@
 """The two-die pieces one at a time: split placement's plan (stages sized to the dies'
 free budgets), the stage link's frames (bounded headers, sizes checked against shapes,
 a tail that survives bad messages) and the micro-batches."""
+from pathlib import Path
+
 import numpy as np
 import pytest
 import zmq
@@ -13,6 +15,8 @@ from pantheon.frontend.dies import DieInfo, PlacementError
 from pantheon.worker import stage_link as sl
 from pantheon.worker.engine import load_engine
 from pantheon.worker.model import Span
+from pantheon.worker import stage_socket as ss
+from pantheon.frontend.workers import LoadError
 
 
 class Table:
@@ -69,9 +73,11 @@ def test_admin_load_takes_two_dies_and_a_split():
     from pantheon.cli import build_parser
     from pantheon.frontend.admin_cli import request_args
     args = build_parser().parse_args(["admin", "load", "/m.gguf", "--dies", "cpu,cpu:1",
-                                      "--split", "12"])
+                                      "--split", "12", "--link", "tcp"])
     body = request_args(args)
-    assert body["dies"] == ["cpu", "cpu:1"] and body["split"] == [12]
+    assert body["dies"] == ["cpu", "cpu:1"] and body["split"] == [12] and body["link"] == "tcp"
+    worker = build_parser().parse_args(["worker", "--stage-bind", "0.0.0.0:7100-7109"])
+    assert worker.stage_bind == ss.StageBind("0.0.0.0", (7100, 7109))
 
 
 def test_frames_are_checked_against_their_header():
@@ -132,6 +138,106 @@ def test_a_tail_survives_bad_messages(tmp_path):
         assert hello["truncatable"] and hello["state_bytes"] > 0
         link_.close()
         sock.close(0)
+    finally:
+        tail.stop()
+        tail.join(5)
+
+
+def test_stage_bind_parses_host_and_port_ranges():
+    assert ss.StageBind.parse("10.0.0.5") == ss.StageBind("10.0.0.5", None)
+    assert ss.StageBind.parse("0.0.0.0:7100-7109") == ss.StageBind("0.0.0.0", (7100, 7109))
+    assert ss.StageBind.parse("[::1]:7100") == ss.StageBind("::1", (7100, 7100))
+    assert ss.StageBind.parse(":7100") == ss.StageBind("", (7100, 7100))
+    for bad in ("h:x", "h:9-3", "h:0", "h:70000", "a b"):
+        with pytest.raises(ValueError):
+            ss.StageBind.parse(bad)
+
+
+class Hello:
+    def __init__(self, host, key):
+        self.host, self.public_key = host, key
+
+
+class W:
+    def __init__(self, die, host, key=""):
+        self.die, self.hello = die, Hello(host, key)
+
+
+class Pool:
+    def __init__(self, keyed=False, external=False):
+        self.keyed, self.external = keyed, external
+
+
+def test_the_link_is_ipc_on_one_host_tcp_across_and_curve_with_keys():
+    a, b = W("0", "h1/boot", "KA"), W("1", "h1/boot", "KB")
+    far = W("1", "h2/boot", "KB")
+    assert sp.link_plan(Pool(), a, b) == ("ipc", "", "")
+    assert sp.link_plan(Pool(keyed=True), a, far) == ("tcp", "KB", "KA")
+    assert sp.link_plan(Pool(keyed=True), a, b, "tcp") == ("tcp", "KB", "KA")
+    assert sp.link_plan(Pool(external=True), a, far) == ("tcp", "", "")   # --insecure
+    for pool, head, tail, want, words in (
+            (Pool(), a, far, "", "keys missing"),            # no keys, no --insecure
+            (Pool(keyed=True), W("0", "h1", ""), far, "", "keys missing"),
+            (Pool(keyed=True), a, far, "ipc", "one host"),
+            (Pool(), W("0", ""), W("1", ""), "", "keys missing")):   # unknown hosts: tcp
+        with pytest.raises(LoadError, match=words) as e:
+            sp.link_plan(pool, head, tail, want)
+        assert e.value.code == sp.LINK_REFUSED
+
+
+def test_a_tail_socket_fails_fast_without_keys_or_a_free_port():
+    stage = p.Stage(index=1, first_layer=1, end_layer=2, link="tcp", server_key="K" * 40,
+                    client_key="C" * 40)
+    with pytest.raises(ss.StageLinkError, match="keys missing"):
+        ss.TailSocket(stage, 1 << 20, ss.StageNet())
+    taken = [zmq.Context.instance().socket(zmq.ROUTER) for _ in range(2)]
+    taken[0].bind("tcp://127.0.0.1:*")
+    port = int(taken[0].last_endpoint.decode().rsplit(":", 1)[1])
+    try:
+        taken[1].bind(f"tcp://127.0.0.1:{port + 1}")
+        plain = p.Stage(index=1, first_layer=1, end_layer=2, link="tcp")
+        net = ss.StageNet(bind=ss.StageBind("127.0.0.1", (port, port + 1)))
+        with pytest.raises(ss.StageLinkError, match=f"127.0.0.1:{port}-{port + 1}: all in use"):
+            ss.TailSocket(plain, 1 << 20, net)
+    except zmq.ZMQError:
+        pytest.skip("the next port was taken by another process")
+    finally:
+        for s in taken:
+            s.close(0)
+    import tempfile                    # a killed worker's folder (a pid no process has)
+    orphan = Path(tempfile.mkdtemp(prefix=f"{ss.IPC_PREFIX}{2**22 + 7}-"))
+    ipc = ss.TailSocket(p.Stage(index=1, first_layer=1, end_layer=2, link="ipc"), 1 << 20)
+    assert not orphan.exists()
+    folder = ipc.folder
+    assert ipc.address == f"ipc://{folder}/link" and (folder.stat().st_mode & 0o077) == 0
+    ipc.close()
+    assert not folder.exists()
+
+
+def test_a_curve_tail_refuses_a_head_with_another_key_at_the_handshake(tmp_path):
+    from pantheon.common.keys import KeyPair
+    path = tm.write_gguf("llama", tmp_path / "l.gguf")
+    server, head, other = (KeyPair(*zmq.curve_keypair()) for _ in range(3))
+    tail = sl.TailStage(load_engine(path, "cpu", n_slots=2, ctx=32, layers=(1, 2)),
+                        p.Stage(index=1, first_layer=1, end_layer=2, link="tcp",
+                                server_key=server.public.decode(),
+                                client_key=head.public.decode()),
+                        ss.StageNet(server, ss.StageBind("127.0.0.1")))
+    tail.start()
+    try:
+        assert tail.address.startswith("tcp://127.0.0.1:")
+
+        def dial(pair):
+            return sl.HeadLink(p.Stage(index=0, first_layer=0, end_layer=1, link=tail.address,
+                                       server_key=server.public.decode()), 10,
+                               net=ss.StageNet(pair))
+        refused = dial(other)
+        with pytest.raises(sl.StageError, match="handshake"):   # at once, not after 10 s
+            refused.call({"op": "hello"})
+        refused.close()
+        ok = dial(head)
+        assert ok.call({"op": "hello"})[0]["op"] == "hello"
+        ok.close()
     finally:
         tail.stop()
         tail.join(5)

@@ -63,6 +63,8 @@ def test_the_split_replica_has_a_stage_on_each_die(fleet):
     assert [s["die"] for s in two["stages"]] == ["cpu", "cpu:1"]
     assert two["stages"][0]["layers"] == [0, 1] and two["stages"][1]["layers"] == [1, 2]
     assert all(s["reserved_bytes"] > 0 for s in two["stages"])
+    # both workers run on this host: an ipc link, in a folder of the second stage's own
+    assert two["stages"][1]["link"].startswith("ipc://") and not two["stages"][1]["curve"]
     dies = {d["die"]: d for d in httpx.get(f"{fleet.url}/admin/dies").json()["dies"]}
     assert any("llama-two" in m and "layers 1-1" in m for m in dies["cpu:1"]["models"])
     metrics = httpx.get(f"{fleet.url}/metrics").text
@@ -137,6 +139,20 @@ def test_bad_split_placements_are_refused(fleet, body, status, words):
     assert words in r.json()["error"]["message"]
     names = [m["name"] for m in httpx.get(f"{fleet.url}/admin/models").json()["models"]]
     assert "bad" not in names
+
+
+@pytest.mark.parametrize("link, words", [("tcp", "keys missing"), ("udp", "link must be")])
+def test_a_tcp_link_without_keys_is_refused_and_leaves_both_dies_empty(fleet, link, words):
+    """This fleet has no keys and no --insecure: a tcp stage link would carry activations
+    unauthenticated, so the load is refused before either stage is sent."""
+    r = load(fleet, {"path": fleet.paths["llama"], "name": "bad-link", "dies": ["cpu", "cpu:1"],
+                     "link": link})
+    assert r.status_code == 400, r.text
+    assert words in r.json()["error"]["message"]
+    dies = httpx.get(f"{fleet.url}/admin/dies").json()["dies"]
+    assert not any("bad-link" in m for d in dies for m in d["models"])
+    assert "bad-link" not in [m["name"] for m in
+                              httpx.get(f"{fleet.url}/admin/models").json()["models"]]
 
 
 def replica(srv, name):

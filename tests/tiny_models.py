@@ -208,9 +208,14 @@ def head32(name: str) -> str:
     a q8_0 / q4_0 KV cache holds whole blocks of 32 along the head (16 has none)."""
     if "head_dim" in CONFIGS[name]:
         return name
-    wide = name + "_hd32"
+    return with_head(name, 32)
+
+
+def with_head(name: str, head_dim: int) -> str:
+    """`name` with heads of `head_dim`, registered when first asked (as head32)."""
+    wide = f"{name}_hd{head_dim}"
     if wide not in CONFIGS:
-        CONFIGS[wide] = {**CONFIGS[name], "head_dim": 32}
+        CONFIGS[wide] = {**CONFIGS[name], "head_dim": head_dim}
         _SEEDS[wide], GGUF_ARCH[wide] = _SEEDS[name] + 10, GGUF_ARCH[name]
     return wide
 

@@ -48,6 +48,25 @@ TARGET_WARPS = 4096      # split rows across warps until a launch has about this
 TILE_ELEMS = 1 << 24     # fp32 elements per dequantized tile (64 MiB)
 KIND_DTYPE = {"q4": np.uint8, "q8": np.int8, "f16": np.uint16, "bf16": np.uint16}
 
+# fp16 bits -> float: cvt on the device, bit arithmetic under the host shim (both sources)
+HALF_TO_FLOAT = r"""
+__device__ __forceinline__ float half_to_float(unsigned short h) {
+#ifdef __CUDA_ARCH__
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+#else
+    const unsigned sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    if (e == 0) {                                   /* zero or subnormal: man * 2^-24 */
+        const float f = (float)man * 5.9604644775390625e-08f;
+        return sign ? -f : f;
+    }
+    const unsigned bits = sign | (e == 0x1fu ? 0x7f800000u : (e + 112u) << 23) | (man << 13);
+    return __int_as_float((int)bits);
+#endif
+}
+"""
+
 SOURCE = r"""
 #define KIND_Q4 0
 #define KIND_Q8 1
@@ -72,22 +91,7 @@ typedef unsigned long long u64;
 __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
 __host__ __device__ constexpr int ilog2(int v) { return v <= 1 ? 0 : 1 + ilog2(v / 2); }
 
-__device__ __forceinline__ float half_to_float(unsigned short h) {
-#ifdef __CUDA_ARCH__
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-#else
-    const unsigned sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-    if (e == 0) {                                   /* zero or subnormal: man * 2^-24 */
-        const float f = (float)man * 5.9604644775390625e-08f;
-        return sign ? -f : f;
-    }
-    const unsigned bits = sign | (e == 0x1fu ? 0x7f800000u : (e + 112u) << 23) | (man << 13);
-    return __int_as_float((int)bits);
-#endif
-}
-
+""" + HALF_TO_FLOAT + r"""
 /* byte i of v as a float: 0x4B0000xx is 2^23 + xx exactly. */
 __device__ __forceinline__ float byte_f(unsigned v, int i, float bias) {
     return __int_as_float((int)__byte_perm(v, 0x4B000000u, 0x7440u | (unsigned)i)) - bias;

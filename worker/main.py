@@ -41,6 +41,7 @@ from ..common import protocol as p
 from ..common import settings
 from ..common.formats import FormatError
 from ..common.gguf_file import forget_cached
+from ..common.host_identity import host_identity
 from ..common.keys import KeyPair, curve_client, is_local_address, server_public, worker_pair
 from ..common.kv_cache import KVCacheTypes
 from ..common.model_file import ModelFileError
@@ -50,6 +51,7 @@ from .engine import Engine, load_engine
 from .scheduler import Request
 from .spec import SpecConfig
 from . import stage_link
+from .stage_socket import StageBind, StageLinkError, StageNet
 
 log = logging.getLogger("pantheon.worker")
 
@@ -132,11 +134,14 @@ class Worker:
     def __init__(self, device: Device, frontend: str, die: str, slots: int = settings.SLOTS,
                  prefix_cache_bytes: int = 0, parent_pid: int = 0, budget: int = 0,
                  keys: tuple[bytes, KeyPair] | None = None, proof: str = "",
-                 kv_cache: KVCacheTypes = KVCacheTypes()):
+                 kv_cache: KVCacheTypes = KVCacheTypes(), stage_bind: StageBind = StageBind()):
         self.device, self.die, self.slots = device, die, slots
         self.kv_cache = kv_cache         # for loads whose message names no KV type
         self.keys = keys                 # (server public key, own pair): CURVE
         self.proof = proof               # from the frontend that spawned us: our hello's
+        # a split replica's stage link: this worker's own pair, where a tcp one binds
+        self.stage_net = StageNet(keys[1] if keys else None, stage_bind, frontend)
+        self.host = host_identity()
         self.refused_at = -60.0          # the last refused hello logged
         self.parent_pid = parent_pid     # spawned by a frontend: live and die with it
         self.budget = budget
@@ -198,7 +203,8 @@ class Worker:
                                r.engine.state_bytes) for r in self.replicas.values()]
         return p.Hello(self.die, self.device.kind, self.device.name, total, free, self.slots,
                        os.getpid(), list(self.replicas), self.budget or total, resident,
-                       list(self.owner), self.proof)
+                       list(self.owner), self.proof, host=self.host,
+                       public_key=self.keys[1].public.decode() if self.keys else "")
 
     def beat(self) -> p.Heartbeat:
         """This moment's heartbeat (called by the heartbeat thread)."""
@@ -523,7 +529,8 @@ class Worker:
             if msg.stage is not None:       # a stage of a replica split across two dies
                 result = stage_link.load_stage(msg, self.device, self.slots,
                                                self.prefix_cache_bytes, progress,
-                                               spec=spec_config(msg.spec), kv_cache=kv)
+                                               spec=spec_config(msg.spec), kv_cache=kv,
+                                               net=self.stage_net)
                 self.loads.put((msg, result))
                 self.wake()
                 return
@@ -554,6 +561,8 @@ class Worker:
             if isinstance(result, Exception):
                 if isinstance(result, (ModelFileError, FormatError)):   # the file's fault
                     self.send(p.LoadFailed(msg.model_id, str(result), p.BAD_MODEL_FILE))
+                elif isinstance(result, StageLinkError):     # a port in use, keys missing
+                    self.send(p.LoadFailed(msg.model_id, str(result), p.STAGE_LINK))
                 else:   # MemoryError: CuPy's OutOfMemoryError (the emulated die's too) or the host's
                     code = p.OUT_OF_MEMORY if isinstance(result, MemoryError) else ""
                     self.send(p.LoadFailed(msg.model_id, f"{type(result).__name__}: {result}", code))
@@ -658,49 +667,72 @@ def pin_cores(cores: list[int] | None) -> None:
         psutil.Process().cpu_affinity(cores)
 
 
-def link_keys(args, spawned: bool) -> tuple[bytes, KeyPair] | None:
+@dataclass(kw_only=True)
+class WorkerConfig:
+    """What `pantheon worker` runs with (its flags: common/options.py). What a model's
+    replica runs with (slots, context, quantization, KV types) comes in each Load."""
+
+    die: str = "cpu"
+    frontend: str = settings.WORKER_ADDR
+    slots: int = settings.SLOTS            # a Load's slots when it names none
+    cores: list[int] | None = None         # CPU affinity
+    prefix_cache_bytes: int = 0
+    budget_bytes: int = 0                  # 0: all of the die
+    parent_pid: int = 0                    # exit when it is gone (a spawning frontend)
+    keys: str | None = None                # CURVE: a worker folder of `pantheon keys`
+    insecure: bool = False                 # join without keys where none are proven
+    kv_cache: KVCacheTypes = field(default_factory=KVCacheTypes)  # a Load naming none
+    stage_bind: StageBind | None = None    # where a tcp stage link binds (None: the default)
+
+
+def link_keys(cfg: WorkerConfig, spawned: bool) -> tuple[bytes, KeyPair] | None:
     """The CURVE keys of `--keys DIR`. Without them only a worker spawned by its frontend
     (it holds the spawn proof, and its frontend bound the address before starting it)
     connects; any other would obey whatever process bound the address first, on this
     host too: refused unless --insecure."""
-    if args.keys:
-        return server_public(args.keys), worker_pair(args.keys)
-    if spawned and is_local_address(args.frontend):
+    if cfg.keys:
+        return server_public(cfg.keys), worker_pair(cfg.keys)
+    if spawned and is_local_address(cfg.frontend):
         return None
-    if not args.insecure:
-        where = "off this host, in clear" if not is_local_address(args.frontend) else \
+    if not cfg.insecure:
+        where = "off this host, in clear" if not is_local_address(cfg.frontend) else \
             "on this host"
-        raise RuntimeError(f"refusing to start: the link to --frontend {args.frontend} "
+        raise RuntimeError(f"refusing to start: the link to --frontend {cfg.frontend} "
                            f"({where}) would be unauthenticated: this worker would obey "
                            "whatever process bound that address first; pass --keys DIR (a "
                            "worker folder from `pantheon keys generate`, or the frontend's "
                            "own folder on its host), or --insecure")
     log.warning("--insecure: the link to %s is unauthenticated%s: this worker obeys "
-                "whatever process bound that address", args.frontend,
-                "" if is_local_address(args.frontend) else " and in clear")
+                "whatever process bound that address", cfg.frontend,
+                "" if is_local_address(cfg.frontend) else " and in clear")
     return None
 
 
 def main(args) -> int:
+    from ..common import options
+    return run(options.config(WorkerConfig, args, options.WORKER,
+                              kv_cache=getattr(args, "kv", None) or KVCacheTypes()))
+
+
+def run(cfg: WorkerConfig) -> int:
     if refused := settings.refused_knobs():
         raise RuntimeError("; ".join(refused))
     proof = settings.spawn_proof() or ""
-    device = open_device(args.die)           # a bad die name stops here, with the forms
-    keys = link_keys(args, spawned=bool(proof))
-    pin_cores(args.cores)
-    worker = Worker(device, args.frontend, args.die, slots=args.slots,
-                    prefix_cache_bytes=int(args.prefix_cache_mb * (1 << 20)),
-                    parent_pid=args.parent_pid or 0,
-                    budget=int((args.budget_mb or 0) * (1 << 20)), keys=keys, proof=proof,
-                    kv_cache=getattr(args, "kv", None) or KVCacheTypes())
+    device = open_device(cfg.die)            # a bad die name stops here, with the forms
+    keys = link_keys(cfg, spawned=bool(proof))
+    pin_cores(cfg.cores)
+    worker = Worker(device, cfg.frontend, cfg.die, slots=cfg.slots,
+                    prefix_cache_bytes=cfg.prefix_cache_bytes, parent_pid=cfg.parent_pid,
+                    budget=cfg.budget_bytes, keys=keys, proof=proof, kv_cache=cfg.kv_cache,
+                    stage_bind=cfg.stage_bind or StageBind())
     signal.signal(signal.SIGTERM, lambda *_: worker.stop())    # after this step
-    if args.parent_pid:
+    if cfg.parent_pid:
         # a Ctrl-C reaches the whole process group: the frontend drains, then stops us
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-    log.info("worker for die %s (%s) connecting to %s%s", args.die, device.name, args.frontend,
+    log.info("worker for die %s (%s) connecting to %s%s", cfg.die, device.name, cfg.frontend,
              " (CURVE)" if keys else "")
     if device.emulated:
         log.warning("die %s is emulated (NumPy standing in for CuPy, kernels through the host "
-                    "shim): for tests and development, not for serving", args.die)
+                    "shim): for tests and development, not for serving", cfg.die)
     worker.run()
     return 0

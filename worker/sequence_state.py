@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..common.kv_cache import BLOCK, QUANTIZED
+from ..common.kv_cache import BLOCK, QUANTIZED, KVUnreadable
 from .kv_quant import dequantize, quantize, storage
 
 F32 = np.float32
@@ -60,9 +60,12 @@ class KVState:
             dtype = (kind, kind)
         self.kinds = dtype
         if any(k in QUANTIZED for k in dtype) and head_dim % BLOCK:
-            raise ValueError(f"a {'/'.join(dtype)} KV cache needs a head size that is a "
-                             f"multiple of {BLOCK}; this model's is {head_dim}: use "
-                             f"--kv-cache f16 or f32")
+            raise KVUnreadable(f"a {'/'.join(dtype)} KV cache needs a head size that is "
+                               f"a multiple of {BLOCK}; this model's is {head_dim}: use "
+                               f"--kv-cache f16 or f32")
+        if xp is not np:                # a GPU die: worker/attention_cuda.py reads it
+            from .attention_cuda import check_head
+            check_head(head_dim)
         # committed now: zeros() maps pages lazily, so write every page at load; the RSS
         # after a load is then the steady state and no request needs new memory
         kd, ks = storage(dtype[0], shape, head_dim)
@@ -93,8 +96,8 @@ class KVState:
 
     def view(self, slot: int, lo: int, hi: int):
         """Keys and values [n_kv_heads, hi - lo, head_dim] of positions [lo, hi): no copy
-        of a float cache; the NumPy path's float rows of a quantized one (the C attention
-        reads blocks in place and never asks)."""
+        of a float cache; float rows of a quantized one for the NumPy reference path
+        (the C attention and the GPU's kernels read blocks in place and never ask)."""
         if not self.quantized:
             return self.k[slot, :, lo:hi], self.v[slot, :, lo:hi]
         k, v = self.window(slice(slot, slot + 1), lo, hi)
@@ -102,7 +105,7 @@ class KVState:
 
     def window(self, slots: slice, lo: int, hi: int):
         """Keys and values [S, n_kv_heads, hi - lo, head_dim] of slots, positions [lo, hi):
-        float views, or float rows of quantized blocks (the NumPy path)."""
+        float views, or float rows of quantized blocks (the NumPy reference path only)."""
         k, v = self.k[slots, :, lo:hi], self.v[slots, :, lo:hi]
         if not self.quantized:
             return k, v

@@ -4,7 +4,7 @@ of the kernels' logic where there is no GPU.
 The source is compiled by g++ under a small shim. A launch runs each block in turn;
 within a block every CUDA thread is a fiber (its own stack, switched cooperatively on
 the calling OS thread), so __syncthreads is a barrier over the block's live threads
-and __shfl_xor_sync an exchange fenced by a barrier over the warp: warp-synchronous
+and __shfl_xor_sync / __shfl_sync an exchange fenced by a barrier over the warp: warp-synchronous
 code behaves as on a GPU without assuming lockstep anywhere else, and a launch costs
 a context switch per barrier, not an OS thread per CUDA thread. Threads that wait at
 different barriers forever are a deadlock: the launch fails (LaunchError).
@@ -12,8 +12,8 @@ __shared__ becomes `static`, one block's shared memory because blocks never over
 launches run one at a time in a process (a lock; a worker's load thread and its loop
 may both launch). Floating point is not contracted
 (-ffp-contract=off): a kernel that rounds like NumPy gives NumPy's bits. Only what
-worker/kernels_cuda.py uses is emulated; the device-only branches (#ifdef
-__CUDA_ARCH__) are not taken.
+worker/kernels_cuda.py and worker/attention_cuda.py use is emulated; the device-only
+branches (#ifdef __CUDA_ARCH__) are not taken.
 
 The kernels of a source are found in it (every `extern "C" __global__` function,
 after the preprocessor), with their parameter types, so a launch checks what CuPy
@@ -172,6 +172,14 @@ static inline float __shfl_xor_sync(unsigned, float v, int o) {
     buf[t] = v;
     warp_barrier();
     return buf[(t & ~31u) | ((t & 31u) ^ (unsigned)o)];
+}
+
+static inline float __shfl_sync(unsigned, float v, int src) {
+    const unsigned t = threadIdx.x;
+    float* buf = exchange[fibers[current].shuffles++ & 1];
+    buf[t] = v;
+    warp_barrier();
+    return buf[(t & ~31u) | ((unsigned)src & 31u)];
 }
 
 static void fiber_main() {

@@ -30,10 +30,14 @@ state in the same slot numbers. The scheduler's `kv` on the head is a SplitState
 save / restore / copy_prefix act on the local share and, over the link, on the tail's
 (the tail keeps its saved shares by handle until the head's prefix cache drops them).
 
-The link is a DEALER (head) → ROUTER (tail) pair at the address the frontend's load
-message gives (ipc in a private folder on one host; tcp with CURVE otherwise). A tail
-that dies or stops answering fails the step at once (its socket's disconnect, or
-LINK_TIMEOUT_S): the step's requests end with the usual error.
+The link is a DEALER (head) → ROUTER (tail) pair (worker/stage_socket.py): the tail
+binds what the frontend's load message says (ipc in a private folder when both workers
+run on one host, tcp otherwise, CURVE when the fleet has keys) and its Loaded names the
+address, which the head's load then dials. Each end takes frames up to what a step of
+its model can carry (MAXMSGSIZE: MAX_ROWS rows of its width), on ipc and tcp alike; the
+frontend's link keeps its own, smaller limit. A tail that dies or stops answering fails
+the step at once (its socket's disconnect, or LINK_TIMEOUT_S): the step's requests end
+with the usual error.
 """
 from __future__ import annotations
 
@@ -48,21 +52,21 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from .model import Batch, Span
+from .stage_socket import StageError, StageLinkError, StageNet, TailSocket, head_socket
 
 log = logging.getLogger("pantheon.worker.stage")
 
 F32 = np.float32
 HEADER_BYTES = 64 << 10          # a header frame past this is refused unread
 MAX_ROWS = 1 << 16               # rows of one hidden-state frame
-MAX_PAYLOAD = 1 << 30            # a frame on this link (ZMQ_MAXMSGSIZE): activations only
+MAX_PAYLOAD = 1 << 30            # the most any frame on this link may be (ZMQ_MAXMSGSIZE)
 # a stage that dies fails the step at once (its link closes); one that only stops answering
 # is slow (the head's heartbeats say its step's age) and fails the step after this long
 LINK_TIMEOUT_S = 60.0
+HELLO_TIMEOUT_S = 15.0           # a load's first exchange (a refused handshake fails sooner)
 POLL_MS = 100
-
-
-class StageError(RuntimeError):
-    """The stage link failed: the peer is gone, slow past the timeout, or refused."""
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
 # -- frames ------------------------------------------------------------------------------
@@ -123,17 +127,10 @@ def spans_in(rows, n_slots: int, ctx: int) -> list[Span]:
     return out
 
 
-def socket_curve(sock: zmq.Socket, stage, server: bool) -> None:
-    if not stage.server_key:
-        return
-    if server:
-        sock.curve_server = True
-        sock.curve_secretkey = stage.secret_key.encode()
-        sock.curve_publickey = stage.server_key.encode()
-    else:
-        public, secret = zmq.curve_keypair()
-        sock.curve_serverkey = stage.server_key.encode()
-        sock.curve_publickey, sock.curve_secretkey = public, secret
+def frame_limit(*widths: int) -> int:
+    """The largest frame a link end takes: MAX_ROWS rows of its widest array (a frame past
+    it is dropped by libzmq, its peer disconnected, before anything decodes it)."""
+    return min(MAX_PAYLOAD, HEADER_BYTES + MAX_ROWS * max(widths) * 4)
 
 
 # -- the tail ------------------------------------------------------------------------------
@@ -141,23 +138,16 @@ def socket_curve(sock: zmq.Socket, stage, server: bool) -> None:
 class TailStage(threading.Thread):
     """Stage 1: serves the link from its own thread (the worker loop never waits on it)."""
 
-    def __init__(self, engine, stage, context: zmq.Context | None = None):
+    def __init__(self, engine, stage, net: StageNet = StageNet(),
+                 bound: TailSocket | None = None):
         super().__init__(name=f"stage-{stage.link}", daemon=True)
         self.engine, self.model = engine, engine.model
         self.stage = stage
         self.saved: dict[int, object] = {}       # handle → the tail's share of a saved state
         self.stopped = threading.Event()
         self.forwards = 0
-        ctx = context or zmq.Context.instance()
-        self.sock = ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD)
-        socket_curve(self.sock, stage, server=True)
-        try:
-            self.sock.bind(stage.link)
-        except zmq.ZMQError as exc:
-            self.sock.close()
-            raise StageError(f"the stage link {stage.link} cannot be bound: {exc}") from None
+        self.bound = bound or TailSocket(stage, frame_limit(engine.cfg.d_model), net)
+        self.sock, self.address = self.bound.sock, self.bound.address
 
     def stop(self) -> None:
         self.stopped.set()
@@ -183,7 +173,7 @@ class TailStage(threading.Thread):
                         pass
                 self.sock.send_multipart([ident, pack(header), *reply], copy=False)
         finally:
-            self.sock.close()
+            self.bound.close()
             self.saved.clear()
 
     def handle(self, frames: list[bytes]) -> tuple[dict, list]:
@@ -247,22 +237,20 @@ class HeadLink:
     """Stage 0's end of the link: requests go out in order, answers are matched by seq."""
 
     def __init__(self, stage, timeout_s: float = LINK_TIMEOUT_S,
-                 context: zmq.Context | None = None):
+                 context: zmq.Context | None = None, net: StageNet = StageNet(),
+                 max_bytes: int = MAX_PAYLOAD):
         self.stage, self.timeout_s = stage, timeout_s
-        ctx = context or zmq.Context.instance()
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD)
-        socket_curve(self.sock, stage, server=False)
+        self.sock = head_socket(stage, max_bytes, net, context)
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED
                                                     | zmq.EVENT_DISCONNECTED
-                                                    | zmq.EVENT_CONNECTED)
+                                                    | zmq.EVENT_CONNECTED | HANDSHAKE_FAILED)
         self.sock.connect(stage.link)
         self.seq = itertools.count(1)
         self.early: dict[int, tuple] = {}        # answers that came before they were asked
         self.handles = itertools.count(1)
         self.forgotten: list[int] = []           # saved shares the tail may drop
-        self.up = False
+        self.up = False                          # connected (a TCP / ipc connection made)
+        self.shook = False                       # its ZMTP handshake (CURVE's too) done
         self.lost: str = ""
         self.bytes_out = self.bytes_in = 0
         self.sent = 0
@@ -279,9 +267,17 @@ class HeadLink:
     def events(self) -> None:
         while self.monitor.poll(0, zmq.POLLIN):
             event = recv_monitor_message(self.monitor)["event"]
-            if event in (zmq.EVENT_CONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED):
+            if event == zmq.EVENT_CONNECTED:
                 self.up = True
-            elif event == zmq.EVENT_DISCONNECTED and self.up:
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.up = self.shook = True
+            elif event & HANDSHAKE_FAILED or (event == zmq.EVENT_DISCONNECTED and self.up
+                                              and self.stage.server_key and not self.shook):
+                # a CURVE peer that refuses our key closes the connection before the
+                # handshake completes (the failure event may come after the close)
+                self.lost = (f"the stage link's CURVE handshake with {self.stage.link} "
+                             "failed (not the second stage's key, or ours not let in)")
+            elif event == zmq.EVENT_DISCONNECTED and self.up and not self.lost:
                 self.lost = "the second stage's worker is gone (its link closed)"
 
     def send(self, header: dict, *frames) -> int:
@@ -446,15 +442,22 @@ class SplitForward:
         return xp.asarray(out)                                   # sampler adjusts in place
 
 
-def connect_head(engine, stage, timeout_s: float = LINK_TIMEOUT_S) -> HeadLink:
+def connect_head(engine, stage, timeout_s: float = LINK_TIMEOUT_S,
+                 net: StageNet = StageNet()) -> HeadLink:
     """Make `engine` (stage 0, layers [0, k) loaded) a split replica's head: its forward
     runs the tail over the link, its scheduler's state spans both stages."""
-    link = HeadLink(stage, timeout_s)
+    cfg = engine.cfg
+    link = HeadLink(stage, min(timeout_s, HELLO_TIMEOUT_S), net=net,
+                    max_bytes=frame_limit(cfg.vocab_size, cfg.d_model))
     try:
         hello, _ = link.call({"op": "hello"})
-    except StageError:
+    except StageError as exc:
         link.close()
-        raise
+        hint = "" if link.up or not stage.link.startswith("tcp://") else \
+            " (no connection: is the second stage's --stage-bind address reachable from here?)"
+        raise StageLinkError(f"the stage link to {stage.link} cannot be set up: {exc}"
+                             f"{hint}") from None
+    link.timeout_s = timeout_s
     split = SplitForward(engine.model, engine.device, link)
     sched = engine.scheduler
     sched.forward = split
@@ -481,13 +484,32 @@ def check_stage(stage) -> None:
 
 
 def load_stage(msg, device, default_slots: int, prefix_cache_bytes: int, progress=None,
-               spec=None, kv_cache=None):
-    """Load `msg`'s stage: stage 1 → a started TailStage (its link bound); stage 0 → an
-    Engine whose forward runs through the tail (which must be up: the frontend loads it
-    first), warm."""
-    from .engine import load_engine
+               spec=None, kv_cache=None, net: StageNet = StageNet()):
+    """Load `msg`'s stage: stage 1 → a started TailStage (its link bound before its weights
+    are read: a port in use or missing keys fail at once); stage 0 → an Engine whose
+    forward runs through the tail (which must be up: the frontend loads it first), warm."""
     stage = msg.stage
     check_stage(stage)
+    if stage.index == 0 and stage.server_key and net.pair is None:
+        raise StageLinkError("keys missing: the load asks for a CURVE stage link and this "
+                             "worker has no keys (pantheon worker --keys DIR)")
+    bound = None
+    if stage.index == 1:
+        from ..common.model_file import read_config
+        bound = TailSocket(stage, frame_limit(read_config(msg.path).d_model), net)
+    try:
+        return load_stage_engine(msg, device, default_slots, prefix_cache_bytes, progress,
+                                 spec, kv_cache, net, bound)
+    except BaseException:
+        if bound is not None:
+            bound.close()
+        raise
+
+
+def load_stage_engine(msg, device, default_slots, prefix_cache_bytes, progress, spec,
+                      kv_cache, net, bound):
+    from .engine import load_engine
+    stage = msg.stage
     tail = stage.index == 1
     engine = load_engine(msg.path, device, n_slots=msg.slots or default_slots,
                          ctx=msg.ctx or None, prefill_chunk=msg.prefill_chunk,
@@ -501,19 +523,20 @@ def load_stage(msg, device, default_slots: int, prefix_cache_bytes: int, progres
                          f"has {engine.cfg.n_layers}")
     if tail:
         engine.warm_up()                     # its own layers and head, as a whole forward
-        t = TailStage(engine, stage)
+        t = TailStage(engine, stage, net, bound)
         t.start()
-        log.info("stage 1 of %s (layers %d-%d) serves its link at %s", msg.model_id,
-                 stage.first_layer, stage.end_layer - 1, stage.link)
+        log.info("stage 1 of %s (layers %d-%d) serves its link at %s%s", msg.model_id,
+                 stage.first_layer, stage.end_layer - 1, t.address,
+                 " (CURVE)" if stage.server_key else "")
         return t
-    link = connect_head(engine, stage)
+    link = connect_head(engine, stage, net=net)
     try:
         engine.warm_up()                     # down both stages: ready means warm
     except Exception:
         link.close()
         raise
-    log.info("stage 0 of %s (layers 0-%d) linked to its second stage at %s", msg.model_id,
-             stage.end_layer - 1, stage.link)
+    log.info("stage 0 of %s (layers 0-%d) linked to its second stage at %s%s", msg.model_id,
+             stage.end_layer - 1, stage.link, " (CURVE)" if stage.server_key else "")
     return engine
 
 
@@ -521,4 +544,4 @@ def loaded_message(model_id: str, name: str, tail: TailStage):
     from ..common import protocol as p
     e = tail.engine
     return p.Loaded(model_id, name, len(e.scheduler.slots), e.model.ctx, e.cfg.vocab_size,
-                    e.weight_bytes, e.state_bytes, e.load_seconds)
+                    e.weight_bytes, e.state_bytes, e.load_seconds, link=tail.address)

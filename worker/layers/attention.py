@@ -6,6 +6,12 @@ shared by the layers); each prefill chunk attends alone, against its slot's hist
 A sliding window is exact everywhere: a query at position p sees keys (p - window,
 p], whether its prompt came in one chunk, in many, or token by token; only the keys
 a window can reach are read.
+
+On the CPU the C kernels (worker/kernels.c) run both; on a GPU die each layer's step is
+a few launches of worker/attention_cuda.py's kernels (the step's keys and values written,
+quantized once; the decodes; the prefill chunks in tiles), which read the cache in its
+stored type with no float copy of anyone's history. The NumPy expressions below are
+the reference.
 """
 from __future__ import annotations
 
@@ -14,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...common.arch.stack import Attention
-from .. import kernels_cpu
+from .. import attention_cuda, kernels_cpu
 from ..sequence_state import KVState
 from .ops import F32, linear, rms_norm, rope, xp_of
 
@@ -100,8 +106,8 @@ def attend_decodes(q, k, v, bias, sel):
     return o[sel].reshape(n_seq, n_heads * hd)
 
 
-# the CPU's decode attention runs in worker/kernels.c (False: the NumPy expression above,
-# which the GPU always takes; a test compares the two)
+# the CPU's attention runs in worker/kernels.c (False: the NumPy expressions above, the
+# reference a test compares it with); a GPU die's in worker/attention_cuda.py
 C_ATTENTION = [True]
 
 
@@ -208,6 +214,11 @@ def attend_batch(state: KVState, q, k, v, batch, window: int | None):
     are cached at their spans' positions; → [T, Hq * hd] (a step scratch buffer, padding
     rows zero): the decodes as one group, each prefill chunk alone."""
     attn = batch.scratch(q.shape[1] * q.shape[2])
+    if not isinstance(q, np.ndarray):     # a GPU die: the whole step in a few launches
+        plan = batch.memo("cuda", attention_cuda.StepPlan)
+        attention_cuda.write(state, k, v, plan)         # quantized once, as written
+        attention_cuda.attend(state, q, attn, plan, window)   # read where they are stored
+        return attn
     decodes = batch.memo("decodes", DecodeGroup)
     if decodes.size:
         decodes.run(state, q, k, v, attn, window)

@@ -10,7 +10,23 @@
   attention reads every position either way; the logits are not looked at.
 
     python -m pantheon.bench.kv_cache -m MODEL.gguf [--ctx 2048] [--batch 8] \\
-        [--budget-mb 4096] [--rounds 3] [--types f16,q8_0,q4_0]
+        [--budget-mb 4096] [--rounds 3] [--types f16,q8_0,q4_0] [--compare-llama DIR]
+    python -m pantheon.bench.kv_cache -m MODEL.gguf --attention-only [--rounds 7]
+
+`--attention-only` times the C decode attention alone: one layer's call over the batch's
+caches with the model's heads, the types alternated in rounds (less noisy on a shared
+host than whole steps, whose weights' products every type shares).
+
+With `--compare-llama DIR` (a folder holding llama.cpp's `llama-batched-bench`, e.g. what
+`../shared/tools/llama-anchor.sh` prints), each type is also run there with the same
+cache types, batch, context and threads, and its decode rate printed beside ours:
+
+    DIR/llama-batched-bench -m MODEL.gguf -c BATCH*CTX+64 -npp CTX-NTG -ntg NTG -npl BATCH \\
+        -fa on -ctk T -ctv T -t THREADS --output-format jsonl
+
+(llama.cpp prefills the BATCH x (CTX - NTG) prompt tokens first: minutes for a 1.5B model
+on 2 cores; `--llama-shared-prompt` adds `-pps`, one prompt shared by the sequences, which
+prefills once but leaves llama.cpp one copy of the history to read instead of BATCH.)
 """
 from __future__ import annotations
 
@@ -18,7 +34,9 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -89,12 +107,69 @@ def run(path: str, types: list[str], ctx: int, batch: int, budget_mb: float, rou
         row = out["types"][t]
         row["decode_tok_s"] = round(statistics.median(rates[t]), 2)
         row["rounds_tok_s"] = [round(r, 2) for r in rates[t]]
+        row["best_tok_s"] = round(max(rates[t]), 2)      # the least disturbed round
         row["bytes_vs_" + ref] = round(row["kv_bytes_per_position"] / f16["kv_bytes_per_position"], 4)
         row["slots_x_ctx_vs_" + ref] = round(row["slots_x_ctx"] / max(f16["slots_x_ctx"], 1), 3)
     for t in types:
         out["types"][t]["decode_vs_" + ref] = round(
             out["types"][t]["decode_tok_s"] / out["types"][ref]["decode_tok_s"], 3)
     out["load_avg_after"] = os.getloadavg()[0]
+    return out
+
+
+def attention_rates(cfg, types: list[str], ctx: int, batch: int, rounds: int,
+                    reps: int = 10) -> dict:
+    """The C decode attention alone (worker/kernels.c), one layer's call over `batch`
+    slots of `ctx` positions with the model's heads, the types alternated in rounds:
+    {type: median ms a call, each round's}."""
+    from ..worker import kernels_cpu
+    rng = np.random.default_rng(0)
+    hkv, hd, hq = cfg.n_kv_heads, cfg.head_dim, cfg.n_heads
+    rows = rng.standard_normal((batch, hkv, ctx, hd), dtype=np.float32)
+    caches = {t: (quantize(rows, t), quantize(rows[:, :, ::-1], t)) for t in types}
+    q = (rng.standard_normal((batch, hq, hd)) * hd ** -0.5).astype(np.float32)
+    new = rng.standard_normal((batch, hkv, hd)).astype(np.float32)
+    out = np.empty((batch, hq * hd), dtype=np.float32)
+    bounds = kernels_cpu.DecodeBounds(np.arange(batch), np.zeros(batch, dtype=np.int64),
+                                      np.full(batch, ctx - 1), caches[types[0]][0].shape)
+    ms: dict[str, list[float]] = {t: [] for t in types}
+    for _ in range(rounds):
+        for t, (k, v) in caches.items():
+            kernels_cpu.attend_decodes(q, new, new, k, v, bounds, out)          # warm
+            began = time.perf_counter()
+            for _ in range(reps):
+                kernels_cpu.attend_decodes(q, new, new, k, v, bounds, out)
+            ms[t].append((time.perf_counter() - began) / reps * 1e3)
+    return {t: {"ms": round(statistics.median(ms[t]), 3), "best_ms": round(min(ms[t]), 3),
+                "rounds_ms": [round(x, 3) for x in ms[t]]} for t in types}
+
+
+def llama_command(bindir: str, path: str, kind: str, ctx: int, batch: int, ntg: int,
+                  threads: int, shared: bool) -> list[str]:
+    """llama-batched-bench's command line for one cache type (both K and V)."""
+    cmd = [str(Path(bindir) / "llama-batched-bench"), "-m", path,
+           "-c", str(batch * ctx + 64), "-npp", str(ctx - ntg), "-ntg", str(ntg),
+           "-npl", str(batch), "-fa", "on", "-ctk", kind, "-ctv", kind, "-t", str(threads),
+           "--output-format", "jsonl"]
+    return cmd + (["-pps"] if shared else [])
+
+
+def llama_rates(bindir: str, path: str, types: list[str], ctx: int, batch: int, ntg: int,
+                threads: int, shared: bool) -> dict:
+    """{type: llama-batched-bench's decode and prefill tok/s} (one run per type: each
+    prefills its prompts first)."""
+    out = {}
+    for t in types:
+        cmd = llama_command(bindir, path, t, ctx, batch, ntg, threads, shared)
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        rows = [json.loads(line) for line in done.stdout.splitlines()
+                if line.startswith("{") and "speed_tg" in line]
+        if done.returncode != 0 or not rows:
+            raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n"
+                               f"{done.stderr[-1500:]}")
+        r = rows[-1]
+        out[t] = {"decode_tok_s": round(r["speed_tg"], 2), "prefill_tok_s": round(r["speed_pp"], 2),
+                  "command": " ".join(cmd), "load_avg": os.getloadavg()[0]}
     return out
 
 
@@ -107,9 +182,39 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-mb", type=float, default=4096)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--attention-only", action="store_true",
+                    help="time the C decode attention alone (one layer's call, the model's "
+                         "heads), not the model's decode")
+    ap.add_argument("--compare-llama", metavar="DIR",
+                    help="a folder with llama.cpp's llama-batched-bench: its decode rate "
+                         "per type beside ours")
+    ap.add_argument("--llama-ntg", type=int, default=32,
+                    help="tokens llama-batched-bench generates per sequence (after CTX - NTG "
+                         "prompt tokens)")
+    ap.add_argument("--llama-shared-prompt", action="store_true",
+                    help="pass -pps: one prompt shared by the sequences (one prefill)")
     a = ap.parse_args(argv)
-    print(json.dumps(run(a.model, a.types.split(","), a.ctx, a.batch, a.budget_mb, a.rounds,
-                         a.steps), indent=1))
+    types = a.types.split(",")
+    if a.compare_llama and not (Path(a.compare_llama) / "llama-batched-bench").exists():
+        ap.error(f"--compare-llama: no llama-batched-bench in {a.compare_llama}")
+    if a.attention_only:
+        got = attention_rates(read_config(a.model), types, a.ctx, a.batch, a.rounds)
+        ref = got[types[0]]["ms"]
+        for t in types:
+            got[t]["speed_vs_" + types[0]] = round(ref / got[t]["ms"], 3)
+        print(json.dumps({"model": os.path.basename(a.model), "ctx": a.ctx, "batch": a.batch,
+                          "load_avg": os.getloadavg()[0], "attention_ms": got}, indent=1))
+        return 0
+    out = run(a.model, types, a.ctx, a.batch, a.budget_mb, a.rounds, a.steps)
+    if a.compare_llama:
+        from ..worker.kernels_cpu import threads
+        llama = llama_rates(a.compare_llama, a.model, types, a.ctx, a.batch, a.llama_ntg,
+                            threads(), a.llama_shared_prompt)
+        out["llama_batched_bench"] = llama
+        for t in types:
+            out["types"][t]["vs_llama"] = round(
+                out["types"][t]["decode_tok_s"] / llama[t]["decode_tok_s"], 3)
+    print(json.dumps(out, indent=1))
     return 0
 
 

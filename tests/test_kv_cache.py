@@ -113,7 +113,11 @@ def smollm2_f16():
 # 0.115-0.130 (the issue asks >= 95 % and <= 0.05: SmolLM2-135M's keys carry outliers a
 # 4-bit block of 32 cannot hold; q8_0 keys with q4_0 values: 94 %, 0.014). The spread:
 # the attention's summation order (AVX-512 tiles or row loops) moves a key by 1e-6,
-# which moves a 4-bit rounding in a later layer.
+# which moves a 4-bit rounding in a later layer. With the integer key dots (AVX-512
+# VNNI) and the AVX2 tiles: q8_0 100 %, 4.6-4.7e-4; q4_0 83.0-87.1 %, 0.106-0.112 (the
+# portable build: q8_0 98.6 %, 4.9e-4 both before and after them, below the 99 % bound:
+# two near-tied picks of 147). The blocks are llama.cpp's reference quantizers' byte for
+# byte (the first test), so the 4-bit figure is the format's, not our rounding's.
 @pytest.mark.skipif(not cached_path().exists() or not REFERENCE.exists(),
                     reason="default model or reference data missing")
 @pytest.mark.parametrize("k, v, top1, kl_bound", [("q8_0", "q8_0", 0.99, 0.005),
@@ -169,30 +173,42 @@ def test_admin_load_sends_the_types_it_is_given():
     assert "kv_cache" not in request_args(build_parser().parse_args(["admin", "load", "/m/x"]))
 
 
+def _attention(kt, vt, q, k, v, length, generic):
+    kernels_cpu.library().pn_set_attn_generic(generic)
+    try:
+        kc, vc = quantize(k, kt), quantize(v, vt)
+        bounds = kernels_cpu.DecodeBounds(np.arange(2), np.array([0, 5]),
+                                          np.full(2, length - 1), kc.shape)
+        out = np.empty((2, q.shape[1] * q.shape[2]), dtype=np.float32)
+        kernels_cpu.attend_decodes(q, np.ascontiguousarray(k[:, :, length - 1]),
+                                   np.ascontiguousarray(v[:, :, length - 1]), kc, vc,
+                                   bounds, out)
+        return out
+    finally:
+        kernels_cpu.library().pn_set_attn_generic(0)
+
+
 @pytest.mark.parametrize("kt, vt", [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q8_0", "q4_0"),
-                                    ("f16", "q4_0"), ("q4_0", "f32")])
-@pytest.mark.parametrize("hd", [64, 128])
+                                    ("f16", "q4_0"), ("q4_0", "f32"), ("q8_0", "f16"),
+                                    ("f16", "q8_0")])
+@pytest.mark.parametrize("hd", [64, 128, 256])
 def test_the_tiled_attention_reads_blocks_as_the_row_loops_do(kt, vt, hd):
-    """Head sizes of 64 / 128 / 256 take the AVX-512 tiles (blocks widened 16 elements at
-    a time in registers); the portable row loops are the reference (the tiny models'
-    heads of 32 only take those)."""
+    """Head sizes of 64 / 128 / 256 take the AVX-512 tiles (values dequantized in
+    registers, a block's scale converted once; block keys as integer dots where the CPU
+    has VNNI); the portable row loops are the reference (the tiny models' heads of 32
+    only take those). Against block keys the integer dots hold the query as two int8
+    digits per element (within 1/508 of its block's scale): the outputs then move by
+    under a fifth of what rounding the keys to fp16 moves them; float keys agree to
+    float rounding."""
     rng = np.random.default_rng(hd)
     n_kv, length, g = 2, 37, 3
     k = rng.standard_normal((2, n_kv, 48, hd)).astype(np.float32)
     v = rng.standard_normal((2, n_kv, 48, hd)).astype(np.float32)
-    q = rng.standard_normal((2, n_kv * g, hd)).astype(np.float32)
-    outs = []
-    for generic in (0, 1):
-        kernels_cpu.library().pn_set_attn_generic(generic)
-        try:
-            kc, vc = quantize(k, kt), quantize(v, vt)
-            bounds = kernels_cpu.DecodeBounds(np.arange(2), np.array([0, 5]),
-                                              np.full(2, length - 1), kc.shape)
-            out = np.empty((2, n_kv * g * hd), dtype=np.float32)
-            kernels_cpu.attend_decodes(q, np.ascontiguousarray(k[:, :, length - 1]),
-                                       np.ascontiguousarray(v[:, :, length - 1]), kc, vc,
-                                       bounds, out)
-            outs.append(out)
-        finally:
-            kernels_cpu.library().pn_set_attn_generic(0)
-    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-4, atol=1e-5)
+    q = (rng.standard_normal((2, n_kv * g, hd)) * hd ** -0.5).astype(np.float32)  # scaled
+    tiled, rows = (_attention(kt, vt, q, k, v, length, generic) for generic in (0, 1))
+    if kt in ("q8_0", "q4_0"):
+        fp16_keys = np.abs(_attention("f16", "f32", q, k, v, length, 1)
+                           - _attention("f32", "f32", q, k, v, length, 1)).max()
+        assert np.abs(tiled - rows).max() < 0.2 * fp16_keys
+    else:
+        np.testing.assert_allclose(tiled, rows, rtol=1e-4, atol=1e-5)

@@ -1015,6 +1015,42 @@ static inline float quantize32(const float *v, float step_max, int16_t *lo, int1
 }
 #endif
 
+/* x [B, K] → int16 per block of 32 in `steps` steps (16383: the row kernels, whose madd
+ * pairs of products must not overflow; 32767: the b_groups), eight at a time with the
+ * scalar loop's arithmetic in pn_quantize_x; xd the steps, xs the exact block sums. */
+static inline void quantize_x16(const float *x, int64_t B, int64_t K, int16_t *xq, float *xd,
+                                float *xs, float steps) {
+    const int64_t nx = K / 32;
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u));
+    const __m256 half = _mm256_set1_ps(0.5f);
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t blk = 0; blk < nx; blk++) {
+            const float *v = x + b * K + blk * 32;
+            int16_t *q = xq + b * K + blk * 32;
+            __m256 a[4], m = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
+            for (int h = 0; h < 4; h++) {
+                a[h] = _mm256_loadu_ps(v + 8 * h);
+                m = _mm256_max_ps(m, _mm256_and_ps(a[h], absmask));
+                sum = _mm256_add_ps(sum, a[h]);
+            }
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            const float d = _mm_cvtss_f32(m4) / steps, inv = d > 0 ? 1.0f / d : 0.0f;
+            const __m256 vinv = _mm256_set1_ps(inv);
+            __m256i iv[4];
+            for (int h = 0; h < 4; h++) {
+                __m256 r = _mm256_mul_ps(a[h], vinv);
+                iv[h] = _mm256_cvttps_epi32(_mm256_add_ps(r, _mm256_or_ps(_mm256_and_ps(r, sign), half)));
+            }
+            _mm256_storeu_si256((__m256i *)q, _mm256_permute4x64_epi64(_mm256_packs_epi32(iv[0], iv[1]), 0xD8));
+            _mm256_storeu_si256((__m256i *)(q + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(iv[2], iv[3]), 0xD8));
+            xd[b * nx + blk] = d;
+            xs[b * nx + blk] = hsum(sum);
+        }
+}
+
 void pn_quantize_x(const float *x, int64_t B, int64_t K, int16_t *xq, float *xd, float *xs,
                    int paired) {
     int64_t nx = K / 32;
@@ -1032,34 +1068,7 @@ void pn_quantize_x(const float *x, int64_t B, int64_t K, int16_t *xq, float *xd,
         }
 #else
     if (!paired) {              /* AVX2: eight at a time, the arithmetic of the loop below */
-        const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-        const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u));
-        const __m256 half = _mm256_set1_ps(0.5f);
-        for (int64_t b = 0; b < B; b++)
-            for (int64_t blk = 0; blk < nx; blk++) {
-                const float *v = x + b * K + blk * 32;
-                int16_t *q = xq + b * K + blk * 32;
-                __m256 a[4], m = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
-                for (int h = 0; h < 4; h++) {
-                    a[h] = _mm256_loadu_ps(v + 8 * h);
-                    m = _mm256_max_ps(m, _mm256_and_ps(a[h], absmask));
-                    sum = _mm256_add_ps(sum, a[h]);
-                }
-                __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-                m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-                m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-                const float d = _mm_cvtss_f32(m4) / 16383.0f, inv = d > 0 ? 1.0f / d : 0.0f;
-                const __m256 vinv = _mm256_set1_ps(inv);
-                __m256i iv[4];
-                for (int h = 0; h < 4; h++) {
-                    __m256 r = _mm256_mul_ps(a[h], vinv);
-                    iv[h] = _mm256_cvttps_epi32(_mm256_add_ps(r, _mm256_or_ps(_mm256_and_ps(r, sign), half)));
-                }
-                _mm256_storeu_si256((__m256i *)q, _mm256_permute4x64_epi64(_mm256_packs_epi32(iv[0], iv[1]), 0xD8));
-                _mm256_storeu_si256((__m256i *)(q + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(iv[2], iv[3]), 0xD8));
-                xd[b * nx + blk] = d;
-                xs[b * nx + blk] = hsum(sum);
-            }
+        quantize_x16(x, B, K, xq, xd, xs, 16383.0f);
         return;
     }
     for (int64_t b = 0; b < B; b++)
@@ -3240,35 +3249,7 @@ static void bg_chunk(const void *p, int64_t g) {        /* group g: rows 8g .. 8
  * kernels' 16383 one near-tied position of a tiny Qwen3.5 model flipped), its step and
  * its exact block sums: pn_quantize_x's arithmetic otherwise. */
 static void bg_quantize(const float *x, int64_t B, int64_t K, int16_t *xq, float *xd, float *xs) {
-    const int64_t nx = K / 32;
-    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u));
-    const __m256 half = _mm256_set1_ps(0.5f);
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t blk = 0; blk < nx; blk++) {
-            const float *v = x + b * K + blk * 32;
-            int16_t *q = xq + b * K + blk * 32;
-            __m256 a[4], mx = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
-            for (int h = 0; h < 4; h++) {
-                a[h] = _mm256_loadu_ps(v + 8 * h);
-                mx = _mm256_max_ps(mx, _mm256_and_ps(a[h], absmask));
-                sum = _mm256_add_ps(sum, a[h]);
-            }
-            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-            const float d = _mm_cvtss_f32(m4) / 32767.0f, inv = d > 0 ? 1.0f / d : 0.0f;
-            const __m256 vinv = _mm256_set1_ps(inv);
-            __m256i iv[4];
-            for (int h = 0; h < 4; h++) {
-                __m256 r = _mm256_mul_ps(a[h], vinv);
-                iv[h] = _mm256_cvttps_epi32(_mm256_add_ps(r, _mm256_or_ps(_mm256_and_ps(r, sign), half)));
-            }
-            _mm256_storeu_si256((__m256i *)q, _mm256_permute4x64_epi64(_mm256_packs_epi32(iv[0], iv[1]), 0xD8));
-            _mm256_storeu_si256((__m256i *)(q + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(iv[2], iv[3]), 0xD8));
-            xd[b * nx + blk] = d;
-            xs[b * nx + blk] = hsum(sum);
-        }
+    quantize_x16(x, B, K, xq, xd, xs, 32767.0f);
 }
 
 static void gemm_b_groups(const PnMat *m, const float *x, int64_t B, const PnScratch *s,

@@ -43,7 +43,7 @@ from functools import lru_cache
 import numpy as np
 
 from ..common.kv_cache import KVUnreadable
-from .kernels_cuda import HALF_TO_FLOAT
+from .kernels_cuda import HALF_TO_FLOAT, compiled
 
 HEADS = 4                # query heads of one group per block (must match the source)
 MAXE = 8                 # elements per lane: heads up to 256 (must match the source)
@@ -525,17 +525,8 @@ def chunk_launch(kinds: tuple[str, str], q, kc, vc, out, tiles, ctx: int,
 # -- CuPy entry points --------------------------------------------------------------------
 
 @lru_cache(maxsize=None)
-def _module(cp):
-    from .kernels_cuda import keep_thread_locale
-    module = cp.RawModule(code=SOURCE, options=("--std=c++17",))
-    with keep_thread_locale():
-        module.get_function(KERNELS[0])             # CuPy compiles on first use
-    return module
-
-
-@lru_cache(maxsize=None)
 def _function(cp, name: str):
-    return _module(cp).get_function(name)
+    return compiled(cp, SOURCE, KERNELS[0]).get_function(name)
 
 
 def run(launch: Launch, cp) -> None:

@@ -424,18 +424,18 @@ def keep_thread_locale():
 
 
 @lru_cache(maxsize=None)
-def _module(cp):
-    """The compiled module: once per process and CuPy (which also caches the binary on
-    disk)."""
-    module = cp.RawModule(code=SOURCE, options=("--std=c++17",))
+def compiled(cp, source: str, first: str):
+    """`source` compiled as a CuPy module: once per process and CuPy (which also caches
+    the binary on disk); `first`, one of its kernels, is asked for to compile it now."""
+    module = cp.RawModule(code=source, options=("--std=c++17",))
     with keep_thread_locale():
-        module.get_function(next(iter(KERNELS)))      # CuPy compiles on first use
+        module.get_function(first)                    # CuPy compiles on first use
     return module
 
 
 @lru_cache(maxsize=None)
 def _function(cp, name: str):
-    return _module(cp).get_function(name)
+    return compiled(cp, SOURCE, next(iter(KERNELS))).get_function(name)
 
 
 def run(launch: Launch, cp) -> None:

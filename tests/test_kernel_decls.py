@@ -14,7 +14,7 @@ import pytest
 from pantheon.worker import kernels_cpu as kc
 
 ROOT = Path(kc.__file__).resolve().parent
-SOURCE = kc.SOURCE.read_text()
+SOURCE = "".join(p.read_text() for p in kc.SOURCES)
 DEFINITION = re.compile(r"^(?!static)([A-Za-z_][\w \t\*]*?)\b(pn_\w+)\(([^)]*)\)\s*\{",
                         re.MULTILINE)
 SCALARS = {"int": ctypes.c_int, "int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64,

@@ -4706,3 +4706,5 @@ int pn_has_repack(void) { return 0; }
 void pn_repack_q4_k(const uint8_t *b, int64_t n, uint8_t *qs, uint16_t *sc, uint16_t *mn) {}
 void pn_repack_q6_k(const uint8_t *b, int64_t n, int8_t *qs, uint16_t *sc) {}
 #endif
+
+#include "kernels_deltanet.c"

@@ -68,6 +68,8 @@ CODES = {"q4": 0, "q8": 1, "f16": 3, "bf16": 4, "q4k": 5, "q6k": 6, "q5k": 7, "q
 K_BYTES = {kind: f.block_bytes for kind, f in NATIVE_KINDS.items()}
 assert set(K_BYTES) <= set(CODES), "a file-layout kind without a kernel code"
 SOURCE = Path(__file__).with_name("kernels.c")
+# what kernels.c #includes: part of the build's cache key
+SOURCES = (SOURCE, SOURCE.with_name("kernels_deltanet.c"))
 
 _lib = None
 HAS_INT_PATH = [False]      # the build has the AVX2 integer decode path (set at load)
@@ -108,7 +110,7 @@ def isa_flags() -> list[str]:
 def build(force: bool = False) -> Path:
     """Compile kernels.c for this CPU (once; cached by source, CPU flags, compiler and
     target)."""
-    source = SOURCE.read_bytes()
+    source = b"".join(p.read_bytes() for p in SOURCES)
     cc = settings.c_compiler()
     flags = isa_flags()
     key = hashlib.sha256(source + _cpu_key().encode() + cc.encode()
@@ -187,6 +189,8 @@ def library():
         lib.pn_copy.restype = None
         lib.pn_decode_layer.argtypes = [p, p, p, p, p, p]
         lib.pn_pool_init.argtypes = [ctypes.c_int, i64]
+        lib.pn_deltanet_prefill.argtypes = [p, i64, p, i64, p, p, p, p, p, p, ctypes.c_float,
+                                            i64, i64, i64, i64, i64, i64, i64, p, i64]
         lib.pn_pool_init.restype = ctypes.c_int
         for fn in (lib.pn_gemv, lib.pn_dequant_rows, lib.pn_gather, lib.pn_quantize_x,
                    lib.pn_gemv_i8, lib.pn_repack_q4_k, lib.pn_repack_q6_k,

@@ -40,7 +40,10 @@ beta = 0, k = v = q = 0 leaves S unchanged, so any split of a prompt into chunks
 gives the same state, up to float32 rounding.
 
 In a step, the decode spans of every slot run the recurrence as one batched
-update over their slots' states; each prefill chunk runs the chunked form alone.
+update over their slots' states; each prefill chunk runs the chunked form alone. On the
+CPU a prefill chunk's conv, rule and gated norm are one C call instead
+(worker/kernels_deltanet.c: the recurrence with the state in L1-sized tiles); the NumPy
+functions here stay the reference, and the path of a GPU or of a host without a compiler.
 """
 from __future__ import annotations
 
@@ -49,11 +52,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...common.arch.stack import GatedDeltaNet
+from .. import kernels_cpu
 from ..sequence_state import RecurrentState
 from .attention import DecodeGroup
 from .ops import F32, gated_rms_norm, l2_normalize, linear, sigmoid, silu, softplus, xp_of
 
 CHUNK = 64          # transformers' chunk_size; the block inverse wants a power of two
+# False: every prefill chunk takes the NumPy functions (tests compare the two ways)
+C_PREFILL = [True]
 
 
 # --- depthwise causal conv ----------------------------------------------------------------
@@ -232,6 +238,38 @@ def deltanet_output(o, z, norm, w_out, eps: float):
     return linear(h.reshape(o.shape[0], -1), w_out)
 
 
+def _f32_rows(a) -> bool:
+    """a [n, d] float32 whose rows are each contiguous (a row stride of its own)."""
+    return a.dtype == F32 and a.ndim == 2 and a.strides[1] == 4 and a.strides[0] % 4 == 0 \
+        and a.strides[0] >= 4 * a.shape[1]
+
+
+def deltanet_chunk_c(mixed, z, beta, g, w: DeltaNetWeights, spec: GatedDeltaNet, tail,
+                     state, eps: float, out) -> bool:
+    """One sequence's chunk through kernels_deltanet.c: mixed [n, conv_dim], z [n, nv dv]
+    (rows of the in-product), beta, g [n, nv] → out [n, nv dv] = the gated norm of the
+    rule's output; tail [K-1, conv_dim] and state [nv, dk, dv] advanced in place. False
+    (nothing done) where it cannot run: not the CPU, no compiler, another layout."""
+    if not (C_PREFILL[0] and isinstance(mixed, np.ndarray) and mixed.shape[0]):
+        return False
+    try:
+        lib = kernels_cpu.library()
+    except (kernels_cpu.KernelBuildError, OSError):
+        return False
+    beta, g = np.ascontiguousarray(beta, F32), np.ascontiguousarray(g, F32)
+    dense = (w.conv, w.norm, tail, state)
+    if not (all(_f32_rows(a) for a in (mixed, z, out))
+            and all(isinstance(a, np.ndarray) and a.dtype == F32 and a.flags.c_contiguous
+                    for a in dense)):
+        return False
+    n, K = mixed.shape[0], spec.conv_kernel
+    return bool(lib.pn_deltanet_prefill(
+        mixed.ctypes.data, mixed.strides[0] // 4, z.ctypes.data, z.strides[0] // 4,
+        beta.ctypes.data, g.ctypes.data, w.conv.ctypes.data, tail.ctypes.data,
+        state.ctypes.data, w.norm.ctypes.data, eps, n, spec.n_k_heads, spec.n_v_heads,
+        spec.d_k, spec.d_v, K, int(not spec.hf_layout), out.ctypes.data, out.strides[0] // 4))
+
+
 # --- the layer ----------------------------------------------------------------------------
 
 @dataclass
@@ -289,22 +327,28 @@ class GatedDeltaNetLayer:
         beta, g = gates(ba[:, :nv], ba[:, nv:], w.a, w.dt)
         mixed = proj[:n, :c]
         z = proj[:, c:].reshape(-1, nv, dv)                             # padding rows: 0
-        o = batch.scratch(nv * dv).reshape(-1, nv, dv)                  # [T, nv, dv]
+        out = batch.scratch(nv * dv)                                    # [T, nv dv]
+        hv = out.reshape(-1, nv, dv)            # the gated norm's rows; padding rows: 0
         conv, ssm = self.conv_state, self.ssm_state
         decodes = batch.memo("decodes", DecodeGroup)
         if decodes.size:
             for slot, pos in zip(decodes.host_slots, decodes.host_pos):
                 st.begin(int(slot), int(pos))
             rows, slots = decodes.rows, decodes.slots
-            o[rows], conv[slots], ssm[slots] = deltanet_core_decode(
+            o, conv[slots], ssm[slots] = deltanet_core_decode(
                 mixed[rows], beta[rows], g[rows], w.conv, spec, conv[slots], ssm[slots])
+            hv[rows] = gated_rms_norm(o, z[rows], w.norm, self.eps)
             for slot in decodes.host_slots:
                 st.absorbed(int(slot), 1)
         for row, s in batch.chunks:
             end = row + s.n
             st.begin(s.slot, s.start)
-            o[row:end], conv[s.slot], ssm[s.slot] = deltanet_core(
-                mixed[row:end], beta[row:end], g[row:end], w.conv, spec, conv[s.slot],
-                ssm[s.slot])
+            if not deltanet_chunk_c(mixed[row:end], proj[row:end, c:], beta[row:end],
+                                    g[row:end], w, spec, conv[s.slot], ssm[s.slot], self.eps,
+                                    out[row:end]):
+                o, conv[s.slot], ssm[s.slot] = deltanet_core(
+                    mixed[row:end], beta[row:end], g[row:end], w.conv, spec, conv[s.slot],
+                    ssm[s.slot])
+                hv[row:end] = gated_rms_norm(o, z[row:end], w.norm, self.eps)
             st.absorbed(s.slot, s.n)
-        return deltanet_output(o, z, w.norm, w.w_out, self.eps)
+        return linear(out, w.w_out)

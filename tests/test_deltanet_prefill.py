@@ -2,8 +2,8 @@
 (worker/layers/gated_deltanet.py: deltanet_core, then the gated norm).
 
 Random inputs of several shapes: both head layouts (value heads tiled over the key heads,
-as a GGUF; grouped, as a Hugging Face checkpoint), d_v a multiple of the C tile's 16
-columns or not, a conv kernel shorter than the chunk or not; chunks of several sizes,
+as a GGUF; grouped, as a Hugging Face checkpoint), d_v a multiple of the C tile's width
+(16 columns with AVX-512, 8 with AVX2, 4 without) or not, a conv kernel shorter than the chunk or not; chunks of several sizes,
 ragged, with the conv tail and the state carried from one call to the next."""
 import numpy as np
 import pytest
@@ -62,8 +62,8 @@ def close(got, want, tol=2e-5):
 SPECS = {
     "qwen35-0.8b heads (16 tiles of 128)": GatedDeltaNet(4, 4, 128, 128, 4),
     "tiled, r = 3, d_v = 16": GatedDeltaNet(2, 6, 16, 16, 4),
-    "grouped (hf), r = 2, d_v = 40 (a partial tile)": GatedDeltaNet(2, 4, 24, 40, 4, hf_layout=True),
-    "d_v = 8 (no full tile), kernel 2": GatedDeltaNet(1, 3, 8, 8, 2),
+    "grouped (hf), r = 2, d_v = 18 (a partial tile)": GatedDeltaNet(2, 4, 24, 18, 4, hf_layout=True),
+    "d_v = 6, d_k = 5 (no full tile), kernel 2": GatedDeltaNet(1, 3, 5, 6, 2),
 }
 
 

@@ -14,12 +14,18 @@
  * token and head the recurrence is about 4 dk dv flops and the chunked form about
  * 3 dk dv + 4 L d (L = 64) — more, and spent in small matrix products. What makes the
  * recurrence fast here is its memory: every column of S evolves on its own (given k, q,
- * beta, g), so a head's state is swept in tiles of 16 columns, [dk, 16] floats (8 KiB at
- * dk = 128) that stay in L1 across all the chunk's tokens. The state is float32 like the
+ * beta, g), so a head's state is swept in tiles of one vector's columns, [dk, 16] floats
+ * with AVX-512 (8 KiB at dk = 128), [dk, 8] with AVX2, that stay in L1 across all the chunk's tokens. The state is float32 like the
  * reference's; the sums run in another order, so the result agrees to float32 rounding
  * (tests/test_deltanet_prefill.py). */
 
-#define DN_W 16                 /* state columns per tile: one zmm, two ymm */
+#if defined(__AVX512F__)        /* state columns per tile: one vector register (a wider */
+#define DN_W 16                 /* vector type than the ISA's own spills on every use) */
+#elif defined(__AVX__)
+#define DN_W 8
+#else
+#define DN_W 4
+#endif
 #define DN_MAX_DK 512
 #define DN_TOKENS 8             /* tokens per conv work item */
 typedef float dn_vec __attribute__((vector_size(DN_W * 4)));
@@ -56,6 +62,20 @@ typedef struct {
     float eps;
 } DnArgs;
 
+static inline dn_vec dn_load(const float *p) { dn_vec v; memcpy(&v, p, sizeof v); return v; }
+static inline void dn_store(float *p, dn_vec v) { memcpy(p, &v, sizeof v); }
+
+/* Σ x², in vector lanes (a float sum in one chain is not vectorized: its order is fixed) */
+static inline float dn_sum_squares(const float *x, int64_t n) {
+    dn_vec acc = {0};
+    int64_t i = 0;
+    for (; i + DN_W <= n; i += DN_W) { const dn_vec v = dn_load(x + i); acc += v * v; }
+    float ss = 0.0f;
+    for (int j = 0; j < DN_W; j++) ss += acc[j];
+    for (; i < n; i++) ss += x[i] * x[i];
+    return ss;
+}
+
 /* tokens [8 it, 8 it + 8): conv over the carried tail and the new inputs, SiLU, l2 norms */
 static void dn_conv_item(const void *p, int64_t it) {
     const DnArgs *a = p;
@@ -73,8 +93,8 @@ static void dn_conv_item(const void *p, int64_t it) {
         }
         dn_silu(c, c, C, 0);
         for (int64_t h = 0; h < 2 * a->nk; h++) {      /* q heads, then k heads */
-            float *restrict r = c + h * a->dk, ss = 0.0f;
-            for (int64_t i = 0; i < a->dk; i++) ss += r[i] * r[i];
+            float *restrict r = c + h * a->dk;
+            const float ss = dn_sum_squares(r, a->dk);
             float inv = 1.0f / sqrtf(ss + 1e-6f);
             if (h < a->nk) inv *= qs;
             for (int64_t i = 0; i < a->dk; i++) r[i] *= inv;
@@ -82,8 +102,6 @@ static void dn_conv_item(const void *p, int64_t it) {
     }
 }
 
-static inline dn_vec dn_load(const float *p) { dn_vec v; memcpy(&v, p, sizeof v); return v; }
-static inline void dn_store(float *p, dn_vec v) { memcpy(p, &v, sizeof v); }
 
 /* columns [j0, j0 + DN_W) of head h's state through all n tokens (o into out) */
 static void dn_rule_tile(const DnArgs *a, int64_t h, int64_t j0, dn_vec *restrict St) {
@@ -95,7 +113,7 @@ static void dn_rule_tile(const DnArgs *a, int64_t h, int64_t j0, dn_vec *restric
         const float *restrict row = a->c + t * C;
         const float *restrict q = row + kh * dk, *restrict k = row + nk * dk + kh * dk;
         const float e = a->e[t * nv + h], b = a->beta[t * nv + h];
-        dn_vec s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};        /* Sᵀk, four chains */
+        dn_vec s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};         /* Sᵀk, four chains */
         int64_t i = 0;
         for (; i + 4 <= dk; i += 4) {
             s0 += k[i] * St[i]; s1 += k[i + 1] * St[i + 1];
@@ -103,15 +121,17 @@ static void dn_rule_tile(const DnArgs *a, int64_t h, int64_t j0, dn_vec *restric
         }
         for (; i < dk; i++) s0 += k[i] * St[i];
         const dn_vec u = (dn_load(row + 2 * nk * dk + h * dv + j0) - e * ((s0 + s1) + (s2 + s3))) * b;
-        dn_vec o0 = {0}, o1 = {0};
-        for (i = 0; i + 2 <= dk; i += 2) {
+        dn_vec o0 = {0}, o1 = {0}, o2 = {0}, o3 = {0};          /* Sᵀq, four chains */
+        for (i = 0; i + 4 <= dk; i += 4) {
             St[i] = St[i] * e + k[i] * u;
             St[i + 1] = St[i + 1] * e + k[i + 1] * u;
-            o0 += q[i] * St[i];
-            o1 += q[i + 1] * St[i + 1];
+            St[i + 2] = St[i + 2] * e + k[i + 2] * u;
+            St[i + 3] = St[i + 3] * e + k[i + 3] * u;
+            o0 += q[i] * St[i]; o1 += q[i + 1] * St[i + 1];
+            o2 += q[i + 2] * St[i + 2]; o3 += q[i + 3] * St[i + 3];
         }
         for (; i < dk; i++) { St[i] = St[i] * e + k[i] * u; o0 += q[i] * St[i]; }
-        dn_store(a->out + t * a->os + h * dv + j0, o0 + o1);
+        dn_store(a->out + t * a->os + h * dv + j0, (o0 + o1) + (o2 + o3));
     }
     for (int64_t i = 0; i < dk; i++) dn_store(S + i * dv, St[i]);
 }

@@ -122,3 +122,33 @@ def test_the_switch_and_other_arrays_take_the_numpy_path():
     state64 = state.astype(np.float64)
     assert not gdn.deltanet_chunk_c(*args[:7], state64, EPS, out)
     assert not out.any() and not state64.any()
+
+
+def test_the_engine_gives_the_numpy_paths_logits_and_states(tmp_path):
+    """The tiny qwen35 model (both head layouts) with the C prefill and without: a prompt
+    in two chunks, then one step that decodes it beside another slot's prefill chunk."""
+    import tiny_models as tm
+    from pantheon.worker.engine import load_engine
+    from pantheon.worker.model import Span
+
+    tokens = tm.golden_tokens("qwen35")[2]
+    paths = [tm.write_gguf("qwen35", tmp_path / "q.gguf"),
+             tm.write_safetensors_dir("qwen35", tmp_path / "hf")]
+    for path in paths:
+        got = {}
+        for on in (False, True):
+            gdn.C_PREFILL[0] = on
+            try:
+                e = load_engine(path, n_slots=2, ctx=200)
+                rows = [e.forward(np.array(tokens[:50]), [Span(0, 0, 50)])[0],
+                        e.forward(np.array(tokens[50:70]), [Span(0, 50, 20)])[0]]
+                rows += list(e.forward(np.array(tokens[70:71] + tokens[:33]),
+                                       [Span(0, 70, 1), Span(1, 0, 33)]))
+            finally:
+                gdn.C_PREFILL[0] = True
+            states = [np.array(b.mixer.ssm_state) for b in e.model.blocks
+                      if isinstance(b.mixer, gdn.GatedDeltaNetLayer)]
+            got[on] = np.stack(rows), states
+        (ref_rows, ref_states), (c_rows, c_states) = got[False], got[True]
+        assert close(c_rows, ref_rows, 1e-4) and len(c_states) == 3
+        assert all(close(c, r, 1e-4) for c, r in zip(c_states, ref_states))

@@ -1,4 +1,4 @@
-"""Prefill with and without the blocks-of-32 groups product (kernels.c's b_groups: 256-bit
+"""Prefill with and without the blocks-of-32 groups product (worker/kernels/b_groups.c: 256-bit
 builds, 17+ rows of x), alternated in one process, as JSON.
 
     PANTHEON_ISA=avx2 python -m pantheon.bench.groups -m MODEL [--rounds 5] [--tokens 512]

@@ -79,7 +79,7 @@ def test_blocked_products_with_an_odd_block_and_more_than_a_scale_load(qtype, bl
                          ids=lambda t: t.name)
 def test_blocked_products_of_many_rows_with_weight_rows_across_the_lanes(qtype, no_amx):
     """256-bit builds: from 17 rows of x a blocks-of-32 product widens groups of 8 rows of
-    W into one vector per pair of K positions (kernels.c's b_groups): 70 rows of W (a
+    W into one vector per pair of K positions (worker/kernels/b_groups.c): 70 rows of W (a
     last group of 6), rows of x not a multiple of 6, every kind (mins or none, nibbles,
     bytes, the IQ4_NL levels), within the int16 activations' rounding of the float64
     product; and 16 rows forced onto the groups (the row kernels' rows otherwise) too."""
@@ -553,7 +553,7 @@ def test_the_kernels_address_cache_keeps_no_array_alive():
 def quantize_x8(x: np.ndarray) -> np.ndarray:
     """x as int8 activations take it, returned dequantized: per 256 a unit D = max |x| /
     (127 x 63), per 32 an integer step s = ceil(max |x| of the 32 / 127 D) in 1 .. 63, and
-    q = x / (D s) rounded half away from zero (float32 throughout, as kernels.c)."""
+    q = x / (D s) rounded half away from zero (float32 throughout, as x8.c)."""
     f = np.float32
     v = x.astype(f).reshape(-1, 8, 32)
     D = (np.abs(v).max(axis=(1, 2), keepdims=True) / f(16129)).astype(f)
@@ -597,7 +597,7 @@ def test_int8_activations_are_the_rounding_of_x_that_quantize_x8_says(qtype):
 
 
 def test_one_plan_decides_each_product_and_says_which():
-    """kernels.c's pn_plan is the one place a product's kernel is chosen: what
+    """plan.c's pn_plan is the one place a product's kernel is chosen: what
     pn_matmul_int runs and what pn_int_ok (the C decode layer's question) answers."""
     if not kc.HAS_INT_PATH[0]:
         pytest.skip("a build without the integer products")
@@ -621,3 +621,28 @@ def test_one_plan_decides_each_product_and_says_which():
     for m in MATS.values():
         for rows in (1, 4, 16, 17):
             assert bool(lib.pn_int_ok(kc._cmat(m), rows)) == (kc.plan(m, rows) != "none")
+
+
+def test_options_change_the_kernels_for_a_block_and_restore_them():
+    """kernels_cpu.options re-inits the kernels (pn_init) with some fields changed and
+    restores the previous options after the block, also when it raises; a name that is
+    not a field of PnOptions is refused before anything changes."""
+    if not kc.HAS_INT_PATH[0]:
+        pytest.skip("a build without the integer products")
+    k4 = MATS["Q4_K"]
+    before = dict(kc._options)
+    with kc.options(digits=0, ktile=5):
+        assert kc._options["ktile_k"] == kc._options["ktile_b"] == 5
+        assert kc.plan(k4, 1) == "k_rows"
+        with kc.options(digits=None):                # None: the worker's default
+            assert kc.plan(k4, 1) == "digits"
+        assert kc.plan(k4, 1) == "k_rows"
+    assert kc._options == before and kc.plan(k4, 1) == "digits"
+    with pytest.raises(RuntimeError, match="inside"):
+        with kc.options(digits=0):
+            raise RuntimeError("inside")
+    assert kc._options == before and kc.plan(k4, 1) == "digits"
+    with pytest.raises(TypeError, match="'bogus' is not an option"):
+        with kc.options(bogus=1):
+            pass
+    assert kc._options == before

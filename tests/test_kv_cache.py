@@ -1,5 +1,5 @@
 """KV cache held as q8_0 / q4_0 blocks (common/kv_cache.py, worker/kv_quant.py, the C
-attention in worker/kernels.c): llama.cpp's block layout byte for byte, the bytes every
+attention in worker/kernels/attention.c): llama.cpp's block layout byte for byte, the bytes every
 side counts, accuracy against the same model with an fp16 cache (teacher-forced, the
 harness of the weight formats), and the refusals."""
 import numpy as np

@@ -168,6 +168,8 @@ def test_stage_bind_parses_host_and_port_ranges():
     assert ss.StageBind.parse("0.0.0.0:7100-7109") == ss.StageBind("0.0.0.0", (7100, 7109))
     assert ss.StageBind.parse("[::1]:7100") == ss.StageBind("::1", (7100, 7100))
     assert ss.StageBind.parse(":7100") == ss.StageBind("", (7100, 7100))
+    for text in ("10.0.0.5", "0.0.0.0:7100-7109", "[::1]:7100", ":7100", "host-1.lan:9"):
+        assert ss.StageBind.parse(text).text() == text      # what serve hands its workers
     for bad in ("h:x", "h:9-3", "h:0", "h:70000", "a b"):
         with pytest.raises(ValueError):
             ss.StageBind.parse(bad)

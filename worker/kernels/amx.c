@@ -288,8 +288,9 @@ int pn_matmul_amx(const PnMat *m, const float *x, int64_t M, float *out) {
 }
 int pn_has_amx(void) { return pn_amx_init(); }
 
+static int64_t amx_min_rows = AMX_MIN_ROWS, amx_min_rows_k = AMX_MIN_ROWS_K;
 static inline int amx_takes(const PnMat *m, int64_t B) {
-    const int64_t from = is_k(m->code) ? OPT.amx_rows_k : OPT.amx_rows;
+    const int64_t from = is_k(m->code) ? amx_min_rows_k : amx_min_rows;
     /* Q2_K (mins per 16) stays with the integer products: super_bf16 takes mins per 32 */
     return from > 0 && B >= from && m->K % 32 == 0 && m->code != Q2K && pn_amx_init() == 1;
 }

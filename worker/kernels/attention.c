@@ -162,6 +162,8 @@ static inline float dotf(const float *restrict a, const float *restrict b, int64
     return t + (float)tail;
 }
 
+static int attn_generic;        /* tests: the portable loops for every head size */
+
 #if defined(__AVX512F__)
 /* r[i] = the sum of v[i]'s 16 lanes: a transposing tree of 45 shuffles and adds where
  * 16 separate reductions took 128 dependent steps. */
@@ -685,13 +687,13 @@ static void attn_item(const void *p, int64_t it) {
 #if defined(__AVX512F__)
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
     QDigits qr = {0};
-    if (kt >= 2 && !OPT.attn_generic && (hd == 64 || hd == 128 || hd == 256)
+    if (kt >= 2 && !attn_generic && (hd == 64 || hd == 128 || hd == 256)
         && !query_digits(qb, g, hd, &qr)) return;
 #define KSCORES(KT, NC) (KT >= 2 ? (attn_kscores_i8(&qr, Kh, L, g, sc, NC, KT), 1) : 0)
 #else
 #define KSCORES(KT, NC) 0
 #endif
-#define ATTN_FAST(KT, VT) switch (OPT.attn_generic ? 0 : hd) { \
+#define ATTN_FAST(KT, VT) switch (attn_generic ? 0 : hd) { \
     case 64: attn_fast(qb, Kh, Vh, L, g, sc, ob, 4, KT, VT, KSCORES(KT, 4)); return; \
     case 128: attn_fast(qb, Kh, Vh, L, g, sc, ob, 8, KT, VT, KSCORES(KT, 8)); return; \
     case 256: attn_fast(qb, Kh, Vh, L, g, sc, ob, 16, KT, VT, KSCORES(KT, 16)); return; \
@@ -711,7 +713,7 @@ static void attn_item(const void *p, int64_t it) {
 #undef ATTN_FAST
 #undef KSCORES
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-    if (!OPT.attn_generic && (hd == 64 || hd == 128 || hd == 256)) {
+    if (!attn_generic && (hd == 64 || hd == 128 || hd == 256)) {
 #define ATTN_FAST8(KT, VT) switch (hd) { \
     case 64: attn_fast8(qb, Kh, Vh, L, g, sc, ob, 8, KT, VT); return; \
     case 128: attn_fast8(qb, Kh, Vh, L, g, sc, ob, 16, KT, VT); return; \

@@ -210,6 +210,7 @@ static inline __attribute__((always_inline)) void k_row512(
 #endif
 
 #define KSUB 64         /* rows of W per sub-piece: its blocks stay in L2 across x's groups */
+static int64_t XSPAN[1] = {XSPAN_BYTES};
 
 /* Rows [n0, n1) of W against B rows of x, any B: sub-pieces of KSUB rows of W, each met
  * by every group of KGROUP rows of x, so W is read from memory once per call however
@@ -228,7 +229,7 @@ static void gemv_k_rows(int code, const uint8_t *restrict qs, int64_t K, int64_t
             const int64_t g = B - b0 < KGROUP ? B - b0 : KGROUP;
             const int16_t *xg = xq + b0 * K;
             const float *dg = xd + b0 * nb, *sg = xs + b0 * nb * xs_per(code);
-            int64_t span = OPT.xspan ? OPT.xspan / (g * 512) : nb;
+            int64_t span = XSPAN[0] ? XSPAN[0] / (g * 512) : nb;
             span = span < 1 ? 1 : span;
             for (int64_t k0 = 0; k0 < nb; k0 += span) {
                 const int64_t k1 = k0 + span < nb ? k0 + span : nb;

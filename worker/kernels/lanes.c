@@ -146,6 +146,8 @@ static int64_t tile_layout(const int16_t *xq, const float *xd, const float *xs, 
     return G;
 }
 
+static int64_t KTILE_MIN[2] = {KTILE_K, KTILE_B};
+
 /* out[M, N] = x @ W.T for a K-quant W (not Q2_K) through ktile_chunk; x already quantized
  * by pn_quantize_xk into xq, xd, xs. */
 static void gemm_k_tiled(int code, const uint8_t *qs, int64_t N, int64_t K, const int16_t *xq,

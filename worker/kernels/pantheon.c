@@ -9,7 +9,9 @@
  * the parts before it define. docs/kernels.md maps the files and the figures behind
  * each path.
  */
+#define PN_TYPES_ONLY
 #include "pantheon.h"
+#undef PN_TYPES_ONLY
 
 /* The instruction-set paths of this build, by what the compiler targets. A part's code
  * for one path sits under that path's guard; each exported function is defined in every
@@ -22,9 +24,6 @@
     && defined(__linux__)
 #define PN_AMX 1        /* bf16 tile products (Xeons with AMX, where the kernel grants them) */
 #endif
-
-/* the options set at init (options.c, pn_init), read by the parts */
-static PnOptions OPT;
 
 #include "codes.c"        /* the kinds' codes, fp16 to float, the IQ4 levels */
 #include "pool.c"         /* the thread pool every parallel loop runs on */
@@ -46,4 +45,6 @@ static PnOptions OPT;
 #include "elementwise.c"  /* norms, rotary, SiLU, copies */
 #include "layer.c"        /* a decode step's layer in one call, DeltaNet included */
 #include "repack.c"       /* K-quant repacking at load */
-#include "options.c"      /* OPT's defaults and pn_init */
+#include "options.c"      /* pn_init: the options to each part */
+
+#include "pantheon.h"      /* the prototypes, against the definitions above */

@@ -1,9 +1,9 @@
 /* pantheon.h: what the CPU kernels export (worker/kernels_cpu.py loads them with ctypes).
  *
- * The shared structs and every exported pn_* function. kernels_cpu.py builds its ctypes
- * declarations from this file (kernels_cpu.declarations: the prototypes below, and the
- * structs' fields), so keep each prototype on plain C types: int, int64_t, float,
- * pointers, and these structs. Every .c file of this folder is part of one translation
+ * The shared structs and every exported pn_* function. The ctypes declarations are read
+ * from this file (worker/kernels_header.py: the prototypes below, and the structs'
+ * fields), so keep to what that reader knows: int, int32_t, int64_t, float, pointers,
+ * fixed arrays, and these structs. Every .c file of this folder is part of one translation
  * unit (pantheon.c), which includes this header first: a definition that disagrees with
  * its prototype here does not compile. Each ISA build defines every function (the
  * paths a build lacks answer 0 or do nothing: kernels_cpu asks pn_plan / pn_has_* first).
@@ -14,27 +14,27 @@
 
 /* -- structs ---------------------------------------------------------------------------- */
 
-/* Options set at init (pn_init), read by the kernels: a negative value takes the build's
- * default (the figures behind each sit beside the code that reads it); 0 turns a path
- * off. Tests and benchmarks re-init with others (kernels_cpu.options). */
+/* Options set at init (pn_init, options.c): a negative value takes the build's default
+ * (the figures behind each sit beside the code that reads it); 0 turns a path off. Tests
+ * and benchmarks re-init with others (kernels_cpu.options). */
 typedef struct PnOptions {
     int64_t threads;        /* the pool's threads, the caller included (started by the
                                first pn_init; later calls keep the pool as it is) */
     int64_t spin_us;        /* how long idle pool threads spin before they sleep */
     int64_t amx_rows;       /* products of q4 / q8 / f16 / bf16 from this many rows of x
-                               take the AMX tiles (amx.c; default 8) */
-    int64_t amx_rows_k;     /* the same for the K-quants (default 8) */
+                               take the AMX tiles (amx.c: AMX_MIN_ROWS) */
+    int64_t amx_rows_k;     /* the same for the K-quants (AMX_MIN_ROWS_K) */
     int64_t ktile_k;        /* K-quant products from this many rows take the token lanes
-                               (lanes.c, AVX-512 builds; default 13) */
-    int64_t ktile_b;        /* blocks-of-32 products: the same (default 11) */
+                               (lanes.c, AVX-512 builds: KTILE_K) */
+    int64_t ktile_b;        /* blocks-of-32 products: the same (KTILE_B) */
     int64_t bgroups;        /* blocks-of-32 products from this many rows take the b_groups
-                               (b_groups.c, 256-bit builds; default MAXB + 1) */
+                               (b_groups.c, 256-bit builds: BG_MIN_ROWS) */
     int64_t xspan;          /* bytes of a group's int16 x per pass of the K-quant row
-                               kernels (k_rows.c; 0: whole rows; default 24 KiB) */
+                               kernels (k_rows.c: XSPAN_BYTES; 0: whole rows) */
     int32_t digits;         /* batch-1 K-quants through int8 digits (digits.c,
-                               digits_avx2.c; 0: the int16 row kernels; default 1) */
+                               digits_avx2.c; 0: the int16 row kernels; default on) */
     int32_t attn_generic;   /* 1: the portable attention loops for every head size
-                               (attention.c; tests compare them; default 0) */
+                               (attention.c; tests compare them; default off) */
 } PnOptions;
 
 /* a matrix and a scratch as pn_matmul_int takes them (kernels_cpu._CMat, _CScratch);
@@ -71,8 +71,19 @@ typedef struct PnStep {            /* one step: its queries and scratch rows */
     float *ba, *conv;                                      /* DeltaNet: [B, 2 nv], [B, C] */
 } PnStep;
 
+#endif /* PANTHEON_H */
+
+/* The prototypes. pantheon.c includes this header twice: for the structs before its
+ * parts (PN_TYPES_ONLY), and whole after them, where each prototype meets the definition
+ * above it (a disagreement does not compile). Declared first, they changed the order in
+ * which GCC meets the functions, and with it the register allocation of the largest
+ * inlined kernel (gemv_k_rows, k_rows.c: 1.3x slower at 5 rows of x, measured); after
+ * the parts, every function compiles to the instructions of the single-file build. */
+#if !defined(PN_TYPES_ONLY) && !defined(PANTHEON_H_FUNCTIONS)
+#define PANTHEON_H_FUNCTIONS
 /* -- setup (pool.c, options.c) ---------------------------------------------------------- */
 int pn_init(const PnOptions *options);      /* returns the pool's threads, caller included */
+int pn_pool_init(int threads, int64_t spin_us);   /* pn_init's: starts the pool once */
 int pn_max_rows(void);                      /* MAXB: rows of x per pass of the row kernels */
 
 /* -- what this build has ---------------------------------------------------------------- */

@@ -10,6 +10,9 @@
 
 #define NEXT_BYTES (512 << 10)      /* of the next matrix, fetched between products */
 
+/* Q4_K at batch 1 through int8 digits (0: the int16 path, which tests compare it with) */
+static int DIGITS[1] = {1};
+
 
 /* The leading part of m's arrays (what the first rows need), as fetch spans. */
 static void next_spans(const PnMat *m, Span_ out[3]) {
@@ -39,30 +42,32 @@ enum {
     PLAN_B_GROUPS,      /* blocks of 32, BG_MIN_ROWS+ rows, 256-bit builds: W's rows across lanes */
 };
 
+static int64_t BG_MIN[1] = {BG_MIN_ROWS};
+
 int pn_plan(const PnMat *m, int64_t B) {
 #if defined(PN_AMX)
     if (amx_takes(m, B)) return PLAN_AMX;
 #endif
 #if defined(PN_ZMM)
-    if (B == 1 && OPT.digits && (m->code == Q4K || m->code == Q5K || m->code == Q6K ||
+    if (B == 1 && DIGITS[0] && (m->code == Q4K || m->code == Q5K || m->code == Q6K ||
                                 m->code == Q3K || m->code == Q2K))
         return PLAN_DIGITS;
 #else
     if (B == 1 && m->act8 && (m->code == Q4K || m->code == Q5K || m->code == Q6K))
         return PLAN_X8;
-    if (B == 1 && OPT.digits && (m->code == Q4K || m->code == Q5K || m->code == Q6K))
+    if (B == 1 && DIGITS[0] && (m->code == Q4K || m->code == Q5K || m->code == Q6K))
         return PLAN_DIGITS;
 #endif
     if (is_k(m->code)) {
 #if defined(PN_ZMM)
-        if (OPT.ktile_k > 0 && B >= OPT.ktile_k && m->code != Q2K) return PLAN_K_LANES;
+        if (KTILE_MIN[0] > 0 && B >= KTILE_MIN[0] && m->code != Q2K) return PLAN_K_LANES;
 #endif
         return PLAN_K_ROWS;
     }
 #if defined(PN_ZMM)
-    if (blocks32(m) && OPT.ktile_b > 0 && B >= OPT.ktile_b) return PLAN_B_LANES;
+    if (blocks32(m) && KTILE_MIN[1] > 0 && B >= KTILE_MIN[1]) return PLAN_B_LANES;
 #else
-    if (blocks32(m) && OPT.bgroups > 0 && B >= OPT.bgroups) return PLAN_B_GROUPS;
+    if (blocks32(m) && BG_MIN[0] > 0 && B >= BG_MIN[0]) return PLAN_B_GROUPS;
 #endif
     if (i8_kind(m->code) && B <= MAXB && m->K / m->bs <= MAX_RUNS) return PLAN_B_ROWS;
     return PLAN_NONE;

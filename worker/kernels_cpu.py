@@ -66,8 +66,8 @@ TILE_THREADS = 1
 # idle pool threads spin this long for the next projection before they sleep (a layer's
 # projections follow each other within tens of microseconds)
 POOL_SPIN_US = 200
-# the C kernels' code of each kind (codes.c) (q8 with a min: code 2); the file-layout kinds are super-
-# blocks of 256 read straight from the file's bytes (K_BYTES: their bytes)
+# the C kernels' code of each kind (worker/kernels/codes.c; q8 with a min: code 2); the
+# file-layout kinds are super-blocks of 256 read straight from the file's bytes (K_BYTES)
 CODES = {"q4": 0, "q8": 1, "f16": 3, "bf16": 4, "q4k": 5, "q6k": 6, "q5k": 7, "q3k": 8, "q2k": 9,
          "iq4xs": 10, "iq4nl": 11}
 K_BYTES = {kind: f.block_bytes for kind, f in NATIVE_KINDS.items()}

@@ -43,7 +43,8 @@ typedef struct PnMat {
     int32_t code, act8; const uint8_t *qs; const uint16_t *sc, *mn; int64_t N, K, bs;
     const struct PnMat *next;       /* the matrix the forward multiplies by next, or NULL */
 } PnMat;
-typedef struct PnScratch { int16_t *xq; float *xd, *xs; } PnScratch;   /* B x K, B x K/32, B x K/32 */
+/* x quantized: xq [B, K], xd and xs [B, K/32] */
+typedef struct PnScratch { int16_t *xq; float *xd, *xs; } PnScratch;
 
 /* a decode step's layer (layer.c; worker/layers/decode_cpu.py fills them) */
 typedef struct PnLayer {

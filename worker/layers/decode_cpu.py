@@ -1,8 +1,8 @@
 """A decode step's layers in one C call each, on the CPU, built from each block's spec.
 
-When every span of a step is a single token, a block runs as the C kernels'
-pn_decode_layer (worker/kernels/layer.c): the kernels the Python layer calls one by one, in the same order over
-the same buffers' values, without the ~20 Python-level calls, checks and temporaries per
+When every span of a step is a single token, a block runs as pn_decode_layer
+(worker/kernels/layer.c): the kernels the Python layer calls one by one, in the same
+order over the same buffers' values, without the ~20 Python-level calls, checks and temporaries per
 layer in between (at batch 1 those took about a fifth of SmolLM2's step: 0.06 ms of
 Python per layer against a layer's 0.2 ms of kernels). The C layer is described by the
 spec's features, each a field of PnLayer (worker/kernels/pantheon.h):

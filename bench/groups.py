@@ -1,4 +1,4 @@
-"""Prefill with and without the blocks-of-32 groups product (kernels.c's b_groups: 256-bit
+"""Prefill with and without the blocks-of-32 groups product (worker/kernels/b_groups.c: 256-bit
 builds, 17+ rows of x), alternated in one process, as JSON.
 
     PANTHEON_ISA=avx2 python -m pantheon.bench.groups -m MODEL [--rounds 5] [--tokens 512]
@@ -38,7 +38,6 @@ def main(argv: list[str] | None = None) -> int:
     from pantheon.worker.qmatrix import QMatrix
     path = args.model or str(default_model_path())
     engine = load_engine(path, n_slots=1, ctx=args.tokens + 8)
-    lib = kernels_cpu.library()
     out = {"model": path, "isa": settings.isa(), "threads": len(os.sched_getaffinity(0))}
     flat = [m for it in engine.model.w.matrices() for m in (it if isinstance(it, list) else [it])]
     probe = next((m for m in flat if isinstance(m, QMatrix)), None)
@@ -56,13 +55,10 @@ def main(argv: list[str] | None = None) -> int:
         return args.tokens / (time.perf_counter() - started)
     fills = {"off": [], "on": []}
     prefill()
-    try:
-        for _ in range(args.rounds):
-            for name in ("off", "on"):
-                lib.pn_set_bgroups(0 if name == "off" else -1)
+    for _ in range(args.rounds):
+        for name in ("off", "on"):
+            with kernels_cpu.options(bgroups=0 if name == "off" else -1):
                 fills[name].append(round(prefill(), 1))
-    finally:
-        lib.pn_set_bgroups(-1)
     out |= {"prefill_tok_s": fills,
             "on_vs_off_median": round(statistics.median(b / a for a, b in zip(fills["off"], fills["on"])), 3),
             "load_avg": os.getloadavg()[0]}

@@ -119,7 +119,7 @@ def run(path: str, types: list[str], ctx: int, batch: int, budget_mb: float, rou
 
 def attention_rates(cfg, types: list[str], ctx: int, batch: int, rounds: int,
                     reps: int = 10) -> dict:
-    """The C decode attention alone (worker/kernels.c), one layer's call over `batch`
+    """The C decode attention alone (worker/kernels/attention.c), one layer's call over `batch`
     slots of `ctx` positions with the model's heads, the types alternated in rounds:
     {type: median ms a call, each round's}."""
     from ..worker import kernels_cpu

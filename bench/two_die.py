@@ -9,8 +9,13 @@ in turn, up to 2x when both dies work all the time.
 Prints one JSON object: per arrangement the median aggregate decode tokens/s at each
 batch size (after 64-token prompts), the two-die / one-die ratios, and the link's cost:
 bytes a decode step moves each way per sequence, and the median round trip of a frame
-that size (the head's hidden state out, the logits row back) over the ipc link the stages
+that size (the head's hidden state out, the final row back) over the ipc link the stages
 run on and over a loopback tcp link with CURVE (what two hosts would use, less the wire).
+
+The split (`--split K`, the second stage's first layer) defaults to the k that evens the
+two stages' multiply-adds, the first stage's counting the head matrix (it samples): for
+SmolLM2 layer 11 of 30, where the memory-even split (the placement's, for dies of equal
+room: the embedding's 30 MB are the first stage's) would be 8.
 """
 from __future__ import annotations
 
@@ -53,19 +58,37 @@ def tcp_link() -> dict:
             "client": [k.decode() for k in client]}
 
 
-def run_round(model: str, batches: str, steps: int, quantize: str, split: bool,
+def balanced_split(model: str) -> int:
+    """The k whose stages [0, k) + the head and [k, L) have the most even parameter
+    counts (a decode step's multiply-adds)."""
+    from ..common.model_file import read_config
+    from ..frontend.split_placement import LAYER, tensor_list
+    n = read_config(model).n_layers
+    per, head = [0] * n, 0
+    for name, _kind, shape in tensor_list(model):
+        size = int(np.prod(shape))
+        m = LAYER.search(name)
+        if m and int(m.group(1)) < n:
+            per[int(m.group(1))] += size if len(shape) > 1 else 0
+        elif name in ("output.weight", "token_embd.weight") and len(shape) > 1:
+            head = size          # the tied embedding's lookup costs nothing: one matrix
+    return min(range(1, n), key=lambda k: max(head + sum(per[:k]), sum(per[k:])))
+
+
+def run_round(model: str, batches: str, steps: int, quantize: str, split: int,
               one_core: bool = False) -> dict:
     have = cores()
-    if not split:
+    if not split:                        # 0: the model on one die
         out = child("one", model, [batches, str(steps), quantize],
                     have[:1] if one_core else have).communicate()[0]
         return json.loads(out)
     folder = tempfile.mkdtemp(prefix="pantheon-bench-link-")
     link = f"ipc://{folder}/link"
     tcp = tcp_link()
-    tail = child("tail", model, [batches, str(steps), quantize, link], have[-1:], tcp)
+    tail = child("tail", model, [batches, str(steps), quantize, link, str(split)],
+                 have[-1:], tcp)
     try:
-        out = child("head", model, [batches, str(steps), quantize, link],
+        out = child("head", model, [batches, str(steps), quantize, link, str(split)],
                     have[:1], tcp).communicate()[0]
     finally:
         tail.kill()
@@ -73,9 +96,19 @@ def run_round(model: str, batches: str, steps: int, quantize: str, split: bool,
     return json.loads(out)
 
 
-def scheduled_rate(engine, batch: int, steps: int, prompt_len: int = 64) -> float:
+def cpu_seconds(engine) -> tuple[float, float]:
+    """This process's CPU seconds and, for a split replica's head, the tail's."""
+    link = getattr(engine, "link", None)
+    tail = link.call({"op": "stats"})[0]["cpu_s"] if link is not None else 0.0
+    return time.process_time(), tail
+
+
+def scheduled_rate(engine, batch: int, steps: int, prompt_len: int = 64,
+                   busy: dict | None = None) -> float:
     """Aggregate decode tokens/s of `batch` greedy streams through the replica's own
-    scheduler (a split replica's lanes overlap there), after their prompts."""
+    scheduler (a split replica's lanes overlap there), after their prompts; `busy` gets
+    each process's CPU seconds over the timed steps per wall second (stage 0's, the
+    tail's)."""
     from ..worker.sampler import SamplingParams
     from ..worker.scheduler import Request
     sched = engine.scheduler
@@ -88,10 +121,14 @@ def scheduled_rate(engine, batch: int, steps: int, prompt_len: int = 64) -> floa
         sched.step()
     for _ in range(4):
         sched.step()
-    t0, made = time.perf_counter(), 0
+    cpu0, t0, made = cpu_seconds(engine), time.perf_counter(), 0
     for _ in range(steps):
         made += sum(len(o.tokens) for o in sched.step())
     seconds = time.perf_counter() - t0
+    cpu1 = cpu_seconds(engine)
+    if busy is not None:            # and CPU milliseconds a step (a loaded host's too)
+        busy[str(batch)] = ([round((b - a) / seconds, 3) for a, b in zip(cpu0, cpu1)]
+                            + [round((b - a) * 1e3 / steps, 2) for a, b in zip(cpu0, cpu1)])
     for req_id in list(sched.by_id):
         sched.abort(req_id)
     while sched.step():                    # what the abort left in flight
@@ -99,8 +136,8 @@ def scheduled_rate(engine, batch: int, steps: int, prompt_len: int = 64) -> floa
     return made / seconds
 
 
-def rates(engine, batches: list[int], steps: int) -> dict:
-    return {str(b): scheduled_rate(engine, b, steps) for b in batches}
+def rates(engine, batches: list[int], steps: int, busy: dict | None = None) -> dict:
+    return {str(b): scheduled_rate(engine, b, steps, busy=busy) for b in batches}
 
 
 def role_main(argv: list[str]) -> int:
@@ -113,13 +150,12 @@ def role_main(argv: list[str]) -> int:
         engine = load_engine(model, "cpu", n_slots=n_slots, ctx=512, quantize=quantize)
         print(json.dumps({"decode_tok_s": rates(engine, batches_l, steps_i)}))
         return 0
-    link = argv[5]
+    link, k = argv[5], int(argv[6])
     tcp = json.loads(sys.stdin.readline() or "{}")
     from ..common.keys import KeyPair
     from ..common.model_file import read_config
     from ..worker.stage_socket import StageNet
     n = read_config(model).n_layers
-    k = n // 2
     if role == "tail":
         engine = load_engine(model, "cpu", n_slots=n_slots, ctx=512, quantize=quantize,
                              layers=(k, n))
@@ -143,18 +179,19 @@ def role_main(argv: list[str]) -> int:
         except stage_link.StageError:
             if time.monotonic() > deadline:
                 raise
-    out = {"decode_tok_s": rates(engine, batches_l, steps_i)}
-    d, v = engine.cfg.d_model, engine.cfg.vocab_size
+    busy: dict = {}
+    out = {"decode_tok_s": rates(engine, batches_l, steps_i, busy), "busy": busy}
+    d = engine.cfg.d_model
     hidden = np.zeros((1, d), dtype=np.float32)
 
     def round_trip(over) -> float:
         rtts = []
         for _ in range(50):
             t0 = time.perf_counter()
-            over.call({"op": "echo", "reply_bytes": v * 4}, hidden.data)
+            over.call({"op": "echo", "reply_bytes": d * 4}, hidden.data)
             rtts.append(time.perf_counter() - t0)
         return round(float(np.median(rtts)) * 1e6, 1)
-    out["link"] = {"bytes_out_per_seq": d * 4, "bytes_back_per_seq": v * 4,
+    out["link"] = {"bytes_out_per_seq": d * 4, "bytes_back_per_seq": d * 4,
                    "round_trip_us": round_trip(link_), "round_trips_per_step": 2}
     if tcp:
         curve = stage_link.HeadLink(
@@ -181,19 +218,30 @@ def main(args) -> int:
         print("error: two CPU dies need two cores", file=sys.stderr)
         return 2
     batches = args.batches if args.batches != "1,4,8" else "1,8"
+    from ..common.model_file import read_config
+    n = read_config(args.model).n_layers
+    split = args.split if getattr(args, "split", None) is not None else balanced_split(args.model)
+    if not 1 <= split < n:
+        print(f"error: --split takes 1..{n - 1} (the model has {n} layers)", file=sys.stderr)
+        return 2
     one, two, single = [], [], []
     for _ in range(max(1, getattr(args, "rounds", 1))):
-        one.append(run_round(args.model, batches, args.steps, args.quantize, False))
-        two.append(run_round(args.model, batches, args.steps, args.quantize, True))
-        single.append(run_round(args.model, batches, args.steps, args.quantize, False, True))
+        one.append(run_round(args.model, batches, args.steps, args.quantize, 0))
+        two.append(run_round(args.model, batches, args.steps, args.quantize, split))
+        single.append(run_round(args.model, batches, args.steps, args.quantize, 0, True))
     a, b, c = median_of(one), median_of(two), median_of(single)
     load1, load5, load15 = os.getloadavg()
-    print(json.dumps({"model": os.path.basename(str(args.model)),
+    print(json.dumps({"model": os.path.basename(str(args.model)), "split": split,
                       "one_die_decode_tok_s": a, "two_die_decode_tok_s": b,
                       "ratio": {k: round(b[k] / a[k], 3) for k in a},
                       # the overlap alone: each stage has one core, as this run has
                       "one_die_one_core_decode_tok_s": c,
                       "ratio_vs_one_core": {k: round(b[k] / c[k], 3) for k in c},
+                      # over the timed steps, medians of the rounds: CPU seconds per wall
+                      # second (1.0: busy all the time) of the head and of the tail, then
+                      # their CPU milliseconds per step (a step: one lane's micro-batch)
+                      "busy": {k: [round(float(np.median([r["busy"][k][i] for r in two])), 3)
+                                   for i in range(4)] for k in two[0]["busy"]},
                       "link": two[-1]["link"], "rounds": len(one),
                       "load_average": [load1, load5, load15]}, indent=2))
     return 0

@@ -6,11 +6,11 @@ bytes (admission counts it from a file's tensor list before any upload), how a b
 decodes to floats (the NumPy / CuPy reference, common/block_decode.py) and how it is
 repacked into the kind a die holds when that is not the file's own bytes
 (common/block_repack.py). The C kernels know a kind by its code (worker/kernels_cpu.py
-CODES, worker/kernels.c): a kind held as the file's blocks (`native`) is read by the
+CODES, worker/kernels/codes.c): a kind held as the file's blocks (`native`) is read by the
 kernels straight from them.
 
 Adding a type: a decoder, a repacker for the GPU (to q4 or q8, which its kernels read),
-one record below; a new CPU kind adds its primitives to worker/kernels.c and a row to
+one record below; a new CPU kind adds its primitives to worker/kernels/ and a row to
 tests/test_kernels_cpu.py.
 """
 from __future__ import annotations

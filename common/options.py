@@ -313,6 +313,10 @@ OPTIONS: tuple[Option, ...] = (
            "stage's worker (0.0.0.0: every interface, advertising the address toward the "
            "frontend); default: that address, any free port", stage_bind,
            metavar="HOST[:PORT[-PORT]]", field="WorkerConfig.stage_bind"),
+    Option(("--stage-bind",), (SERVE,), "the --stage-bind of the workers this server spawns: "
+           "where a tcp stage link binds on the die holding a split replica's second stage "
+           "(default: the worker's address toward this server, any free port)", stage_bind,
+           metavar="HOST[:PORT[-PORT]]", field="ServeConfig.stage_bind"),
 )
 
 

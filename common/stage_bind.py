@@ -42,3 +42,11 @@ class StageBind:
         if not 1 <= a <= b <= 65535:
             raise ValueError(f"bad --stage-bind ports {ports!r}: 1 <= LOW <= HIGH <= 65535")
         return cls(host, (a, b))
+
+    def text(self) -> str:
+        """The flag's text again (what `serve --stage-bind` hands its spawned workers)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        if self.ports is None:
+            return host
+        a, b = self.ports
+        return f"{host}:{a}" + (f"-{b}" if b != a else "")

@@ -17,6 +17,7 @@ from ..common import protocol as p
 from ..common import options, settings, speculation
 from ..common.key_set import KeySet
 from ..common.kv_cache import KVCacheTypes
+from ..common.stage_bind import StageBind
 from ..common.weight_format import weight_bytes
 from .admission import Admission
 from .admin import Admin, AdminSocket
@@ -79,6 +80,7 @@ class ServeConfig:
     log_prompts: bool = False
     keys_dir: str | None = None           # CURVE on both ZeroMQ sockets (security.py)
     insecure: bool = False                # start despite exposure problems, warning
+    stage_bind: StageBind | None = None   # spawned workers' --stage-bind
     http_admin: bool = True               # the /admin/ routes on the HTTP server
     dashboard: str = "on"                 # GET /dashboard: on, readonly (no buttons) or off
     model_dirs: list[str] | None = None   # where loads may open; None: the defaults
@@ -221,6 +223,8 @@ async def serve(cfg: ServeConfig) -> int:
     worker_args = ["--prefix-cache-mb", str(cfg.prefix_cache_mb), "--log-format", cfg.log_format]
     if link is not None:
         worker_args += ["--keys", cfg.keys_dir]     # they join with the server's own pair
+    if cfg.stage_bind is not None:
+        worker_args += ["--stage-bind", cfg.stage_bind.text()]
     supervisor = Supervisor(dies, addr, pool, cfg.slots, worker_args)
     supervisor.start()
     registration = registration_for(cfg, registry, admission)

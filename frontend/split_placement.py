@@ -1,13 +1,13 @@
 """One replica across two dies: placing its two stages, loading and unloading them.
 
 A replica whose model does not fit one die is split into two contiguous layer ranges
-(worker/stage_link.py runs them): stage 0, layers [0, k), with the embedding and the
-scheduler, on the first die (the replica's `die`: requests are routed there); stage 1,
-layers [k, L), with the head, on the second. `dies: [a, b]` asks for it; `split: [k]`
-chooses k, else k is the one that fills both dies' free budgets most evenly. Each stage
-counts its weights (the embedding and head matrices are held by both, the layers' by
-their stage's die) plus its layers' share of KV and recurrent state. Auto-placement
-splits only when no single die fits.
+(worker/stage_link.py runs them): stage 0, layers [0, k) with the embedding, the head
+matrix and the scheduler, on the first die (the replica's `die`: requests are routed
+there); stage 1, layers [k, L) and the output norm, on the second. `dies: [a, b]` asks
+for it; `split: [k]` chooses k, else k is the one that fills both dies' free budgets
+most evenly. Each stage counts its weights (the tensors outside the layers are stage
+0's, but the output norm, which both hold) plus its layers' share of KV and recurrent
+state. Auto-placement splits only when no single die fits.
 
 The stage link (worker/stage_socket.py) is chosen here, per load: ipc (a folder of stage
 1's own, mode 0700) when both workers run on one host (their hellos' host identities
@@ -63,24 +63,29 @@ def tail_id(model_id: str) -> str:
     return f"{model_id}.stage1"
 
 
-def layer_weights(path: str, quantize: str, itemsize: int, n_layers: int) -> tuple[int, list]:
-    """(bytes outside the layers, bytes per layer) as a die would hold them."""
-    shared, per = 0, [0] * n_layers
+def layer_weights(path: str, quantize: str, itemsize: int,
+                  n_layers: int) -> tuple[int, int, list]:
+    """(bytes outside the layers, of them the output norm's, bytes per layer) as a die
+    would hold them."""
+    outside, norm, per = 0, 0, [0] * n_layers
     for name, kind, shape in tensor_list(path):
         held = held_as(kind, shape, quantize, itemsize)
         m = LAYER.search(name)
         if m and int(m.group(1)) < n_layers:
             per[int(m.group(1))] += held
         else:
-            shared += held
-    return shared, per
+            outside += held
+            norm += held if name.startswith("output_norm.") else 0
+    return outside, norm, per
 
 
 def stage_bytes(path: str, cfg: ModelConfig, kind: str, slots: int, ctx: int, quantize: str,
                 lo: int, hi: int, kv_types: KVCacheTypes = KVCacheTypes()) -> int:
-    """One stage's weights (its layers, the shared embedding / head) and state."""
+    """One stage's weights (its layers; the embedding and head on stage 0, the output
+    norm on both) and state."""
     itemsize = 4 if kind == "cpu" else 2
-    shared, per = layer_weights(str(path), quantize, itemsize, cfg.n_layers)
+    outside, norm, per = layer_weights(str(path), quantize, itemsize, cfg.n_layers)
+    shared = outside if lo == 0 else norm
     kv = kv_itemsize(path, kind, quantize, kv_types)
     guess = ctx or min(cfg.context_length, ADMIT_CTX_GUESS)
     state = sum(slots * (guess * b.mixer.bytes_per_token(kv) + b.mixer.bytes_per_slot())

@@ -229,6 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--dies", metavar="A,B",
                         help="two CPU dies (cpu,cpu): the model split across them against "
                         "one die (bench/two_die.py)")
+    engine.add_argument("--split", type=int, metavar="K",
+                        help="with --dies: the second stage's first layer (default: the k "
+                        "that evens the stages' multiply-adds, the head matrix on the first)")
     engine.add_argument("--steps", type=int, default=32, help="decode steps per batch size")
     engine.add_argument("--batches", metavar="N,N", default="1,4,8",
                         help="decode batch sizes (aggregate tokens/s each); default 1,4,8")

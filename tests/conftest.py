@@ -32,9 +32,8 @@ def no_amx():
     """Products of any number of rows keep the integer and BLAS paths (where a test is
     about those paths' own properties), then the AMX tiles come back for the next test."""
     from pantheon.worker import kernels_cpu
-    kernels_cpu.use_amx(0)
-    yield
-    kernels_cpu.use_amx(None)
+    with kernels_cpu.options(amx=0):
+        yield
 
 
 AGENT_KEY = "sk-agent-apis"

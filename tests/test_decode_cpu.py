@@ -130,12 +130,8 @@ def test_c_layers_with_a_sliding_window(tmp_path, counted):
 def no_lanes():
     """q4 / q8 products of more than 16 rows without the token lanes or the groups of W's
     rows (the row kernels' limit shows)."""
-    lib = kc.library()
-    lib.pn_set_ktile(0)
-    lib.pn_set_bgroups(0)
-    yield
-    lib.pn_set_ktile(-1)
-    lib.pn_set_bgroups(-1)
+    with kc.options(ktile=0, bgroups=0):
+        yield
 
 
 def test_batches_the_kernels_do_not_take_stay_in_python(tmp_path, counted, no_amx, no_lanes):

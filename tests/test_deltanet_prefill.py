@@ -1,4 +1,4 @@
-"""Gated DeltaNet's C prefill (worker/kernels_deltanet.c) against the NumPy reference
+"""Gated DeltaNet's C prefill (worker/kernels/deltanet.c) against the NumPy reference
 (worker/layers/gated_deltanet.py: deltanet_core, then the gated norm).
 
 Random inputs of several shapes: both head layouts (value heads tiled over the key heads,

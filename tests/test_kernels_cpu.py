@@ -79,11 +79,10 @@ def test_blocked_products_with_an_odd_block_and_more_than_a_scale_load(qtype, bl
                          ids=lambda t: t.name)
 def test_blocked_products_of_many_rows_with_weight_rows_across_the_lanes(qtype, no_amx):
     """256-bit builds: from 17 rows of x a blocks-of-32 product widens groups of 8 rows of
-    W into one vector per pair of K positions (kernels.c's b_groups): 70 rows of W (a
+    W into one vector per pair of K positions (worker/kernels/b_groups.c): 70 rows of W (a
     last group of 6), rows of x not a multiple of 6, every kind (mins or none, nibbles,
     bytes, the IQ4_NL levels), within the int16 activations' rounding of the float64
     product; and 16 rows forced onto the groups (the row kernels' rows otherwise) too."""
-    lib = kc.library()
     raw, shape = random_tensor(qtype, 70, 9)
     m = qm.from_gguf(raw, qtype, shape)
     if kc.plan(m, 17) != "b_groups":
@@ -95,12 +94,9 @@ def test_blocked_products_of_many_rows_with_weight_rows_across_the_lanes(qtype, 
         np.testing.assert_allclose(kc.matmul(x, m), ref, rtol=0, atol=1e-4 * np.abs(ref).max())
     x = np.random.default_rng(16).standard_normal((16, m.cols)).astype(np.float32)
     ref = x.astype(np.float64) @ ref_w.T
-    try:
-        lib.pn_set_bgroups(16)
+    with kc.options(bgroups=16):
         assert kc.plan(m, 16) == "b_groups"
         groups = kc.matmul(x, m)
-    finally:
-        lib.pn_set_bgroups(-1)
     assert kc.plan(m, 16) == "b_rows"
     np.testing.assert_allclose(groups, ref, rtol=0, atol=1e-4 * np.abs(ref).max())
 
@@ -134,13 +130,10 @@ def test_amx_tiles_equal_the_float64_product(name, batch):
     m = AMX_MATS[name]
     x = np.random.default_rng(batch).standard_normal((batch, m.cols)).astype(np.float32)
     ref = x.astype(np.float64) @ qm.dequantize(m).T.astype(np.float64)
-    kc.use_amx(1)
-    try:
+    with kc.options(amx=1):
         got = kc.matmul(x, m)
-        kc.use_amx(0)
+    with kc.options(amx=0):
         other = kc.matmul(x, m)
-    finally:
-        kc.use_amx(None)
     np.testing.assert_allclose(got, ref, rtol=0, atol=3e-5 * np.abs(ref).max())
     assert not np.array_equal(got, other)       # the tiles did run
 
@@ -148,20 +141,17 @@ def test_amx_tiles_equal_the_float64_product(name, batch):
 def test_pantheon_amx_off_keeps_the_tiles_out_and_a_bad_value_is_refused(monkeypatch):
     m = MATS["Q4_1"]
     x = np.random.default_rng(9).standard_normal((33, m.cols)).astype(np.float32)
-    lib = kc.library()
-    try:
-        kc.use_amx(0)
+    with kc.options(amx=0):
         plain = kc.matmul(x, m)
-        monkeypatch.setenv("PANTHEON_AMX", "off")
-        kc.apply_amx_setting(lib)
+    monkeypatch.setenv("PANTHEON_AMX", "off")
+    off = kc.default_options()
+    assert off["amx_rows"] == off["amx_rows_k"] == 0
+    with kc.options(**off):
         assert not kc.HAS_AMX[0]
         np.testing.assert_array_equal(kc.matmul(x, m), plain)
-        monkeypatch.setenv("PANTHEON_AMX", "sometimes")
-        with pytest.raises(ValueError, match="PANTHEON_AMX must be one of auto, off, not 'sometimes'"):
-            kc.apply_amx_setting(lib)
-    finally:
-        monkeypatch.delenv("PANTHEON_AMX")
-        kc.apply_amx_setting(lib)
+    monkeypatch.setenv("PANTHEON_AMX", "sometimes")
+    with pytest.raises(ValueError, match="PANTHEON_AMX must be one of auto, off, not 'sometimes'"):
+        kc.default_options()
 
 
 @pytest.mark.parametrize("name", list(MATS))
@@ -229,7 +219,7 @@ def test_the_pool_serves_concurrent_callers_with_right_answers():
         t.start()
     for t in threads:
         t.join()
-    assert not errors and kc.library().pn_pool_init(0, 0) == kc.threads()
+    assert not errors and kc.POOL_THREADS[0] == kc.threads()
 
 
 def test_a_forked_child_without_the_pool_threads_still_computes():
@@ -260,11 +250,8 @@ def test_decode_attention_in_c_equals_the_numpy_expression(n_heads, n_kv, hd, wi
     portable ones (`generic`); caches of float32 and of float16 (new rows rounded to
     nearest as NumPy's astype, widened as they are read)."""
     from pantheon.worker.layers import attention as at
-    kc.library().pn_set_attn_generic(int(generic))
-    try:
+    with kc.options(attn_generic=int(generic)):
         _check_decode_attention(at, n_heads, n_kv, hd, window, dtype)
-    finally:
-        kc.library().pn_set_attn_generic(0)
 
 
 def _check_decode_attention(at, n_heads, n_kv, hd, window, dtype):
@@ -419,12 +406,8 @@ def test_k_quants_at_batch_1_through_int8_digits_equal_the_int16_path(qtype):
     raw, shape = random_tensor(qtype, 300, 6)
     m = qm.from_gguf(raw, qtype, shape)
     x = (50 * np.random.default_rng(13).standard_normal((1, m.cols))).astype(np.float32)
-    lib = kc.library()
-    try:
-        lib.pn_set_digits(0)
+    with kc.options(digits=0):
         int16 = kc.matmul(x, m)
-    finally:
-        lib.pn_set_digits(1)
     digits = kc.matmul(x, m)
     np.testing.assert_allclose(digits, int16, rtol=0, atol=1e-6 * np.abs(int16).max())
     ref = x @ qm.dequantize(m).T
@@ -469,17 +452,13 @@ def test_k_quant_products_in_spans_of_the_row_equal_whole_rows(qtype):
     (1-8 rows of x, and a group of 8 plus a short one), and as the float64 product."""
     raw, shape = random_tensor(qtype, 70, 12)      # K = 3072: spans of 6, 3, ... blocks
     m = qm.from_gguf(raw, qtype, shape)
-    lib = kc.library()
     ref_w = qm.dequantize(m).astype(np.float64)
     for batch in (2, 3, 5, 8, 11):
         x = np.random.default_rng(batch).standard_normal((batch, m.cols)).astype(np.float32)
         got = {}
-        try:
-            for span in (0, 512, 24 << 10):      # whole rows, one block, the default
-                lib.pn_set_xspan(span)
+        for span in (0, 512, 24 << 10):      # whole rows, one block, the default
+            with kc.options(xspan=span):
                 got[span] = kc.matmul(x, m)
-        finally:
-            lib.pn_set_xspan(24 << 10)
         whole = got[0]
         for span in (512, 24 << 10):
             np.testing.assert_allclose(got[span], whole, rtol=0, atol=2e-6 * np.abs(whole).max())
@@ -489,12 +468,8 @@ def test_k_quant_products_in_spans_of_the_row_equal_whole_rows(qtype):
 
 def without_lanes(x, m):
     """x @ W.T with the token lanes turned off (the row kernels, or the tiles beyond them)."""
-    lib = kc.library()
-    try:
-        lib.pn_set_ktile(0)
+    with kc.options(ktile=0):
         return kc.matmul(x, m)
-    finally:
-        lib.pn_set_ktile(-1)
 
 
 @pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)
@@ -578,7 +553,7 @@ def test_the_kernels_address_cache_keeps_no_array_alive():
 def quantize_x8(x: np.ndarray) -> np.ndarray:
     """x as int8 activations take it, returned dequantized: per 256 a unit D = max |x| /
     (127 x 63), per 32 an integer step s = ceil(max |x| of the 32 / 127 D) in 1 .. 63, and
-    q = x / (D s) rounded half away from zero (float32 throughout, as kernels.c)."""
+    q = x / (D s) rounded half away from zero (float32 throughout, as x8.c)."""
     f = np.float32
     v = x.astype(f).reshape(-1, 8, 32)
     D = (np.abs(v).max(axis=(1, 2), keepdims=True) / f(16129)).astype(f)
@@ -622,7 +597,7 @@ def test_int8_activations_are_the_rounding_of_x_that_quantize_x8_says(qtype):
 
 
 def test_one_plan_decides_each_product_and_says_which():
-    """kernels.c's pn_plan is the one place a product's kernel is chosen: what
+    """plan.c's pn_plan is the one place a product's kernel is chosen: what
     pn_matmul_int runs and what pn_int_ok (the C decode layer's question) answers."""
     if not kc.HAS_INT_PATH[0]:
         pytest.skip("a build without the integer products")
@@ -635,11 +610,8 @@ def test_one_plan_decides_each_product_and_says_which():
     assert kc.plan(q4, 17) in (("b_lanes", "amx") if lanes else ("b_groups", "amx"))
     if not lanes:                                    # 256-bit builds: the row kernels to 16
         assert kc.plan(q4, 16) in ("b_rows", "amx")
-    try:
-        lib.pn_set_digits(0)
+    with kc.options(digits=0):
         assert kc.plan(k4, 1) == "k_rows"
-    finally:
-        lib.pn_set_digits(1)
     kc.set_int8(k4, True)
     try:
         assert kc.plan(k4, 1) == ("x8" if kc.HAS_X8[0] else "digits")
@@ -649,3 +621,28 @@ def test_one_plan_decides_each_product_and_says_which():
     for m in MATS.values():
         for rows in (1, 4, 16, 17):
             assert bool(lib.pn_int_ok(kc._cmat(m), rows)) == (kc.plan(m, rows) != "none")
+
+
+def test_options_change_the_kernels_for_a_block_and_restore_them():
+    """kernels_cpu.options re-inits the kernels (pn_init) with some fields changed and
+    restores the previous options after the block, also when it raises; a name that is
+    not a field of PnOptions is refused before anything changes."""
+    if not kc.HAS_INT_PATH[0]:
+        pytest.skip("a build without the integer products")
+    k4 = MATS["Q4_K"]
+    before = dict(kc._options)
+    with kc.options(digits=0, ktile=5):
+        assert kc._options["ktile_k"] == kc._options["ktile_b"] == 5
+        assert kc.plan(k4, 1) == "k_rows"
+        with kc.options(digits=None):                # None: the worker's default
+            assert kc.plan(k4, 1) == "digits"
+        assert kc.plan(k4, 1) == "k_rows"
+    assert kc._options == before and kc.plan(k4, 1) == "digits"
+    with pytest.raises(RuntimeError, match="inside"):
+        with kc.options(digits=0):
+            raise RuntimeError("inside")
+    assert kc._options == before and kc.plan(k4, 1) == "digits"
+    with pytest.raises(TypeError, match="'bogus' is not an option"):
+        with kc.options(bogus=1):
+            pass
+    assert kc._options == before

@@ -1,5 +1,5 @@
 """KV cache held as q8_0 / q4_0 blocks (common/kv_cache.py, worker/kv_quant.py, the C
-attention in worker/kernels.c): llama.cpp's block layout byte for byte, the bytes every
+attention in worker/kernels/attention.c): llama.cpp's block layout byte for byte, the bytes every
 side counts, accuracy against the same model with an fp16 cache (teacher-forced, the
 harness of the weight formats), and the refusals."""
 import numpy as np
@@ -174,8 +174,7 @@ def test_admin_load_sends_the_types_it_is_given():
 
 
 def _attention(kt, vt, q, k, v, length, generic):
-    kernels_cpu.library().pn_set_attn_generic(generic)
-    try:
+    with kernels_cpu.options(attn_generic=generic):
         kc, vc = quantize(k, kt), quantize(v, vt)
         bounds = kernels_cpu.DecodeBounds(np.arange(2), np.array([0, 5]),
                                           np.full(2, length - 1), kc.shape)
@@ -184,8 +183,6 @@ def _attention(kt, vt, q, k, v, length, generic):
                                    np.ascontiguousarray(v[:, :, length - 1]), kc, vc,
                                    bounds, out)
         return out
-    finally:
-        kernels_cpu.library().pn_set_attn_generic(0)
 
 
 @pytest.mark.parametrize("kt, vt", [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q8_0", "q4_0"),

@@ -82,3 +82,19 @@ def test_no_tracked_file_holds_a_path_of_one_machine():
             if MACHINE_PATH.search(line):
                 found.append(f"{name}:{number}: {line.strip()[:120]}")
     assert not found, "paths of one machine:\n" + "\n".join(found)
+
+
+def test_the_package_data_ships_every_file_of_the_c_kernels():
+    """The CPU kernels compile on the user's host from worker/kernels/ (one translation
+    unit: pantheon.c includes the rest), so pyproject's package-data must match every file
+    there, and kernels_cpu's cache key covers the same files."""
+    tomllib = pytest.importorskip("tomllib")
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    worker = ROOT / "worker"
+    shipped = {p for pattern in setup["package-data"]["pantheon.worker"]
+               for p in worker.glob(pattern)}
+    sources = {p for p in (worker / "kernels").iterdir() if p.name != "__pycache__"}
+    assert sources and sources <= shipped, sorted(p.name for p in sources - shipped)
+    from pantheon.worker import kernels_cpu
+    keyed = kernels_cpu.sources()
+    assert all(p.name.encode() + b"\0" in keyed for p in sources)

@@ -52,6 +52,26 @@ def test_stages_are_sized_to_each_die_free_budget(qwen35):
     assert {s.die for s in auto} == {"cpu:1", "cpu:2"}
 
 
+def test_the_embedding_and_head_are_the_first_stage_s_alone(qwen35):
+    """Stage 1 answers with final hidden rows, so only stage 0 holds the embedding and the
+    head matrix: the plan counts them there, and the workers' weights agree."""
+    path, cfg = qwen35
+    n = cfg.n_layers
+    outside, norm, per = sp.layer_weights(path, "auto", 4, n)
+    assert outside > norm == 4 * cfg.d_model
+    for k in range(1, n):
+        head, tail = (sp.stage_bytes(path, cfg, "cpu", 4, 256, "auto", lo, hi)
+                      for lo, hi in ((0, k), (k, n)))
+        assert head + tail == sp.stage_bytes(path, cfg, "cpu", 4, 256, "auto", 0, n) + norm
+    whole, first, second = (load_engine(path, "cpu", n_slots=1, ctx=32, layers=layers)
+                            for layers in ((0, n), (0, 1), (1, n)))
+    assert second.model.w.head is None and second.model.w.embed is None
+    assert first.model.w.head is not None
+    assert first.weight_bytes + second.weight_bytes == whole.weight_bytes + norm
+    with pytest.raises(RuntimeError, match="no embedding"):
+        second.model.forward([1], [Span(0, 0, 1)])
+
+
 def test_a_split_that_does_not_fit_is_507_and_bad_requests_400(qwen35):
     path, cfg = qwen35
     table = Table(1 << 20, 1 << 20)
@@ -148,6 +168,8 @@ def test_stage_bind_parses_host_and_port_ranges():
     assert ss.StageBind.parse("0.0.0.0:7100-7109") == ss.StageBind("0.0.0.0", (7100, 7109))
     assert ss.StageBind.parse("[::1]:7100") == ss.StageBind("::1", (7100, 7100))
     assert ss.StageBind.parse(":7100") == ss.StageBind("", (7100, 7100))
+    for text in ("10.0.0.5", "0.0.0.0:7100-7109", "[::1]:7100", ":7100", "host-1.lan:9"):
+        assert ss.StageBind.parse(text).text() == text      # what serve hands its workers
     for bad in ("h:x", "h:9-3", "h:0", "h:70000", "a b"):
         with pytest.raises(ValueError):
             ss.StageBind.parse(bad)
@@ -239,5 +261,32 @@ def test_a_curve_tail_refuses_a_head_with_another_key_at_the_handshake(tmp_path)
         assert ok.call({"op": "hello"})[0]["op"] == "hello"
         ok.close()
     finally:
+        tail.stop()
+        tail.join(5)
+
+
+@pytest.mark.parametrize("die", ["cpu", "emu:0"])
+def test_a_split_forward_gives_the_one_die_logits(tmp_path, die):
+    """In one process, on the CPU and on the emulated GPU die: the tail's final rows
+    through the head's matrix are the whole model's logits (prefill chunk and decode)."""
+    path = tm.write_gguf("llama", tmp_path / "l.gguf")
+    link = f"ipc://{tmp_path}/link"
+    whole = load_engine(path, die, n_slots=2, ctx=32)
+    tail = sl.TailStage(load_engine(path, die, n_slots=2, ctx=32, layers=(1, 2)),
+                        p.Stage(index=1, first_layer=1, end_layer=2, link=link))
+    tail.start()
+    head = load_engine(path, die, n_slots=2, ctx=32, layers=(0, 1))
+    link_ = sl.connect_head(head, p.Stage(index=0, first_layer=0, end_layer=1, link=link))
+    try:
+        for tokens, spans in (([3, 9, 4, 7, 1], [Span(0, 0, 5)]),
+                              ([5, 2], [Span(0, 5, 1), Span(1, 0, 1)])):
+            want = whole.forward(np.array(tokens), spans)
+            got = head.forward(np.array(tokens), spans)
+            assert got.shape == want.shape == (len(spans), whole.cfg.vocab_size)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        rows = 3 * 4                       # three rows came back (one, then two), as float32
+        assert rows * whole.cfg.d_model <= link_.bytes_in < rows * whole.cfg.vocab_size
+    finally:
+        link_.close()
         tail.stop()
         tail.join(5)

@@ -144,3 +144,26 @@ def test_unload_frees_both_dies_and_the_port(keyed):
     assert held(keyed) == {"cpu": [], "cpu:1": []}
     with socket.socket() as s:              # the tail's listening socket is closed
         s.bind(("127.0.0.1", keyed.stage_port))
+
+
+def test_serve_stage_bind_reaches_spawned_workers_and_insecure_allows_a_keyless_tcp_link(
+        tmp_path):
+    """`serve --insecure --stage-bind 127.0.0.1:LOW-HIGH`: the spawned second-stage worker
+    binds its tcp link in that range, without CURVE (the operator said --insecure), and
+    the split replica answers as the one-die replica does."""
+    model = str(tm.write_gguf("llama", tmp_path / "tiny.gguf"))
+    low = free_port()
+    srv = Server("--insecure", "--spawn-workers", "cpu,cpu", "--stage-bind",
+                 f"127.0.0.1:{low}-{low + 3}", "--model", model, "--name", "one",
+                 "--ctx", "256", "--slots", "2", "--model-dir", str(tmp_path))
+    with srv:
+        r = httpx.post(f"{srv.url}/admin/models/load", timeout=120, json={
+            "path": model, "name": "two", "dies": ["cpu", "cpu:1"], "link": "tcp"})
+        assert r.status_code == 200, r.text
+        models = httpx.get(f"{srv.url}/admin/models").json()["models"]
+        tail = next(m for m in models if m["name"] == "two")["replicas"][0]["stages"][1]
+        host, port = tail["link"].removeprefix("tcp://").rsplit(":", 1)
+        assert host == "127.0.0.1" and low <= int(port) <= low + 3, tail
+        assert not tail["curve"]
+        for prompt in PROMPTS:
+            assert complete(srv, "two", prompt) == complete(srv, "one", prompt)

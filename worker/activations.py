@@ -97,6 +97,10 @@ def apply(model, path: str | Path, choice: str, quantize: str = "auto") -> Verdi
     if choice == "int8":
         _set(mats, True)
         return Verdict("int8", "asked", len(mats))
+    if model.layers != (0, model.cfg.n_layers):
+        _set(mats, False)
+        return Verdict("int16", "auto on a stage of a split replica (the calibration "
+                                "measures whole models)")
     key = f"{file_key(path)}:{quantize}:v{VERSION}"
     known = _cache_read().get(key)
     if known is None:

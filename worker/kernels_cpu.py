@@ -1,7 +1,7 @@
 """CPU kernels for QMatrix weights: y[B, N] = x[B, K] @ W.T, straight from the blocks.
 
 Paths behind one interface (`matmul`):
-- decode (B <= GEMV_MAX_ROWS): worker/kernels.c dequantizes each block of 32
+- decode (B <= GEMV_MAX_ROWS): the C kernels (worker/kernels/) dequantize each block of 32
   weights into registers and multiplies it into every row of x; rows of W are
   split over the kernels' own thread pool (threads claim chunks of rows, so a
   thread preempted on a shared host never holds the others up). One read of the quantized weights serves the
@@ -10,11 +10,11 @@ Paths behind one interface (`matmul`):
   cache-sized fp32 tile of its rows (in C) and multiplies it with a one-thread BLAS, tile
   by tile (`pantheon` runs BLAS single-threaded: OpenBLAS's own threads beside the
   kernels' pool made a 64-token prefill 3.3 s instead of 0.27 on a busy 2-core host). The K-quant kinds
-  (q2k .. q6k) skip this: their integer products serve any number of rows (kernels.c
-  keeps sub-pieces of W in cache while every group of x's rows passes; from 13 rows
+  (q2k .. q6k) skip this: their integer products serve any number of rows (the kernels
+  keep sub-pieces of W in cache while every group of x's rows passes; from 13 rows
   with AVX-512, 16 tokens across a vector's lanes, as q4 / q8 from 11). On a Qwen2.5-1.5B prefill the row
   kernels ran 1.5-1.8x the tiles' speed and the token lanes 1.5x the row kernels'.
-- AMX tiles (Xeons that have them; kernels.c asks the kernel for the tile state and
+- AMX tiles (Xeons that have them; amx.c asks the kernel for the tile state and
   probes it in a forked child): from 8 rows of x, every kind runs on bf16 tile products
   instead (x split into exact hi and rounded lo bf16 halves); PANTHEON_AMX=off keeps
   them out.
@@ -23,9 +23,12 @@ Why C and not numba: measured here (Zen 4, one thread, a [17920, 1536] q4
 matrix, B = 1), numba's best formulation of the block loop ran 8-13 ms because
 LLVM would not vectorize 16- and 32-element inner loops over numba arrays
 (it cannot prove they do not alias); the same loop in C at -O3 -march=native
-is vectorized. The library is compiled once per source and CPU with the host's
-C compiler (`cc`, or $CC) into the cache dir and loaded with ctypes, which
-releases the GIL during a call.
+is vectorized. The library (one translation unit: worker/kernels/pantheon.c includes
+the other files of the folder) is compiled once per source and CPU with the host's C
+compiler (`cc`, or $CC) into the cache dir and loaded with ctypes, which releases the
+GIL during a call. Its ctypes declarations are read from worker/kernels/pantheon.h
+(kernels_header); its options (PnOptions) are set once at load (`options` changes them
+for a test or a benchmark).
 """
 from __future__ import annotations
 
@@ -38,19 +41,21 @@ import subprocess
 import tempfile
 import threading
 import weakref
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
 from ..common import settings
 from ..common.formats import NATIVE_KINDS
+from . import kernels_header
 from .qmatrix import QMatrix
 
 log = logging.getLogger(__name__)
 
 F32 = np.float32
 GEMV_MAX_ROWS = 16          # above this many rows of x, tile + BLAS wins (measured)
-MAX_RUNS = 4096             # scale entries per row the integer path holds (kernels.c)
+MAX_RUNS = 4096             # scale entries per row the integer path holds (int16.c)
 # fp32 tile of W per BLAS call (SmolLM2 prefill, alternated runs: 8 MiB 336 tok/s median,
 # 2 MiB 303)
 TILE_BYTES = 1 << 23
@@ -61,15 +66,16 @@ TILE_THREADS = 1
 # idle pool threads spin this long for the next projection before they sleep (a layer's
 # projections follow each other within tens of microseconds)
 POOL_SPIN_US = 200
-# kernels.c's code of each kind (q8 with a min: code 2); the file-layout kinds are super-
-# blocks of 256 read straight from the file's bytes (K_BYTES: their bytes)
+# the C kernels' code of each kind (worker/kernels/codes.c; q8 with a min: code 2); the
+# file-layout kinds are super-blocks of 256 read straight from the file's bytes (K_BYTES)
 CODES = {"q4": 0, "q8": 1, "f16": 3, "bf16": 4, "q4k": 5, "q6k": 6, "q5k": 7, "q3k": 8, "q2k": 9,
          "iq4xs": 10, "iq4nl": 11}
 K_BYTES = {kind: f.block_bytes for kind, f in NATIVE_KINDS.items()}
 assert set(K_BYTES) <= set(CODES), "a file-layout kind without a kernel code"
-SOURCE = Path(__file__).with_name("kernels.c")
-# what kernels.c #includes: part of the build's cache key
-SOURCES = (SOURCE, SOURCE.with_name("kernels_deltanet.c"))
+KERNELS = Path(__file__).with_name("kernels")      # the C sources, one translation unit
+SOURCE = KERNELS / "pantheon.c"                     # what the compiler is given
+HEADER = KERNELS / "pantheon.h"                     # what ctypes is told (kernels_header)
+DECLS = kernels_header.read(HEADER.read_text())
 
 _lib = None
 HAS_INT_PATH = [False]      # the build has the AVX2 integer decode path (set at load)
@@ -107,10 +113,17 @@ def isa_flags() -> list[str]:
     return ISA_FLAGS[isa]
 
 
+def sources() -> bytes:
+    """Every file of worker/kernels/ (name and bytes, in name order): what a build's cache
+    key covers, since any part changes the translation unit."""
+    parts = sorted(p for p in KERNELS.iterdir() if p.suffix in (".c", ".h"))
+    return b"".join(p.name.encode() + b"\0" + p.read_bytes() + b"\0" for p in parts)
+
+
 def build(force: bool = False) -> Path:
-    """Compile kernels.c for this CPU (once; cached by source, CPU flags, compiler and
-    target)."""
-    source = b"".join(p.read_bytes() for p in SOURCES)
+    """Compile the kernels for this CPU (once; cached by every source file, CPU flags,
+    compiler and target)."""
+    source = sources()
     cc = settings.c_compiler()
     flags = isa_flags()
     key = hashlib.sha256(source + _cpu_key().encode() + cc.encode()
@@ -129,14 +142,14 @@ def build(force: bool = False) -> Path:
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         os.unlink(tmp)
-        raise KernelBuildError(f"compiling {SOURCE.name} failed:\n{done.stderr[-2000:]}")
+        raise KernelBuildError(f"compiling {SOURCE} failed:\n{done.stderr[-2000:]}")
     os.replace(tmp, out)            # atomic: a concurrent builder sees all or nothing
     log.info("compiled the CPU kernels (%s): %s", settings.isa(), out)
     return out
 
 
 def threads() -> int:
-    """Threads of the kernels' pool (every parallel loop of kernels.c runs on it): the
+    """Threads of the kernels' pool (every parallel loop of the C kernels runs on it): the
     cores this process may run on (a worker pins itself to --cores first)."""
     return len(os.sched_getaffinity(0))
 
@@ -145,81 +158,62 @@ def library():
     global _lib
     if _lib is None:
         lib = ctypes.CDLL(str(build()))
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.pn_gemv.argtypes = [ctypes.c_int, p, p, p, i64, i64, i64, p, i64, p]
-        lib.pn_dequant_rows.argtypes = [ctypes.c_int, p, p, p, i64, i64, i64, i64, p,
-                                        ctypes.c_int]
-        lib.pn_gather.argtypes = [ctypes.c_int, p, p, p, i64, i64, p, i64, p]
-        lib.pn_quantize_x.argtypes = [p, i64, i64, p, p, p, ctypes.c_int]
-        lib.pn_pairs_x.argtypes = [ctypes.c_int, i64, i64]
-        lib.pn_gemv_i8.argtypes = [ctypes.c_int, p, p, p, i64, i64, i64, p, p, p, i64, p]
-        lib.pn_repack_q4_k.argtypes = [p, i64, p, p, p]
-        lib.pn_repack_q6_k.argtypes = [p, i64, p, p]
-        lib.pn_quantize_xk.argtypes = [p, i64, i64, p, p, p]
-        lib.pn_gemv_k.argtypes = [ctypes.c_int, p, i64, i64, p, p, p, i64, p]
-        lib.pn_matmul_int.argtypes = [p, p, i64, p, p]
-        lib.pn_set_digits.argtypes = [ctypes.c_int]
-        lib.pn_set_digits.restype = None
-        lib.pn_set_xspan.argtypes = [i64]
-        lib.pn_set_xspan.restype = None
-        lib.pn_set_ktile.argtypes = [i64]
-        lib.pn_set_ktile.restype = None
-        lib.pn_set_bgroups.argtypes = [i64]
-        lib.pn_set_bgroups.restype = None
-        lib.pn_rms_norm.argtypes = [p, i64, i64, i64, p, ctypes.c_float, p]
-        lib.pn_rope.argtypes = [p, i64, i64, i64, i64, p, p, i64, ctypes.c_float, p]
-        lib.pn_rms_norm.restype = lib.pn_rope.restype = None
-        lib.pn_attend_decodes.argtypes = [p, i64, i64, i64, i64, i64, p, p, i64, p, p, p,
-                                          p, i64, p, i64, p, i64, ctypes.c_int]
-        lib.pn_attend_decodes.restype = None
-        lib.pn_rms_norm_heads.argtypes = [p, i64, i64, i64, i64, p, ctypes.c_float, p]
-        lib.pn_silu_mul.argtypes = [p, i64, i64, p]
-        lib.pn_gelu_mul.argtypes = [p, i64, i64, p]
-        lib.pn_gelu_mul.restype = None
-        lib.pn_rms_norm_heads.restype = lib.pn_silu_mul.restype = None
-        lib.pn_set_attn_generic.argtypes = [ctypes.c_int]
-        lib.pn_set_attn_generic.restype = None
-        lib.pn_int_ok.argtypes = [p, i64]
-        lib.pn_plan.argtypes = [p, i64]
-        lib.pn_has_x8.argtypes = []
-        lib.pn_matmul_amx.argtypes = [p, p, i64, p]
-        lib.pn_set_amx.argtypes = [i64]
-        lib.pn_set_amx.restype = None
-        lib.pn_copy.argtypes = [p, p, i64]
-        lib.pn_copy.restype = None
-        lib.pn_decode_layer.argtypes = [p, p, p, p, p, p]
-        lib.pn_pool_init.argtypes = [ctypes.c_int, i64]
-        lib.pn_deltanet_prefill.argtypes = [p, i64, p, i64, p, p, p, p, p, p, ctypes.c_float,
-                                            i64, i64, i64, i64, i64, i64, i64, p, i64]
-        lib.pn_pool_init.restype = ctypes.c_int
-        for fn in (lib.pn_gemv, lib.pn_dequant_rows, lib.pn_gather, lib.pn_quantize_x,
-                   lib.pn_gemv_i8, lib.pn_repack_q4_k, lib.pn_repack_q6_k,
-                   lib.pn_quantize_xk, lib.pn_gemv_k):
-            fn.restype = None
+        kernels_header.declare(lib, DECLS)
         assert lib.pn_max_rows() == GEMV_MAX_ROWS
         HAS_INT_PATH[0] = bool(lib.pn_has_i8())
         HAS_X8[0] = bool(lib.pn_has_x8())
-        apply_amx_setting(lib)
-        lib.pn_pool_init(threads(), POOL_SPIN_US)
+        _init(lib, default_options())
         _lib = lib
     return _lib
 
 
-def apply_amx_setting(lib) -> None:
-    """PANTHEON_AMX: `off` keeps every product off the AMX tiles (read at load)."""
-    off = settings.amx() == "off"
-    HAS_AMX[0] = not off and bool(lib.pn_has_amx())
-    lib.pn_set_amx(0 if off else -1)
+# PnOptions' fields (worker/kernels/pantheon.h); a negative value takes the C default
+OPTION_FIELDS = tuple(name for name, _ in DECLS.structs["PnOptions"]._fields_)
+# one keyword for a pair of fields that tests and benchmarks move together
+OPTION_PAIRS = {"amx": ("amx_rows", "amx_rows_k"), "ktile": ("ktile_k", "ktile_b")}
+_options: dict = {}                 # the options the library runs with now
+POOL_THREADS = [0]                  # the pool's threads, the caller included (pn_init's answer)
 
 
-def use_amx(min_rows: int | None = None) -> None:
-    """Products of at least `min_rows` rows of x take the AMX tiles where the host has
-    them (0: never; None: back to PANTHEON_AMX and kernels.c's AMX_MIN_ROWS /
-    AMX_MIN_ROWS_K). For tests and benchmarks."""
-    if min_rows is None:
-        apply_amx_setting(library())
-    else:
-        library().pn_set_amx(min_rows)
+def default_options() -> dict:
+    """The options a worker runs with: the pool on the cores this process may use,
+    PANTHEON_AMX (`off`: no product takes the AMX tiles), the C defaults for the rest."""
+    opts = dict.fromkeys(OPTION_FIELDS, -1)
+    opts.update(threads=threads(), spin_us=POOL_SPIN_US)
+    if settings.amx() == "off":
+        opts.update(amx_rows=0, amx_rows_k=0)
+    return opts
+
+
+def _init(lib, opts: dict) -> None:
+    """pn_init with `opts` (every field of PnOptions; the pool starts at the first call)."""
+    unknown = set(opts) - set(OPTION_FIELDS)
+    assert not unknown, f"not options of the kernels: {sorted(unknown)}"
+    POOL_THREADS[0] = lib.pn_init(ctypes.byref(DECLS.structs["PnOptions"](**opts)))
+    HAS_AMX[0] = bool(lib.pn_has_amx()) and (opts["amx_rows"] != 0 or opts["amx_rows_k"] != 0)
+    _options.clear()
+    _options.update(opts)
+
+
+@contextmanager
+def options(**changes):
+    """Run the kernels with some options changed, then restore them (tests, benchmarks):
+    a field of PnOptions, or `amx` / `ktile` for both fields of the pair (OPTION_PAIRS);
+    an int (0: the path off, n: from n rows of x; negative: the C default) or None (the
+    worker's default). E.g. `with kernels_cpu.options(ktile=0, bgroups=0): ...`."""
+    lib = library()
+    before = dict(_options)
+    want, defaults = dict(before), default_options()
+    for key, value in changes.items():
+        for name in OPTION_PAIRS.get(key, (key,)):
+            if name not in OPTION_FIELDS:
+                raise TypeError(f"{key!r} is not an option of the kernels: {OPTION_FIELDS}")
+            want[name] = defaults[name] if value is None else int(value)
+    _init(lib, want)
+    try:
+        yield
+    finally:
+        _init(lib, before)
 
 
 def _ptr(a: np.ndarray) -> int:
@@ -231,14 +225,8 @@ def _ptr(a: np.ndarray) -> int:
         return a.ctypes.data
 
 
-class _CMat(ctypes.Structure):      # kernels.c's PnMat
-    _fields_ = [("code", ctypes.c_int32), ("act8", ctypes.c_int32), ("qs", ctypes.c_void_p),
-                ("sc", ctypes.c_void_p), ("mn", ctypes.c_void_p), ("N", ctypes.c_int64),
-                ("K", ctypes.c_int64), ("bs", ctypes.c_int64), ("next", ctypes.c_void_p)]
-
-
-class _CScratch(ctypes.Structure):  # kernels.c's PnScratch
-    _fields_ = [("xq", ctypes.c_void_p), ("xd", ctypes.c_void_p), ("xs", ctypes.c_void_p)]
+_CMat = DECLS.structs["PnMat"]            # pantheon.h's PnMat, PnScratch
+_CScratch = DECLS.structs["PnScratch"]
 
 
 def _cmat(m: QMatrix) -> int:
@@ -252,13 +240,13 @@ def _cmat(m: QMatrix) -> int:
     return m.__dict__["_c_mat"][2]
 
 
-X8_KINDS = ("q4k", "q5k", "q6k")    # the kinds kernels.c multiplies by int8 activations
-# kernels.c's plans (pn_plan), by number
+X8_KINDS = ("q4k", "q5k", "q6k")    # the kinds the C kernels multiply by int8 activations
+# the C kernels' plans (plan.c's pn_plan), by number
 PLANS = ("none", "amx", "digits", "x8", "k_lanes", "k_rows", "b_lanes", "b_rows", "b_groups")
 
 
 def plan(m: QMatrix, rows: int) -> str:
-    """The product kernels.c runs for m at `rows` rows of x (its pn_plan): one of PLANS;
+    """The product the C kernels run for m at `rows` rows of x (its pn_plan): one of PLANS;
     "none" where no integer product applies (matmul then takes fp32 gemv or dequantized
     tiles and BLAS)."""
     if not (isinstance(m, QMatrix) and isinstance(m.qs, np.ndarray) and m.kind in CODES):

@@ -88,7 +88,7 @@ def from_gguf(raw, qtype, shape: tuple[int, int], name: str = "tensor",
     """Hold one GGUF matrix (its bytes as stored, `shape` = (rows, cols)) as its type's
     record says a CPU (or, `gpu`, a GPU) holds it: the file's blocks as they are (a
     native kind; `copy` False: a view of `raw`), else repacked chunk by chunk. The
-    repacking of Q4_K and Q6_K goes through C (worker/kernels.c) when `fast` and the
+    repacking of Q4_K and Q6_K goes through C (worker/kernels/repack.c) when `fast` and the
     build allows, else NumPy (the same bits)."""
     qtype = QT(qtype)
     rows, cols = shape

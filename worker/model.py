@@ -187,14 +187,25 @@ class Model:
 
     def finish(self, x, batch: Batch):
         """The output norm and head over the rows that need logits (and pooling)."""
+        return self.head_logits(self.final_rows(x, batch))
+
+    def final_rows(self, x, batch: Batch):
+        """The rows that need logits, after the output norm [n_sampled, D]; the spans'
+        pooled vectors go to self.pooled. (A split replica's second stage stops here and
+        sends these back: the head matrix is the first stage's.)"""
         xp, cfg, w, spans = self.xp, self.cfg, self.w, batch.spans
         self.pooled = [(i, self.pool(x, batch, i, s.pool)) for i, s in enumerate(spans) if s.pool]
         rows = [r for i, s in enumerate(spans) if s.logits
                 for r in range(int(batch.rows[i + 1]) - min(s.verify, s.n), int(batch.rows[i + 1]))]
         if not rows:
-            return xp.empty((0, cfg.vocab_size), dtype=F32)
-        h = rms_norm(x[rows], w.out_norm, cfg.rms_eps)
-        return linear(h, w.head)                                           # [n, V]
+            return xp.empty((0, cfg.d_model), dtype=F32)
+        return rms_norm(x[rows], w.out_norm, cfg.rms_eps)
+
+    def head_logits(self, h):
+        """Logits [n, V] of final rows h [n, D] (see final_rows)."""
+        if h.shape[0] == 0:
+            return self.xp.empty((0, self.cfg.vocab_size), dtype=F32)
+        return linear(h, self.w.head)                                      # [n, V]
 
     def pool(self, x, batch: Batch, i: int, how: str):
         """Span i's final hidden states (after the output norm) pooled: their sum

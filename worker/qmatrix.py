@@ -14,7 +14,7 @@ in blocks along `in`, the way GGUF stores it, so `y = x @ W.T`. Kinds:
   iq4nl qs uint8 [rows, cols / 2] as q4; scale fp16 bits [rows, cols / 32]; no minv.
         w = scale * IQ4_LEVELS[q] (common/block_decode.py: 16 int8 levels).
   q2k .. q6k, iq4xs  qs uint8 [rows, cols / 256 * block bytes]: Q2_K .. Q6_K and IQ4_XS
-        super-blocks exactly as the file stores them (worker/kernels.c reads them with
+        super-blocks exactly as the file stores them (worker/kernels/ reads them with
         integer sub-scales); no scale or minv arrays, bs 256. CPU only: moved to a GPU
         they are repacked into q4 / q8 first.
 

@@ -3,21 +3,22 @@
 A replica too large for one die is split into two contiguous layer ranges, each a
 *stage* in the worker that owns its die (frontend/split_placement.py places them):
 
-- stage 0 (the *head*) holds the embedding and layers [0, k); it owns the scheduler
-  (slots, batching, chunked prefill, sampling, the prefix cache) and is the replica
-  the frontend routes requests to;
-- stage 1 (the *tail*) holds layers [k, L), the output norm and the head matrix; it
-  serves the link from a thread of its own and owns nothing else.
+- stage 0 (the *head*) holds the embedding, layers [0, k) and the head matrix; it owns
+  the scheduler (slots, batching, chunked prefill, sampling, the prefix cache) and is the
+  replica the frontend routes requests to;
+- stage 1 (the *tail*) holds layers [k, L) and the output norm; it serves the link from
+  a thread of its own and owns nothing else.
 
 Each step the head embeds the batch, runs its layers and sends the hidden states
 [n, D] to the tail as raw float32 bytes in one binary ZeroMQ frame, behind a small
 msgpack header (op, sequence number, spans, dtype and shape: decoded within
 HEADER_LIMITS, the payload's size checked against its shape; no pickle). The tail runs
-its layers and the head matrix and answers with the logits of the rows the step
-samples (measured: [n_sampled, V] float32 is ~200 KB a row for a 49k vocabulary, a
-few tens of microseconds on an ipc link; returning the last hidden state instead would
-put the head matrix, ~20 % of a small model's flops, back on the head's die), so
-sampling, grammars and penalties stay on the head, unchanged.
+its layers and the output norm and answers with the final hidden state of the rows the
+step samples [n_sampled, D]; the head multiplies them by the head matrix and samples, so
+sampling, grammars and penalties stay on the head, unchanged. Measured (SmolLM2, two
+one-core dies): returning the logits instead ([n_sampled, V], 196 KB a row for a 49k
+vocabulary against 2.3 KB) left the head matrix, a fifth of the model's products, on
+the tail and held a tied embedding on both dies; see bench/two_die.py for the figures.
 
 Both dies busy: a step of two or more sequences is cut into two micro-batches (a lone
 prefill chunk into two halves of itself); the head sends the first, computes the
@@ -205,6 +206,9 @@ class TailStage(threading.Thread):
             if not 0 <= size <= MAX_PAYLOAD // 4:
                 raise StageError(f"an echo of {size} bytes")
             return {"op": "echo", "seq": seq}, [bytes(size)]
+        if op == "stats":                    # this stage's busy time (bench/two_die.py)
+            return {"op": "stats", "seq": seq, "cpu_s": time.process_time(),
+                    "forwards": self.forwards}, []
         if op == "hello":
             return {"op": "hello", "seq": seq, "truncatable": state.truncatable,
                     "state_bytes": state.nbytes, "weight_bytes": self.engine.weight_bytes}, []
@@ -217,12 +221,12 @@ class TailStage(threading.Thread):
             raise StageError(f"{x_in.shape[0]} rows for spans covering {batch.n}")
         x = xp.zeros((batch.T, m.cfg.d_model), dtype=F32)
         x[:batch.n] = xp.asarray(x_in)
-        logits = m.finish(m.layers_forward(x, batch), batch)
+        final = m.final_rows(m.layers_forward(x, batch), batch)
         self.forwards += 1
-        host = np.ascontiguousarray(self.engine.device.to_host(logits), dtype=F32)
+        host = np.ascontiguousarray(self.engine.device.to_host(final), dtype=F32)
         pooled = [(i, self.engine.device.to_host(v)) for i, v in m.pooled]
         frames = [host.data]
-        header = {"op": "logits", "seq": seq, "x": meta(host),
+        header = {"op": "final", "seq": seq, "x": meta(host),
                   "pooled": [i for i, _ in pooled]}
         if pooled:
             stacked = np.stack([v for _, v in pooled]).astype(F32)
@@ -425,21 +429,22 @@ class SplitForward:
         return sent, parts
 
     def collect(self, handle):
-        """The logits of a submitted step [n_sampled, V], on the die."""
+        """The logits of a submitted step [n_sampled, V], on the die: the tail's final
+        rows through this stage's head matrix."""
         m, xp = self.model, self.model.xp
         sent, parts = handle
         rows, pooled, first = [], [], 0
         for seq, (toks, group) in zip(sent, parts):
             h, frames = self.link.answer(seq)
-            rows.append(array(h.get("x"), frames[0], m.cfg.vocab_size))
+            rows.append(array(h.get("x"), frames[0], m.cfg.d_model))
             if h.get("pooled"):
                 vecs = array(h.get("p"), frames[1], m.cfg.d_model)
                 pooled += [(first + i, v) for i, v in zip(h["pooled"], vecs)]
             first += len(group)
         self.pooled = pooled
         self.steps += 1
-        out = rows[0].copy() if len(rows) == 1 else np.concatenate(rows)   # writable: the
-        return xp.asarray(out)                                   # sampler adjusts in place
+        final = rows[0] if len(rows) == 1 else np.concatenate(rows)
+        return m.head_logits(xp.asarray(final))
 
 
 def connect_head(engine, stage, timeout_s: float = LINK_TIMEOUT_S,
@@ -448,7 +453,7 @@ def connect_head(engine, stage, timeout_s: float = LINK_TIMEOUT_S,
     runs the tail over the link, its scheduler's state spans both stages."""
     cfg = engine.cfg
     link = HeadLink(stage, min(timeout_s, HELLO_TIMEOUT_S), net=net,
-                    max_bytes=frame_limit(cfg.vocab_size, cfg.d_model))
+                    max_bytes=frame_limit(cfg.d_model))
     try:
         hello, _ = link.call({"op": "hello"})
     except StageError as exc:
@@ -522,7 +527,7 @@ def load_stage_engine(msg, device, default_slots, prefix_cache_bytes, progress, 
         raise StageError(f"stage {stage.index} ends at layer {stage.end_layer}; the model "
                          f"has {engine.cfg.n_layers}")
     if tail:
-        engine.warm_up()                     # its own layers and head, as a whole forward
+        warm_tail(engine.model)
         t = TailStage(engine, stage, net, bound)
         t.start()
         log.info("stage 1 of %s (layers %d-%d) serves its link at %s%s", msg.model_id,
@@ -538,6 +543,16 @@ def load_stage_engine(msg, device, default_slots, prefix_cache_bytes, progress, 
     log.info("stage 0 of %s (layers 0-%d) linked to its second stage at %s%s", msg.model_id,
              stage.end_layer - 1, stage.link, " (CURVE)" if stage.server_key else "")
     return engine
+
+
+def warm_tail(m) -> None:
+    """A second stage's warm-up: a short prefill and a decode through its layers and the
+    output norm (it has no embedding to start from; the head's warm-up then runs both
+    stages and checks the logits)."""
+    for n in (max(1, min(32, m.ctx - 1)), 1):
+        batch = Batch([Span(0, 0, n)], m.xp, m.row_multiple)
+        x = m.xp.zeros((batch.T, m.cfg.d_model), dtype=F32)
+        m.final_rows(m.layers_forward(x, batch), batch)
 
 
 def loaded_message(model_id: str, name: str, tail: TailStage):

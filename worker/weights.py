@@ -57,12 +57,15 @@ class Weights:
     embed: object | None    # [V, D] (dense or QMatrix); None when tied to the head
     blocks: list[BlockWeights]
     out_norm: object        # [D]
-    head: object            # dense [D, V], or QMatrix [V, D]
+    head: object | None     # dense [D, V], or QMatrix [V, D]; None on a split replica's
+                            # second stage (the first holds the embedding and the head)
     rope_factors: object | None = None   # host [r/2]: a GGUF rope_freqs tensor (llama3)
 
     def embed_rows(self, tokens):
         """Embeddings of `tokens` [T] → [T, D] float32."""
         table = self.head if self.embed is None else self.embed
+        if table is None:
+            raise RuntimeError("a split replica's second stage holds no embedding")
         if isinstance(table, QMatrix):
             from .linear import gather_rows
             return gather_rows(table, tokens)
@@ -71,7 +74,7 @@ class Weights:
 
     def matrices(self) -> list:
         """Every projection (a dense array, a QMatrix or a list of them), head first."""
-        out = [self.head] + ([] if self.embed is None else [self.embed])
+        out = [m for m in (self.head, self.embed) if m is not None]
         for b in self.blocks:
             for part in (b.mixer, b.mlp):
                 out += [getattr(part, name) for name in part.MATRICES]
@@ -84,11 +87,11 @@ class Weights:
         for b in self.blocks:
             for part in (b.mixer, b.mlp):
                 out += [getattr(part, name) for name in part.MATRICES]
-        return out + [self.head]
+        return out + ([] if self.head is None else [self.head])
 
     def nbytes(self) -> int:
         """Bytes the weights really take on the die."""
-        items = [self.head, self.out_norm] + ([] if self.embed is None else [self.embed])
+        items = [m for m in (self.head, self.out_norm, self.embed) if m is not None]
         for b in self.blocks:
             items += [a for a in vars(b).values() if a is not None and not is_part(a)]
             items += [a for part in (b.mixer, b.mlp) for a in vars(part).values()
@@ -427,7 +430,9 @@ def load_weights(path: str | Path, cfg: ModelConfig, device: Device, progress=No
 
     quantize: "auto" (GGUF blocks as stored, floats as stored), "q8_0" / "q4" (floats
     quantized at load), "none" (everything dequantized to dense fp32: the reference).
-    layers: (lo, hi) to hold only those blocks (a stage of a replica split across dies)."""
+    layers: (lo, hi) to hold only those blocks (a stage of a replica split across dies);
+    the embedding and the head are held where the layers start at 0 (the first stage,
+    which samples), the output norm everywhere."""
     from .layers import MIXERS, load_mlp
     if quantize not in QUANTIZE_MODES:
         raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_MODES)}, "
@@ -454,16 +459,18 @@ def load_weights(path: str | Path, cfg: ModelConfig, device: Device, progress=No
             progress(i + 1 - lo, hi - lo)
     tied = cfg.tied_embeddings or "output.weight" not in src
     vd = (cfg.vocab_size, d)
-    head = ld.proj(["token_embd.weight" if tied else "output.weight"], [vd])   # one: no list
-    if tied:
-        embed = None
-    elif quantize != "none":
-        embed = ld.proj(["token_embd.weight"], [vd])
-        if not isinstance(embed, QMatrix):                     # dense: rows are tokens
-            embed = xp.ascontiguousarray(embed.T)
-    else:
-        ld.check("token_embd.weight", vd)
-        embed = src.get("token_embd.weight", device, device.weight_dtype)
+    head = embed = None
+    if lo == 0:                                   # a later stage holds neither
+        head = ld.proj(["token_embd.weight" if tied else "output.weight"], [vd])  # one: no list
+        if tied:
+            pass
+        elif quantize != "none":
+            embed = ld.proj(["token_embd.weight"], [vd])
+            if not isinstance(embed, QMatrix):                     # dense: rows are tokens
+                embed = xp.ascontiguousarray(embed.T)
+        else:
+            ld.check("token_embd.weight", vd)
+            embed = src.get("token_embd.weight", device, device.weight_dtype)
     factors = None
     if "rope_freqs.weight" in src:
         factors = device.to_host(src.get("rope_freqs.weight", device, np.float32))

@@ -7,7 +7,7 @@ A sliding window is exact everywhere: a query at position p sees keys (p - windo
 p], whether its prompt came in one chunk, in many, or token by token; only the keys
 a window can reach are read.
 
-On the CPU the C kernels (worker/kernels.c) run both; on a GPU die each layer's step is
+On the CPU the C kernels (worker/kernels/attention.c) run both; on a GPU die each layer's step is
 a few launches of worker/attention_cuda.py's kernels (the step's keys and values written,
 quantized once; the decodes; the prefill chunks in tiles), which read the cache in its
 stored type with no float copy of anyone's history. The NumPy expressions below are
@@ -106,7 +106,7 @@ def attend_decodes(q, k, v, bias, sel):
     return o[sel].reshape(n_seq, n_heads * hd)
 
 
-# the CPU's attention runs in worker/kernels.c (False: the NumPy expressions above, the
+# the CPU's attention runs in worker/kernels/attention.c (False: the NumPy expressions above, the
 # reference a test compares it with); a GPU die's in worker/attention_cuda.py
 C_ATTENTION = [True]
 

@@ -1,11 +1,11 @@
 """A decode step's layers in one C call each, on the CPU, built from each block's spec.
 
-When every span of a step is a single token, a block runs as kernels.c's
-pn_decode_layer: the kernels the Python layer calls one by one, in the same order over
-the same buffers' values, without the ~20 Python-level calls, checks and temporaries per
+When every span of a step is a single token, a block runs as pn_decode_layer
+(worker/kernels/layer.c): the kernels the Python layer calls one by one, in the same
+order over the same buffers' values, without the ~20 Python-level calls, checks and temporaries per
 layer in between (at batch 1 those took about a fifth of SmolLM2's step: 0.06 ms of
 Python per layer against a layer's 0.2 ms of kernels). The C layer is described by the
-spec's features, each a field of kernels.c's PnLayer:
+spec's features, each a field of PnLayer (worker/kernels/pantheon.h):
 
     pre-norms, and the post-norms of a sandwich block (Gemma 3)      norm1/2, post1/2
     (1 + w) norms: the loader adds the 1 (worker/weights.py)         (a plain multiplier)
@@ -24,7 +24,7 @@ silent fallback. The llama-shaped layer gives the Python layer's bits; tanh, exp
 delta rule's sums agree with NumPy's to float32 rounding (tests/test_decode_cpu.py).
 
 A layer takes this way only if the integer kernels take each of its matrices at the
-step's batch (kernels.c's pn_int_ok); any other step or die runs the Python forward,
+step's batch (the C kernels' pn_int_ok); any other step or die runs the Python forward,
 which stays the reference.
 """
 from __future__ import annotations
@@ -42,30 +42,12 @@ from .gated_deltanet import GatedDeltaNetLayer
 from .mlp import GatedMLP
 
 F32 = np.float32
-_P = ctypes.c_void_p
-_I = ctypes.c_int64
 
 # False: every step takes the Python layers (tests compare the two ways)
 ENABLED = [True]
 
-class _CLayer(ctypes.Structure):        # kernels.c's PnLayer
-    _fields_ = [("qkv", _P * 3), ("o", _P * 3), ("gu", _P * 3), ("down", _P * 3),
-                ("bqkv", _P), ("norm1", _P), ("norm2", _P), ("q_norm", _P), ("k_norm", _P),
-                ("eps", ctypes.c_float), ("scale", ctypes.c_float),
-                ("D", _I), ("Hq", _I), ("Hkv", _I), ("hd", _I), ("d_ff", _I), ("half", _I),
-                ("K", _P), ("V", _P), ("ctx", _I), ("kv16", _I),
-                ("post1", _P), ("post2", _P), ("gelu", _I), ("gated", _I), ("mixer", _I),
-                ("ba", _P * 3), ("conv", _P), ("dt", _P), ("a", _P), ("ssm_norm", _P),
-                ("conv_state", _P), ("ssm_state", _P),
-                ("nk", _I), ("nv", _I), ("dk", _I), ("dv", _I), ("kconv", _I), ("tiled", _I),
-                ("ba_dense", _P)]
-
-
-class _CStep(ctypes.Structure):         # kernels.c's PnStep
-    _fields_ = [("B", _I), ("slots", _P), ("last", _P),
-                *[(name, _P) for name in ("h", "qkv", "part", "qn", "kn", "qr", "kr", "attn",
-                                          "y", "gu", "act")],
-                ("xq", _P), ("xd", _P), ("xs", _P), ("ba", _P), ("conv", _P)]
+_CLayer = kernels_cpu.DECLS.structs["PnLayer"]    # worker/kernels/pantheon.h's PnLayer, PnStep
+_CStep = kernels_cpu.DECLS.structs["PnStep"]
 
 
 def _parts(w) -> list[QMatrix] | None:
@@ -253,8 +235,8 @@ class _Buffers:
                         "xs": zeros((batch, cols // 32), F32)}
         c = self.c = _CStep()
         c.B = batch
-        for name, a in self.arrays.items():
-            setattr(c, name, kernels_cpu._ptr(a))
+        for name, a in self.arrays.items():     # x's int16 scratch: the PnScratch s
+            setattr(c.s if name in ("xq", "xd", "xs") else c, name, kernels_cpu._ptr(a))
         self.addr = ctypes.addressof(c)
 
 

@@ -42,7 +42,7 @@ gives the same state, up to float32 rounding.
 In a step, the decode spans of every slot run the recurrence as one batched
 update over their slots' states; each prefill chunk runs the chunked form alone. On the
 CPU a prefill chunk's conv, rule and gated norm are one C call instead
-(worker/kernels_deltanet.c: the recurrence with the state in L1-sized tiles); the NumPy
+(worker/kernels/deltanet.c: the recurrence with the state in L1-sized tiles); the NumPy
 functions here stay the reference, and the path of a GPU or of a host without a compiler.
 """
 from __future__ import annotations
@@ -246,7 +246,7 @@ def _f32_rows(a) -> bool:
 
 def deltanet_chunk_c(mixed, z, beta, g, w: DeltaNetWeights, spec: GatedDeltaNet, tail,
                      state, eps: float, out) -> bool:
-    """One sequence's chunk through kernels_deltanet.c: mixed [n, conv_dim], z [n, nv dv]
+    """One sequence's chunk through worker/kernels/deltanet.c: mixed [n, conv_dim], z [n, nv dv]
     (rows of the in-product), beta, g [n, nv] → out [n, nv dv] = the gated norm of the
     rule's output; tail [K-1, conv_dim] and state [nv, dk, dv] advanced in place. False
     (nothing done) where it cannot run: not the CPU, no compiler, another layout."""

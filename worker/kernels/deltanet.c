@@ -1,6 +1,6 @@
 /* Gated DeltaNet's prefill (Qwen3.5's linear attention) over one sequence's chunk.
  *
- * Included at the end of kernels.c (it uses the kernels' pool, pn_rms_norm and the
+ * A part of pantheon.c after layer.c (it uses the pool, pn_rms_norm, mul_sigmoid and the
  * exp helpers); worker/layers/gated_deltanet.py holds the math and the NumPy reference:
  *
  *   1. conv:  c_t = silu(sum_i conv[:, i] * x_{t-K+1+i}), x_{<0} from the carried tail

@@ -30,29 +30,10 @@
 #define DN_TOKENS 8             /* tokens per conv work item */
 typedef float dn_vec __attribute__((vector_size(DN_W * 4)));
 
-/* mul 0: o[i] = silu(g[i]) (o may be g); 1: o[i] *= silu(g[i]). sigmoid through
- * e^-|x| (never overflows); ops.py's tanh form where no vector exp is built. */
-static void dn_silu(float *o, const float *g, int64_t n, int mul) {
-    int64_t i = 0;
-#if defined(__AVX512F__)
+/* mul 0: o[i] = silu(g[i]) (o may be g); 1: o[i] *= silu(g[i]) (layer.c's, vectorized
+ * with AVX-512 and AVX2) */
+static inline void dn_silu(float *o, const float *g, int64_t n, int mul) {
     mul_sigmoid(o, g, n, mul ? 1 : 2);
-    return;
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    for (; i + 8 <= n; i += 8) {
-        const __m256 x = _mm256_loadu_ps(g + i);
-        const __m256 e = exp256(_mm256_or_ps(x, sign));              /* e^-|x| */
-        const __m256 r = _mm256_div_ps(one, _mm256_add_ps(one, e));
-        const __m256 neg = _mm256_cmp_ps(x, zero, _CMP_LT_OQ);
-        const __m256 f = _mm256_mul_ps(x, _mm256_blendv_ps(r, _mm256_mul_ps(r, e), neg));
-        _mm256_storeu_ps(o + i, mul ? _mm256_mul_ps(_mm256_loadu_ps(o + i), f) : f);
-    }
-#endif
-    for (; i < n; i++) {
-        const float x = g[i], f = x * sigmoidf_(x);
-        o[i] = mul ? o[i] * f : f;
-    }
 }
 
 typedef struct {

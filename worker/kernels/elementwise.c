@@ -55,6 +55,21 @@ void pn_rms_norm_heads(const float *x, int64_t T, int64_t H, int64_t d, int64_t 
     for (int64_t t = 0; t < T; t++) pn_rms_norm(x + t * stride, H, d, d, w, eps, out + t * H * d);
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+#define PN_SIGMOID256 1
+/* sigmoid(x), 8 lanes, through e^-|x| (exp256: never overflows), as the AVX-512 paths.
+ * Without it an AVX2 build took every SiLU and gate through scalar expf / tanhf: Qwen3.5-
+ * 0.8B's batch-8 decode, alternated runs, 64.6 / 70.5 / 38.9 tok/s scalar against 84.3 /
+ * 86.1 / 43.8 with these (a conv step's 6,144 SiLUs a token in each DeltaNet layer). */
+static inline __m256 sigmoid256(__m256 x) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256 e = exp256(_mm256_or_ps(x, _mm256_set1_ps(-0.0f)));             /* e^-|x| */
+    const __m256 r = _mm256_div_ps(one, _mm256_add_ps(one, e));
+    return _mm256_blendv_ps(r, _mm256_mul_ps(r, e), _mm256_cmp_ps(x, _mm256_setzero_ps(),
+                                                                   _CMP_LT_OQ));
+}
+#endif
+
 /* out[b, i] = silu(g[b, i]) * g[b, F + i] for g [B, 2F] (gate | up, fused): silu(x) =
  * x * sigmoid(x), sigmoid through e^-|x| (never overflows). */
 void pn_silu_mul(const float *g, int64_t B, int64_t F, float *out) {
@@ -71,6 +86,12 @@ void pn_silu_mul(const float *g, int64_t B, int64_t F, float *out) {
             const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
             const __m512 sig = _mm512_mask_mul_ps(r, neg, r, e);        /* x < 0: e / (1 + e) */
             _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_mul_ps(x, sig), _mm512_loadu_ps(up + i)));
+        }
+#elif defined(PN_SIGMOID256)
+        for (; i + 8 <= F; i += 8) {
+            const __m256 x = _mm256_loadu_ps(gate + i);
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(x, sigmoid256(x)),
+                                                  _mm256_loadu_ps(up + i)));
         }
 #endif
         for (; i < F; i++) {

@@ -33,8 +33,8 @@ static void add_rows(float *restrict x, const float *restrict y, int64_t n) {
 static inline float sigmoidf_(float x) { return 0.5f + 0.5f * tanhf(0.5f * x); }
 
 /* over n floats: mode 0 o *= sigmoid(g) (an output gate), 1 o *= silu(g) (a gated norm),
- * 2 o = silu(g) (o may be g). AVX-512: sigmoid through e^-|g| (exp512, never overflows),
- * 16 at a time, where scalar tanhf took 14-16 ns a float (Gemma 3 270M's GELUs: 4-5 ms
+ * 2 o = silu(g) (o may be g). AVX-512 / AVX2: sigmoid through e^-|g| (exp512 / exp256,
+ * never overflows), 16 / 8 at a time, where scalar tanhf took 14-16 ns a float (Gemma 3 270M's GELUs: 4-5 ms
  * of a 67 ms batch-8 step); the rest as ops.py writes it. */
 static void mul_sigmoid(float *o, const float *g, int64_t n, int mode) {
     int64_t i = 0;
@@ -48,6 +48,13 @@ static void mul_sigmoid(float *o, const float *g, int64_t n, int mode) {
         __m512 f = _mm512_mask_mul_ps(r, neg, r, e);                 /* sigmoid(x) */
         if (mode) f = _mm512_mul_ps(x, f);
         _mm512_storeu_ps(o + i, mode == 2 ? f : _mm512_mul_ps(_mm512_loadu_ps(o + i), f));
+    }
+#elif defined(PN_SIGMOID256)
+    for (; i + 8 <= n; i += 8) {
+        const __m256 x = _mm256_loadu_ps(g + i);
+        __m256 f = sigmoid256(x);
+        if (mode) f = _mm256_mul_ps(x, f);
+        _mm256_storeu_ps(o + i, mode == 2 ? f : _mm256_mul_ps(_mm256_loadu_ps(o + i), f));
     }
 #endif
     for (; i < n; i++) {

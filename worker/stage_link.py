@@ -15,10 +15,11 @@ msgpack header (op, sequence number, spans, dtype and shape: decoded within
 HEADER_LIMITS, the payload's size checked against its shape; no pickle). The tail runs
 its layers and the output norm and answers with the final hidden state of the rows the
 step samples [n_sampled, D]; the head multiplies them by the head matrix and samples, so
-sampling, grammars and penalties stay on the head, unchanged. Measured (SmolLM2, two
-one-core dies): returning the logits instead ([n_sampled, V], 196 KB a row for a 49k
-vocabulary against 2.3 KB) left the head matrix, a fifth of the model's products, on
-the tail and held a tied embedding on both dies; see bench/two_die.py for the figures.
+sampling, grammars and penalties stay on the head, unchanged. Returning the logits
+instead ([n_sampled, V], 196 KB a row for a 49k vocabulary against 2.3 KB) kept the head
+matrix, a fifth of SmolLM2's multiply-adds, on the tail and a tied embedding on both
+dies: measured with two one-core dies at batch 8, 0.72x of one die with both cores then,
+0.86-0.91x now (docs/gpus.md).
 
 Both dies busy: a step of two or more sequences is cut into two micro-batches (a lone
 prefill chunk into two halves of itself); the head sends the first, computes the

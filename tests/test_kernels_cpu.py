@@ -371,7 +371,7 @@ def test_a_chain_of_matrices_fetches_ahead_without_changing_a_product():
 @pytest.mark.parametrize("isa", ["avx2", "generic"])
 def test_the_kernels_built_without_avx512_pass_these_tests(isa, tmp_path):
     """Hosts without AVX-512 (the Xeons beside K80s) or without AVX run the 256-bit and the
-    portable paths: this file's tests (and the C decode layers' and the int8 activations')
+    portable paths: this file's tests (and the C decode layers', the fused layers' and the int8 activations')
     pass against a build for those (PANTHEON_ISA), which leaves the wider paths out."""
     import os
     import subprocess
@@ -382,6 +382,7 @@ def test_the_kernels_built_without_avx512_pass_these_tests(isa, tmp_path):
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            __file__, str(Path(__file__).with_name("test_decode_cpu.py")),
                            str(Path(__file__).with_name("test_activations.py")),
+                           str(Path(__file__).with_name("test_fused_layers.py")),
                            "-k", "not built_without_avx512"],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]

@@ -64,8 +64,9 @@ static void mul_sigmoid(float *o, const float *g, int64_t n, int mode) {
 }
 
 /* out[b, i] = gelu_tanh(g[b, i]) * g[b, F + i] (gate | up, fused): ops.py's
- * 0.5 x (1 + tanh(u)), u = c (x + 0.044715 x^3); AVX-512 as x sigmoid(2u), equal in
- * exact arithmetic (and without 1 + tanh's cancellation for x << 0) */
+ * 0.5 x (1 + tanh(u)), u = c (x + 0.044715 x^3); AVX-512 and AVX2 as x sigmoid(2u), equal
+ * in exact arithmetic (and without 1 + tanh's cancellation for x << 0); AVX2 builds took
+ * scalar tanhf before (Gemma 3 270M) */
 void pn_gelu_mul(const float *g, int64_t B, int64_t F, float *out) {
     const float c = 0.7978845608028654f;
     for (int64_t b = 0; b < B; b++) {
@@ -84,6 +85,15 @@ void pn_gelu_mul(const float *g, int64_t B, int64_t F, float *out) {
             const __mmask16 neg = _mm512_cmp_ps_mask(u2, zero, _CMP_LT_OQ);
             const __m512 sig = _mm512_mask_mul_ps(r, neg, r, e);
             _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_mul_ps(x, sig), _mm512_loadu_ps(up + i)));
+        }
+#elif defined(PN_SIGMOID256)
+        const __m256 c2 = _mm256_set1_ps(2.0f * c), k = _mm256_set1_ps(0.044715f);
+        for (; i + 8 <= F; i += 8) {
+            const __m256 x = _mm256_loadu_ps(gate + i);
+            const __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+            const __m256 u2 = _mm256_mul_ps(c2, _mm256_fmadd_ps(k, x3, x));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(x, sigmoid256(u2)),
+                                                  _mm256_loadu_ps(up + i)));
         }
 #endif
         for (; i < F; i++) {

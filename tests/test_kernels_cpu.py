@@ -371,8 +371,9 @@ def test_a_chain_of_matrices_fetches_ahead_without_changing_a_product():
 @pytest.mark.parametrize("isa", ["avx2", "generic"])
 def test_the_kernels_built_without_avx512_pass_these_tests(isa, tmp_path):
     """Hosts without AVX-512 (the Xeons beside K80s) or without AVX run the 256-bit and the
-    portable paths: this file's tests (and the C decode layers', the fused layers' and the int8 activations')
-    pass against a build for those (PANTHEON_ISA), which leaves the wider paths out."""
+    portable paths: this file's tests (and the C decode layers', the fused layers' and the
+    int8 activations') pass against a build for those (PANTHEON_ISA), which leaves the
+    wider paths out."""
     import os
     import subprocess
     import sys

@@ -64,7 +64,8 @@ def balanced_split(model: str) -> int:
     """The k whose stages [0, k) + the head and [k, L) have the most even parameter
     counts (a decode step's multiply-adds)."""
     from ..common.model_file import read_config
-    from ..frontend.split_placement import LAYER, tensor_list
+    from ..common.weight_format import tensor_list
+    from ..frontend.split_placement import LAYER
     n = read_config(model).n_layers
     per, head = [0] * n, 0
     for name, _kind, shape in tensor_list(model):

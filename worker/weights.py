@@ -459,18 +459,16 @@ def load_weights(path: str | Path, cfg: ModelConfig, device: Device, progress=No
             progress(i + 1 - lo, hi - lo)
     tied = cfg.tied_embeddings or "output.weight" not in src
     vd = (cfg.vocab_size, d)
-    head = embed = None
-    if lo == 0:                                   # a later stage holds neither
+    head = embed = None                           # a later stage holds neither
+    if lo == 0:
         head = ld.proj(["token_embd.weight" if tied else "output.weight"], [vd])  # one: no list
-        if tied:
-            pass
-        elif quantize != "none":
-            embed = ld.proj(["token_embd.weight"], [vd])
-            if not isinstance(embed, QMatrix):                     # dense: rows are tokens
-                embed = xp.ascontiguousarray(embed.T)
-        else:
-            ld.check("token_embd.weight", vd)
-            embed = src.get("token_embd.weight", device, device.weight_dtype)
+    if lo == 0 and not tied and quantize != "none":
+        embed = ld.proj(["token_embd.weight"], [vd])
+        if not isinstance(embed, QMatrix):                         # dense: rows are tokens
+            embed = xp.ascontiguousarray(embed.T)
+    elif lo == 0 and not tied:
+        ld.check("token_embd.weight", vd)
+        embed = src.get("token_embd.weight", device, device.weight_dtype)
     factors = None
     if "rope_freqs.weight" in src:
         factors = device.to_host(src.get("rope_freqs.weight", device, np.float32))

@@ -61,10 +61,13 @@ def test_int8_takes_every_k_quant_product_where_the_build_has_them(kquant_file, 
     assert all(m.__dict__.get("_act8") for m in mats)
     # coarser, not wrong: the same logits to within int8's rounding
     assert 0 < np.abs(a - b).max() < 0.05 * np.abs(a).max()
-    # a prefill (many rows) stays int16: the same as the int16 engine's
+    # a prefill (many rows) takes int8 too: close to the int16 engine's, not the same
     span = [Span(0, 0, len(tokens), verify=len(tokens))]
-    np.testing.assert_allclose(int8.forward(np.array(tokens), span),
-                               int16.forward(np.array(tokens), span), rtol=0, atol=1e-4)
+    p16 = int16.forward(np.array(tokens), span)
+    p8 = int8.forward(np.array(tokens), span)
+    # (one step per 256 but for outlier blocks: about as far from int16 as batch 1's)
+    assert 0 < np.abs(p8 - p16).mean() < 2 * np.abs(a - b).mean()
+    assert np.abs(p8 - p16).max() < 0.1 * np.abs(p16).max()
 
 
 def test_auto_measures_a_file_once_then_reads_the_verdict(kquant_file, cache, monkeypatch):
@@ -74,6 +77,11 @@ def test_auto_measures_a_file_once_then_reads_the_verdict(kquant_file, cache, mo
         return
     (entry,) = json.loads(cache.read_text()).values()
     assert entry["tokens"] == act.CALIBRATION_TOKENS and entry["file"] == kquant_file.name
+    # both int8 sides measured (the many-row kernels as a prefill, batch 1 token by
+    # token); the verdict's figures are the worse side's
+    sides = entry["prefill"], entry["decode"]
+    assert entry["top1"] == min(s["top1"] for s in sides)
+    assert entry["kl"] == max(s["kl"] for s in sides)
     passes = entry["top1"] >= act.TOP1_MIN and entry["kl"] <= act.KL_MAX
     assert first.activations == ("int8" if passes else "int16")
     assert 0.5 < entry["top1"] <= 1 and 0 <= entry["kl"] < 0.5

@@ -569,12 +569,34 @@ def quantize_x8(x: np.ndarray) -> np.ndarray:
     return (q * step).reshape(x.shape)
 
 
+def quantize_x8_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x as int8 activations take it on many rows (x8_rows.c), returned dequantized, and
+    which of its [rows, K / 256] blocks were held as two digits: per row and block of 256
+    one step D = max |x| / 127 where every run of 32 but runs of zeros has its largest |x|
+    at >= 1/16 of the block's, else (held) D = max |x| / 16000; q = x / D rounded half
+    away from zero. (A product with more than a third of its row-blocks held takes the
+    int16 kernel instead.)"""
+    f = np.float32
+    v = x.astype(f).reshape(x.shape[0], -1, 8, 32)
+    run = np.abs(v).max(axis=3)
+    top = run.max(axis=2)
+    least = np.where(run > 0, run, np.inf).min(axis=2)     # a run of zeros is exact
+    held = np.isfinite(least) & (least * f(16) < top)
+    lim = np.where(held, f(16000), f(127)).astype(f)
+    d = (top / lim).astype(f)
+    inv = np.where(d > 0, f(1) / np.where(d > 0, d, f(1)), f(0)).astype(f)
+    r = (v * inv[..., None, None]).astype(f)
+    q = np.trunc(r + np.copysign(f(0.5), r)).clip(-lim[..., None, None], lim[..., None, None])
+    return (q * d[..., None, None]).reshape(x.shape), held
+
+
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K], ids=lambda t: t.name)
 def test_int8_activations_are_the_rounding_of_x_that_quantize_x8_says(qtype):
     """A matrix set to int8 activations (builds with those kernels: AVX2 ones) multiplies
-    x as quantize_x8 rounds it at batch 1 — exactly, up to float additions — and as
-    before at more rows; elsewhere set_int8 changes nothing. x has outliers: a run's own step keeps its small
-    values (one step per 256 would not)."""
+    x as quantize_x8 rounds it at batch 1 and as quantize_x8_rows rounds it on more rows —
+    exactly, up to float additions; elsewhere set_int8 changes nothing. x has outliers: a
+    run's own step keeps its small values at batch 1, two digits at more rows (one step
+    per 256 would not)."""
     raw, shape = random_tensor(qtype, 300, 6)
     m = qm.from_gguf(raw, qtype, shape)
     rng = np.random.default_rng(17)
@@ -588,14 +610,61 @@ def test_int8_activations_are_the_rounding_of_x_that_quantize_x8_says(qtype):
         got, rows = kc.matmul(x[:1], m), kc.matmul(x, m)
     finally:
         kc.set_int8(m, False)
-    np.testing.assert_array_equal(rows, rows16)   # many rows: the int16 kernels
     if not kc.takes_int8(m):                 # AVX-512 and portable builds: int16 stays
         np.testing.assert_array_equal(got, int16)
+        np.testing.assert_array_equal(rows, rows16)
         return
     ref = quantize_x8(x[:1]).astype(np.float64) @ w.T
     np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
     assert np.abs(got - int16).max() > 1e-3 * np.abs(ref).max()    # it did take int8
+    xr, held = quantize_x8_rows(x)
+    assert held.any() and not held.all()
+    ref_rows = xr.astype(np.float64) @ w.T
+    np.testing.assert_allclose(rows, ref_rows, rtol=0, atol=2e-5 * np.abs(ref_rows).max())
+    assert np.abs(rows - rows16).max() > 1e-3 * np.abs(ref_rows).max()
     np.testing.assert_array_equal(kc.matmul(x[:1], m), int16)       # and off again
+    np.testing.assert_array_equal(kc.matmul(x, m), rows16)
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K], ids=lambda t: t.name)
+def test_int8_activations_on_many_rows_hold_each_row_s_outlier_blocks_as_two_digits(qtype):
+    """x8_rows.c at every group size (8, 4, 2, 1 rows of x a pass and their mixes), rows
+    whose blocks are held and rows beside them that are not (each row's own choice),
+    rows of zeros, and rows long enough (40 blocks) to be taken in spans of super-blocks:
+    each product equals quantize_x8_rows' x against the dequantized weights."""
+    raw, shape = random_tensor(qtype, 70, 40)
+    m = qm.from_gguf(raw, qtype, shape)
+    if not kc.takes_int8(m):
+        pytest.skip("a build without int8 activations (AVX-512 or portable)")
+    w = qm.dequantize(m).astype(np.float64)
+    rng = np.random.default_rng(5)
+    for batch in (2, 3, 7, 8, 11, 19):
+        x = rng.standard_normal((batch, m.cols)).astype(np.float32)
+        for b in range(0, batch, 2):              # every other row: outliers in 3 blocks
+            x[b, rng.choice(m.cols // 256, 3, replace=False) * 256 + 7] = 300
+        x[batch - 1] = 0
+        xr, held = quantize_x8_rows(x)
+        assert held[0].sum() == 3 and not held[1].any()
+        kc.set_int8(m, True)
+        try:
+            assert kc.plan(m, batch) == "x8_rows"
+            got = kc.matmul(x, m)
+        finally:
+            kc.set_int8(m, False)
+        ref = xr.astype(np.float64) @ w.T
+        np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
+        assert not got[batch - 1].any()
+    # outliers in every block (a sequence's first positions can look so): int8 would
+    # pay a second pass for most blocks, so the product is the int16 kernel's, exactly
+    x = rng.standard_normal((4, m.cols)).astype(np.float32)
+    x[:, 7::256] = 300
+    assert quantize_x8_rows(x)[1].all()
+    want = kc.matmul(x, m)
+    kc.set_int8(m, True)
+    try:
+        np.testing.assert_array_equal(kc.matmul(x, m), want)
+    finally:
+        kc.set_int8(m, False)
 
 
 def test_one_plan_decides_each_product_and_says_which():
@@ -617,7 +686,7 @@ def test_one_plan_decides_each_product_and_says_which():
     kc.set_int8(k4, True)
     try:
         assert kc.plan(k4, 1) == ("x8" if kc.HAS_X8[0] else "digits")
-        assert kc.plan(k4, 2) == "k_rows"
+        assert kc.plan(k4, 2) == ("x8_rows" if kc.HAS_X8[0] else "k_rows")
     finally:
         kc.set_int8(k4, False)
     for m in MATS.values():

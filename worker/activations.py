@@ -1,19 +1,24 @@
 """How precisely a CPU die's products see the activations: `--activations auto|int8|int16`.
 
-The K-quant products (Q4_K, Q5_K, Q6_K) at batch 1 quantize x per super-block of 256:
-to int16 (16000 steps: teacher-forced against the fp32 forward every model tried stays
-within top-1 >= 99 %, mean KL <= 0.01) or, in builds that have the kernels (AVX2 ones),
-to int8 (127 steps, llama.cpp's q8_K: half the multiplies). int8 keeps some models inside
-that bound (Qwen2.5-1.5B: top-1 100 %, KL 0.0005) and takes others outside it (tiny
-models with near-tied logits: 92-95 %), so it is a per-model choice:
+The K-quant products (Q4_K, Q5_K, Q6_K) quantize x per super-block of 256: to int16
+(16000 steps: teacher-forced against the fp32 forward every model tried stays within
+top-1 >= 99 %, mean KL <= 0.01) or, in builds that have the kernels (AVX2 ones), to
+int8 (llama.cpp's q8_K: the weights' bytes meet x in vpmaddubsw, 1.4-1.5x the int16
+row kernels' speed on Q4_K). A step of 127 per 256 loses the small values of a block
+beside an outlier channel, so the int8 kernels keep more: at batch 1 each run of 32 its
+own integer step (worker/kernels/x8.c); on more rows (prefill chunks, batched decode) a
+block whose smallest run is under 1/16 of its largest is held as two int8 digits
+(worker/kernels/x8_rows.c). int8 keeps some models inside the bound (Qwen2.5-1.5B) and
+takes others outside it (tiny models with near-tied logits), so it is a per-model choice:
 
 - `int16`: the exact-as-possible default of the kernels;
-- `int8`: every product that has an int8 kernel takes it;
-- `auto`: at the first load of a file, a short built-in text is run token by token both
-  ways; int8 is kept where it agrees with int16 on top-1 at >= 99 % of the positions with
-  mean KL <= 0.01 nats. The verdict is cached by the file's identity (size and the
-  sha256 of its first and last 4 MiB) in the cache folder's `activations.json`, so later
-  loads decide at once.
+- `int8`: every product that has an int8 kernel takes it, at every batch size;
+- `auto`: at the first load of a file, a short built-in text is run both ways, as a
+  prefill (chunks of 32: the many-row kernels) and token by token (batch 1); int8 is
+  kept where both agree with int16 on top-1 at >= 99 % of the positions with mean KL
+  <= 0.01 nats. The verdict is cached by the file's identity (size and the sha256 of
+  its first and last 4 MiB) in the cache folder's `activations.json`, so later loads
+  decide at once.
 """
 from __future__ import annotations
 
@@ -36,7 +41,8 @@ CHOICES = settings.ACTIVATIONS
 TOP1_MIN = 0.99             # the quantized engine's accuracy bound, as for weights
 KL_MAX = 0.01
 CALIBRATION_TOKENS = 192
-VERSION = 1                 # of the calibration: a change re-decides every file
+VERSION = 2                 # of the calibration: a change re-decides every file
+                            # (2: int8 on many rows too, measured as a prefill)
 CALIBRATION_TEXT = (
     "The lighthouse keeper climbed the stairs at dusk, as he had every evening for thirty "
     "years, and wound the clockwork that turned the lamp. Ships passing the reef saw its "
@@ -111,8 +117,9 @@ def apply(model, path: str | Path, choice: str, quantize: str = "auto") -> Verdi
         how = "cached"
     used = "int8" if known["top1"] >= TOP1_MIN and known["kl"] <= KL_MAX else "int16"
     _set(mats, used == "int8")
-    return Verdict(used, f"auto, {how}: int8 against int16 over {known['tokens']} positions "
-                         f"top-1 {100 * known['top1']:.1f} %, mean KL {known['kl']:.2g}",
+    return Verdict(used, f"auto, {how}: int8 against int16 over {known['tokens']} positions, "
+                         f"the worse of prefill and decode: top-1 {100 * known['top1']:.1f} %, "
+                         f"mean KL {known['kl']:.2g}",
                    len(mats) if used == "int8" else 0)
 
 
@@ -124,10 +131,11 @@ def _log_softmax(row: np.ndarray) -> np.ndarray:
 
 def calibrate(model, path: str | Path, mats: list) -> dict:
     """Teacher-forced over the built-in text in slot 0 (free at load): int16 in prefill
-    chunks of 32, int8 token by token (batch 1, where its products run); the top-1
-    agreement and mean KL(int16 || int8) over its positions. The int16 side is kept as
-    each position's top token and log-probabilities in fp16 (a 152k vocabulary: 58 MB
-    for the 192 positions), the int8 side compared row by row."""
+    chunks of 32 (the reference), then int8 the same way (the many-row kernels) and token
+    by token (batch 1). Each int8 side's top-1 agreement and mean KL(int16 || int8) over
+    the positions; the verdict's top1 / kl are the worse side's. The int16 side is kept
+    as each position's top token and log-probabilities in fp16 (a 152k vocabulary: 58 MB
+    for the 192 positions), the int8 sides compared row by row."""
     from ..common.tokenizer import open_tokenizer
     from .model import Span
     tokens = open_tokenizer(path).encode(CALIBRATION_TEXT)
@@ -135,25 +143,38 @@ def calibrate(model, path: str | Path, mats: list) -> dict:
     n, vocab = len(tokens), model.cfg.vocab_size
     ref_top = np.empty(n, dtype=np.int64)
     ref_lp = np.empty((n, vocab), dtype=np.float16)
-    agree, kl = 0, 0.0
-    try:
-        _set(mats, False)
+
+    def prefill():
         for start in range(0, n, 32):
             k = min(32, n - start)
             rows = np.asarray(model.forward(np.array(tokens[start:start + k]),
                                             [Span(0, start, k, verify=k)]), dtype=np.float32)
-            ref_top[start:start + k] = rows.argmax(axis=1)
-            ref_lp[start:start + k] = [_log_softmax(r) for r in rows]
-        _set(mats, True)
+            yield from enumerate(rows, start)
+
+    def decode():
         for i, t in enumerate(tokens):
-            row = np.asarray(model.forward(np.array([t]), [Span(0, i, 1)])[0])
-            lq = _log_softmax(row)
-            lp = ref_lp[i].astype(np.float64)
+            yield i, np.asarray(model.forward(np.array([t]), [Span(0, i, 1)])[0])
+
+    def compare(rows) -> dict:
+        agree, kl = 0, 0.0
+        for i, row in rows:
+            lq, lp = _log_softmax(row), ref_lp[i].astype(np.float64)
             agree += int(row.argmax() == ref_top[i])
             kl += float(np.sum(np.exp(lp) * (lp - lq)))
+        return {"top1": agree / n, "kl": max(kl / n, 0.0)}
+
+    try:
+        _set(mats, False)
+        for i, row in prefill():
+            ref_top[i] = row.argmax()
+            ref_lp[i] = _log_softmax(row)
+        _set(mats, True)
+        sides = {"prefill": compare(prefill()), "decode": compare(decode())}
     finally:
         _set(mats, False)
-    return {"top1": agree / n, "kl": max(kl / n, 0.0), "tokens": n, "file": Path(path).name}
+    return {"top1": min(v["top1"] for v in sides.values()),
+            "kl": max(v["kl"] for v in sides.values()), **sides,
+            "tokens": n, "file": Path(path).name}
 
 
 def file_key(path: str | Path) -> str:

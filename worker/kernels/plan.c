@@ -40,6 +40,7 @@ enum {
     PLAN_B_LANES,       /* blocks of 32, 11+ rows: tokens across the lanes (AVX-512 VNNI) */
     PLAN_B_ROWS,        /* blocks of 32, up to MAXB rows: the int16 row kernels */
     PLAN_B_GROUPS,      /* blocks of 32, BG_MIN_ROWS+ rows, 256-bit builds: W's rows across lanes */
+    PLAN_X8_ROWS,       /* K-quants, 2+ rows, int8 activations (act8, AVX2 builds) */
 };
 
 static int64_t BG_MIN[1] = {BG_MIN_ROWS};
@@ -53,8 +54,8 @@ int pn_plan(const PnMat *m, int64_t B) {
                                 m->code == Q3K || m->code == Q2K))
         return PLAN_DIGITS;
 #else
-    if (B == 1 && m->act8 && (m->code == Q4K || m->code == Q5K || m->code == Q6K))
-        return PLAN_X8;
+    if (m->act8 && (m->code == Q4K || m->code == Q5K || m->code == Q6K))
+        return B == 1 ? PLAN_X8 : PLAN_X8_ROWS;
     if (B == 1 && DIGITS[0] && (m->code == Q4K || m->code == Q5K || m->code == Q6K))
         return PLAN_DIGITS;
 #endif
@@ -121,6 +122,9 @@ int pn_matmul_int(const PnMat *m, const float *x, int64_t B, const PnScratch *s,
 #if !defined(PN_ZMM)
     case PLAN_X8:
         if (x8_product(m, x, s, out)) return 1;
+        break;
+    case PLAN_X8_ROWS:
+        if (x8_rows_product(m, x, B, s, out)) return 1;
         break;
 #endif
 #if defined(PN_ZMM)

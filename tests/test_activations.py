@@ -60,14 +60,14 @@ def test_int8_takes_every_k_quant_product_where_the_build_has_them(kquant_file, 
     assert {m.kind for m in mats} == {"q4k", "q6k"}
     assert all(m.__dict__.get("_act8") for m in mats)
     # coarser, not wrong: the same logits to within int8's rounding
-    assert 0 < np.abs(a - b).max() < 0.05 * np.abs(a).max()
-    # a prefill (many rows) takes int8 too: close to the int16 engine's, not the same
+    assert 0 < np.abs(a - b).max() < 0.1 * np.abs(a).max()
+    # a prefill (many rows) takes int8 too, holding each row as batch 1 does: the same
+    # logits as the token-by-token decode, but for the order of float additions
     span = [Span(0, 0, len(tokens), verify=len(tokens))]
     p16 = int16.forward(np.array(tokens), span)
     p8 = int8.forward(np.array(tokens), span)
-    # (one step per 256 but for outlier blocks: about as far from int16 as batch 1's)
-    assert 0 < np.abs(p8 - p16).mean() < 2 * np.abs(a - b).mean()
-    assert np.abs(p8 - p16).max() < 0.1 * np.abs(p16).max()
+    assert np.abs(p8 - p16).max() > 100 * np.abs(p8 - b).max()
+    np.testing.assert_allclose(p8, b, rtol=0, atol=2e-3 * np.abs(b).max())
 
 
 def test_auto_measures_a_file_once_then_reads_the_verdict(kquant_file, cache, monkeypatch):

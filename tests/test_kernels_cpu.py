@@ -552,30 +552,13 @@ def test_the_kernels_address_cache_keeps_no_array_alive():
                                rtol=1e-5)
 
 
-def quantize_x8(x: np.ndarray) -> np.ndarray:
-    """x as int8 activations take it, returned dequantized: per 256 a unit D = max |x| /
-    (127 x 63), per 32 an integer step s = ceil(max |x| of the 32 / 127 D) in 1 .. 63, and
-    q = x / (D s) rounded half away from zero (float32 throughout, as x8.c)."""
-    f = np.float32
-    v = x.astype(f).reshape(-1, 8, 32)
-    D = (np.abs(v).max(axis=(1, 2), keepdims=True) / f(16129)).astype(f)
-    amax = np.abs(v).max(axis=2, keepdims=True)
-    safe = np.where(D > 0, D, f(1))
-    st = np.where(D > 0, np.ceil(amax / (safe * f(127))), 1).clip(1, 127).astype(f)
-    step = (D * st).astype(f)
-    inv = np.where(D > 0, f(1) / np.where(D > 0, step, f(1)), f(0)).astype(f)
-    r = (v * inv).astype(f)
-    q = np.trunc(r + np.copysign(f(0.5), r)).clip(-127, 127)
-    return (q * step).reshape(x.shape)
-
-
 def quantize_x8_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """x as int8 activations take it on many rows (x8_rows.c), returned dequantized, and
     which of its [rows, K / 256] blocks were held as two digits: per row and block of 256
     one step D = max |x| / 127 where every run of 32 but runs of zeros has its largest |x|
     at >= 1/16 of the block's, else (held) D = max |x| / 16000; q = x / D rounded half
-    away from zero. (A product with more than a third of its row-blocks held takes the
-    int16 kernel instead.)"""
+    away from zero. (A row with a third or more of its blocks held takes the int16
+    kernels instead.)"""
     f = np.float32
     v = x.astype(f).reshape(x.shape[0], -1, 8, 32)
     run = np.abs(v).max(axis=3)
@@ -591,18 +574,17 @@ def quantize_x8_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K], ids=lambda t: t.name)
-def test_int8_activations_are_the_rounding_of_x_that_quantize_x8_says(qtype):
+def test_int8_activations_are_the_rounding_of_x_that_quantize_x8_rows_says(qtype):
     """A matrix set to int8 activations (builds with those kernels: AVX2 ones) multiplies
-    x as quantize_x8 rounds it at batch 1 and as quantize_x8_rows rounds it on more rows —
-    exactly, up to float additions; elsewhere set_int8 changes nothing. x has outliers: a
-    run's own step keeps its small values at batch 1, two digits at more rows (one step
-    per 256 would not)."""
+    x as quantize_x8_rows rounds it, at batch 1 and on more rows — exactly, up to float
+    additions; elsewhere set_int8 changes nothing. x has an outlier channel: its block is
+    held as two digits (one step per 256 would lose the block's small values)."""
     raw, shape = random_tensor(qtype, 300, 6)
     m = qm.from_gguf(raw, qtype, shape)
     rng = np.random.default_rng(17)
     x = (50 * rng.standard_normal((3, m.cols))).astype(np.float32)
-    x[:, rng.integers(0, m.cols, 4)] *= 40
-    x[:, :32] = 0                                 # a run of zeros: its step is 1
+    x[:, 300] = 40 * 150                          # block 1's outlier
+    x[:, :32] = 0                                 # a run of zeros: exact, not held
     w = qm.dequantize(m).astype(np.float64)
     int16, rows16 = kc.matmul(x[:1], m), kc.matmul(x, m)
     kc.set_int8(m, True)
@@ -614,14 +596,13 @@ def test_int8_activations_are_the_rounding_of_x_that_quantize_x8_says(qtype):
         np.testing.assert_array_equal(got, int16)
         np.testing.assert_array_equal(rows, rows16)
         return
-    ref = quantize_x8(x[:1]).astype(np.float64) @ w.T
-    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
-    assert np.abs(got - int16).max() > 1e-3 * np.abs(ref).max()    # it did take int8
     xr, held = quantize_x8_rows(x)
-    assert held.any() and not held.all()
-    ref_rows = xr.astype(np.float64) @ w.T
-    np.testing.assert_allclose(rows, ref_rows, rtol=0, atol=2e-5 * np.abs(ref_rows).max())
-    assert np.abs(rows - rows16).max() > 1e-3 * np.abs(ref_rows).max()
+    assert held[:, 1].all() and held.sum() == 3
+    ref = xr.astype(np.float64) @ w.T
+    tol = 2e-5 * np.abs(ref).max()
+    np.testing.assert_allclose(got, ref[:1], rtol=0, atol=tol)
+    np.testing.assert_allclose(rows, ref, rtol=0, atol=tol)
+    assert np.abs(rows - rows16).max() > 1e-3 * np.abs(ref).max()  # it did take int8
     np.testing.assert_array_equal(kc.matmul(x[:1], m), int16)       # and off again
     np.testing.assert_array_equal(kc.matmul(x, m), rows16)
 
@@ -631,7 +612,9 @@ def test_int8_activations_on_many_rows_hold_each_row_s_outlier_blocks_as_two_dig
     """x8_rows.c at every group size (8, 4, 2, 1 rows of x a pass and their mixes), rows
     whose blocks are held and rows beside them that are not (each row's own choice),
     rows of zeros, and rows long enough (40 blocks) to be taken in spans of super-blocks:
-    each product equals quantize_x8_rows' x against the dequantized weights."""
+    each product equals quantize_x8_rows' x against the dequantized weights, and each
+    row's product is what that row alone gets at batch 1 (nothing depends on the rows
+    beside it)."""
     raw, shape = random_tensor(qtype, 70, 40)
     m = qm.from_gguf(raw, qtype, shape)
     if not kc.takes_int8(m):
@@ -649,22 +632,48 @@ def test_int8_activations_on_many_rows_hold_each_row_s_outlier_blocks_as_two_dig
         try:
             assert kc.plan(m, batch) == "x8_rows"
             got = kc.matmul(x, m)
+            alone = np.concatenate([kc.matmul(x[b:b + 1], m) for b in range(batch)])
         finally:
             kc.set_int8(m, False)
         ref = xr.astype(np.float64) @ w.T
         np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
+        np.testing.assert_allclose(got, alone, rtol=0, atol=2e-5 * np.abs(ref).max())
         assert not got[batch - 1].any()
-    # outliers in every block (a sequence's first positions can look so): int8 would
-    # pay a second pass for most blocks, so the product is the int16 kernel's, exactly
-    x = rng.standard_normal((4, m.cols)).astype(np.float32)
-    x[:, 7::256] = 300
-    assert quantize_x8_rows(x)[1].all()
-    want = kc.matmul(x, m)
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
+def test_a_row_with_outliers_in_a_third_of_its_blocks_takes_the_int16_kernels(qtype):
+    """Held blocks cost a second pass, so a row with a third or more of them held (a
+    sequence's first positions can look so) is multiplied as int16 activations, at
+    batch 1 and among int8 rows alike; every such row at once: the int16 product."""
+    raw, shape = random_tensor(qtype, 70, 12)
+    m = qm.from_gguf(raw, qtype, shape)
+    if not kc.takes_int8(m):
+        pytest.skip("a build without int8 activations (AVX-512 or portable)")
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((5, m.cols)).astype(np.float32)
+    x[1, 7::256] = 300                        # every block of rows 1 and 3 held
+    x[3, 7:4 * 256:256] = 300                 # 4 of 12: a third
+    x[0, 7] = 300                             # row 0: 1 of 12, int8
+    held = quantize_x8_rows(x)[1]
+    assert held.sum(axis=1).tolist()[:4] == [1, 12, 0, 4]
+    int16 = kc.matmul(x, m)
+    int16_alone = np.concatenate([kc.matmul(x[b:b + 1], m) for b in range(5)])
     kc.set_int8(m, True)
     try:
-        np.testing.assert_array_equal(kc.matmul(x, m), want)
+        got = kc.matmul(x, m)
+        dense = kc.matmul(x[[1, 3]], m)
+        alone = np.concatenate([kc.matmul(x[b:b + 1], m) for b in range(5)])
     finally:
         kc.set_int8(m, False)
+    tol = 1e-5 * np.abs(int16).max()
+    for b in (1, 3):
+        np.testing.assert_allclose(got[b], int16[b], rtol=0, atol=tol)
+        np.testing.assert_allclose(alone[b], int16_alone[b], rtol=0, atol=tol)
+    np.testing.assert_array_equal(dense, kc.matmul(x[[1, 3]], m))
+    for b in (0, 2, 4):                       # the others: int8, as alone
+        assert np.abs(got[b] - int16[b]).max() > 1e-4 * np.abs(int16).max()
+        np.testing.assert_allclose(got[b], alone[b], rtol=0, atol=tol)
 
 
 def test_one_plan_decides_each_product_and_says_which():

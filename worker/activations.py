@@ -3,13 +3,13 @@
 The K-quant products (Q4_K, Q5_K, Q6_K) quantize x per super-block of 256: to int16
 (16000 steps: teacher-forced against the fp32 forward every model tried stays within
 top-1 >= 99 %, mean KL <= 0.01) or, in builds that have the kernels (AVX2 ones), to
-int8 (llama.cpp's q8_K: the weights' bytes meet x in vpmaddubsw, 1.4-1.5x the int16
-row kernels' speed on Q4_K). A step of 127 per 256 loses the small values of a block
-beside an outlier channel, so the int8 kernels keep more: at batch 1 each run of 32 its
-own integer step (worker/kernels/x8.c); on more rows (prefill chunks, batched decode) a
-block whose smallest run is under 1/16 of its largest is held as two int8 digits
-(worker/kernels/x8_rows.c). int8 keeps some models inside the bound (Qwen2.5-1.5B) and
-takes others outside it (tiny models with near-tied logits), so it is a per-model choice:
+int8 (llama.cpp's q8_K: the weights' bytes meet x in vpmaddubsw; Qwen2.5-1.5B Q4_K_M
+batch-1 decode 1.2x, prefill 1.4x the int16 kernels). One step of 127 per 256 loses the
+small values of a block beside an outlier channel, so such a block of a row is held as
+two int8 digits (int16's steps), and a row with a third of its blocks so held takes the
+int16 kernels (worker/kernels/x8.c). int8 keeps some models inside the bound and takes
+others outside it (tiny models with near-tied logits; Qwen2.5-1.5B's top-1 by a little),
+so it is a per-model choice:
 
 - `int16`: the exact-as-possible default of the kernels;
 - `int8`: every product that has an int8 kernel takes it, at every batch size;
@@ -42,7 +42,7 @@ TOP1_MIN = 0.99             # the quantized engine's accuracy bound, as for weig
 KL_MAX = 0.01
 CALIBRATION_TOKENS = 192
 VERSION = 2                 # of the calibration: a change re-decides every file
-                            # (2: int8 on many rows too, measured as a prefill)
+                            # (2: int8 held per 256, on many rows too, measured as a prefill)
 CALIBRATION_TEXT = (
     "The lighthouse keeper climbed the stairs at dusk, as he had every evening for thirty "
     "years, and wound the clockwork that turned the lamp. Ships passing the reef saw its "

@@ -37,8 +37,8 @@
 #include "digits.c"       /* batch-1 K-quants: int16 x as two int8 digits (AVX-512 VNNI) */
 #include "amx_codes.c"    /* decode steps on AMX tiles: the weights' own codes */
 #include "digits_avx2.c"  /* batch-1 K-quants: two digits on 256-bit vectors */
-#include "x8.c"           /* batch-1 K-quants: int8 activations (--activations int8) */
-#include "x8_rows.c"      /* K-quants, many rows of x: int8 activations, two digits by an outlier */
+#include "x8.c"           /* int8 activations (--activations int8): how x is held; batch 1 */
+#include "x8_rows.c"      /* int8 activations: K-quants on many rows of x */
 #include "b_groups.c"     /* blocks of 32, many rows of x, 256-bit: W's rows across lanes */
 #include "plan.c"         /* pn_plan (which product runs) and pn_matmul_int (running it) */
 #include "floats.c"       /* fp32 products (gemv), dequantized rows (tiles), the embedding gather */

@@ -118,3 +118,20 @@ def test_a_model_without_k_quants_keeps_int16_and_says_why(cache):
     verdict = act.apply(engine.model, SMOL, "int8")
     assert verdict.used == "int16" and verdict.matrices == 0
     assert "no Q4_K, Q5_K or Q6_K matrix" in verdict.why or "no int8 products" in verdict.why
+
+
+def test_a_calibration_that_cannot_run_keeps_int16_says_why_and_caches_nothing(
+        kquant_file, cache, monkeypatch):
+    """The load goes on: a file whose calibration text cannot be tokenized (a synthetic
+    vocabulary, say) keeps int16 with the reason in its log line, and is measured again
+    at its next load rather than remembered."""
+    def broken(*args):
+        raise ValueError("Error while initializing BPE: Token `x` out of vocabulary")
+    monkeypatch.setattr(act, "calibrate", broken)
+    engine = load_engine(kquant_file, n_slots=1, ctx=64, activations="auto")
+    assert engine.activations == "int16" and not cache.exists()
+    verdict = act.apply(engine.model, kquant_file, "auto")
+    if kc.HAS_X8[0]:
+        assert "the calibration could not run (ValueError: Error while initializing BPE" \
+            in verdict.why
+        assert not any(m.__dict__.get("_act8") for m in act._int8_matrices(engine.model.w))

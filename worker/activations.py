@@ -110,7 +110,12 @@ def apply(model, path: str | Path, choice: str, quantize: str = "auto") -> Verdi
     key = f"{file_key(path)}:{quantize}:v{VERSION}"
     known = _cache_read().get(key)
     if known is None:
-        known = calibrate(model, path, mats)
+        try:
+            known = calibrate(model, path, mats)
+        except Exception as exc:     # e.g. a tokenizer the file's text cannot go through
+            _set(mats, False)        # the load goes on, as exact as it can be; not cached
+            return Verdict("int16", f"auto: the calibration could not run "
+                                    f"({type(exc).__name__}: {exc})")
         _cache_write(key, known)
         how = "measured"
     else:

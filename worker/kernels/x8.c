@@ -13,8 +13,9 @@
  * (the same measurement: KL 0.0006; a step of its own per run of 32, the earlier batch-1
  * way: 0.0009). Each row decides for itself (over Qwen2.5-1.5B's 32-token prefill chunks
  * 3.3 % of the FFN down projection's row-blocks are held, 0.1-0.2 % of the others'; the
- * union over a chunk's rows would be 48 %: each token has its own outlier channels), and
- * every batch size holds a row the same way, so a sequence's products do not depend on
+ * union over a chunk's rows would be 48 %: each token has its own outlier channels); a
+ * row with a third or more of its blocks held takes the int16 kernels (x8_dense_row).
+ * Every batch size holds a row the same way, so a sequence's products do not depend on
  * what it is batched with. */
 #if defined(__AVX2__) && !defined(PN_ZMM)
 

@@ -1,6 +1,11 @@
 """Two builds of the CPU kernels, product by product, alternated call by call in one process.
 
     python -m pantheon.bench.kernels_ab OTHER.so [--batches 1,2,4,5,8,12,16,64] [--core 1]
+    PANTHEON_ISA=avx2 python -m pantheon.bench.kernels_ab --int8 [--batches 1,8,32]
+
+With --int8 (and no OTHER.so) it compares this build's int8 activations against its
+int16 ones on the K-quant shapes (a matrix's act8 on and off; builds with int8 kernels:
+AVX2 ones), x with an outlier channel in 3 % of its row-blocks, as activations have.
 
 OTHER.so is another build of the kernels (an older commit's, or one compiled with other
 flags: `cc -O3 -march=native -pthread -shared -fPIC -std=c11 -o OTHER.so pantheon.c -lm`);
@@ -37,7 +42,9 @@ def random_blocks(qtype, rows: int, blocks: int, seed: int = 0):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pantheon.bench.kernels_ab", description=__doc__)
-    ap.add_argument("other", help="another build of the kernels (.so)")
+    ap.add_argument("other", nargs="?", help="another build of the kernels (.so)")
+    ap.add_argument("--int8", action="store_true", help="this build's int8 activations "
+                    "against its int16 ones (no OTHER.so)")
     ap.add_argument("--batches", default="1,2,4,5,8,12,16,64", help="rows of x")
     ap.add_argument("--core", type=int, default=1, help="the one core to run on")
     ap.add_argument("--calls", type=int, default=200, help="calls per build and case "
@@ -49,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     from pantheon.worker import kernels_cpu as kc, kernels_header, matrices
 
     this = kc.library()
+    if args.int8:
+        return int8_vs_int16(args, kc, matrices, QT, np)
+    if not args.other:
+        ap.error("OTHER.so is needed unless --int8")
     other = ctypes.CDLL(os.path.abspath(args.other))
     names = [n for n in kc.DECLS.functions if hasattr(other, n)]
     kernels_header.declare(other, kernels_header.Header(
@@ -81,6 +92,43 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"case": name, "rows": batch, "plan": kc.plan(m, batch),
                               "this_us": round(a / 1e3, 1), "other_us": round(b / 1e3, 1),
                               "this_vs_other": round(a / b, 3)}), flush=True)
+    print(json.dumps({"load_avg": os.getloadavg()[0]}))
+    return 0
+
+
+def int8_vs_int16(args, kc, matrices, QT, np) -> int:
+    """This build's K-quant products with the matrix's act8 on against off, call by
+    call (ABBA), on Qwen2.5-1.5B's shapes; JSON lines as main's."""
+    if not kc.HAS_X8[0]:
+        print(json.dumps({"note": "this build has no int8 activations (AVX2 builds do)"}))
+        return 0
+    shapes = ((QT.Q4_K, 8960, 6, "Q4_K [8960, 1536]"), (QT.Q4_K, 1536, 35, "Q4_K [1536, 8960]"),
+              (QT.Q6_K, 1536, 35, "Q6_K [1536, 8960]"))
+    lib = kc.library()
+    for qtype, rows, blocks, name in shapes:
+        raw, shape = random_blocks(qtype, rows, blocks)
+        m = matrices.from_gguf(raw, qtype, shape)
+        for batch in (int(b) for b in args.batches.split(",")):
+            rng = np.random.default_rng(batch)
+            x = rng.standard_normal((batch, m.cols)).astype(np.float32)
+            hits = rng.random((batch, m.cols // 256)) < 0.03
+            for b, k in zip(*np.nonzero(hits)):
+                x[b, k * 256 + 5] *= 50
+            y = np.empty((batch, m.rows), np.float32)
+            scratch = kc._cscratch(batch, m.cols)
+            times: dict = {"int8": [], "int16": []}
+            calls = args.calls if batch < 16 else max(1, args.calls // 4)
+            for i in range(2 * calls):
+                side = ("int8", "int16")[i % 2 ^ (i // 2) % 2]
+                kc.set_int8(m, side == "int8")
+                mat = kc._cmat(m)
+                t0 = time.perf_counter_ns()
+                lib.pn_matmul_int(mat, kc._ptr(x), batch, scratch, kc._ptr(y))
+                times[side].append(time.perf_counter_ns() - t0)
+            a, b = statistics.median(times["int8"]), statistics.median(times["int16"])
+            print(json.dumps({"case": name, "rows": batch, "int8_us": round(a / 1e3, 1),
+                              "int16_us": round(b / 1e3, 1), "int16_vs_int8": round(b / a, 3),
+                              "int8_gmac_s": round(m.rows * m.cols * batch / a, 1)}), flush=True)
     print(json.dumps({"load_avg": os.getloadavg()[0]}))
     return 0
 

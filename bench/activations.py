@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
            "int8_matrices": len(mats)}
     if not mats:
         out["note"] = ("nothing to compare: " + ("this build has no int8 products" if not
-                       kernels_cpu.HAS_X8[0] else "the model has no Q4_K/Q5_K/Q6_K matrix"))
+                       kernels_cpu.HAS_X8[0] else "the model has no Q4_K/Q5_K/Q6_K/IQ4_XS matrix"))
         print(json.dumps(out))
         return 0
 

@@ -30,7 +30,7 @@ def random_blocks(qtype, rows: int, blocks: int, seed: int = 0):
     """A GGUF tensor of random blocks with sane fp16 scales (as the kernel tests make)."""
     import numpy as np
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
-    scales = {QT.Q4_1: [0, 2], QT.Q4_K: [0, 2], QT.Q6_K: [208]}
+    scales = {QT.Q4_1: [0, 2], QT.Q4_K: [0, 2], QT.Q6_K: [208], QT.IQ4_XS: [0]}
     block, size = GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(seed)
     b = rng.integers(0, 256, (rows * blocks, size), dtype=np.uint8)

@@ -85,7 +85,7 @@ s = settings
 KV_HELP = ("KV cache type of keys and values: f32 (a CPU's default), f16 (a GPU's), q8_0 or "
            "q4_0 (blocks of 32 with an fp16 scale, llama.cpp's layout); env "
            "PANTHEON_KV_CACHE, QWEN35_KV_Q4=1: q4_0")
-ACTIVATIONS_HELP = ("what a CPU die's Q4_K/Q5_K/Q6_K products take (AVX2 builds): "
+ACTIVATIONS_HELP = ("what a CPU die's Q4_K/Q5_K/Q6_K/IQ4_XS products take (AVX2 builds): "
                     "int16 (16000 steps per 256), int8 (127: vpmaddubsw products, 1.2-1.5x "
                     "faster, coarser) or auto (int8 where a short text measured at the file's "
                     "first load, as a prefill and token by token, stays within top-1 99 %% "

@@ -117,7 +117,7 @@ def test_a_model_without_k_quants_keeps_int16_and_says_why(cache):
     assert engine.activations == "int16" and not cache.exists()
     verdict = act.apply(engine.model, SMOL, "int8")
     assert verdict.used == "int16" and verdict.matrices == 0
-    assert "no Q4_K, Q5_K or Q6_K matrix" in verdict.why or "no int8 products" in verdict.why
+    assert "no Q4_K, Q5_K, Q6_K or IQ4_XS matrix" in verdict.why or "no int8 products" in verdict.why
 
 
 def test_a_calibration_that_cannot_run_keeps_int16_says_why_and_caches_nothing(

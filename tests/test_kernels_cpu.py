@@ -573,7 +573,7 @@ def quantize_x8_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return (q * d[..., None, None]).reshape(x.shape), held
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_XS], ids=lambda t: t.name)
 def test_int8_activations_are_the_rounding_of_x_that_quantize_x8_rows_says(qtype):
     """A matrix set to int8 activations (builds with those kernels: AVX2 ones) multiplies
     x as quantize_x8_rows rounds it, at batch 1 and on more rows — exactly, up to float
@@ -607,7 +607,7 @@ def test_int8_activations_are_the_rounding_of_x_that_quantize_x8_rows_says(qtype
     np.testing.assert_array_equal(kc.matmul(x, m), rows16)
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_XS], ids=lambda t: t.name)
 def test_int8_activations_on_many_rows_hold_each_row_s_outlier_blocks_as_two_digits(qtype):
     """x8_rows.c at every group size (8, 4, 2, 1 rows of x a pass and their mixes), rows
     whose blocks are held and rows beside them that are not (each row's own choice),
@@ -641,7 +641,7 @@ def test_int8_activations_on_many_rows_hold_each_row_s_outlier_blocks_as_two_dig
         assert not got[batch - 1].any()
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K, QT.IQ4_XS], ids=lambda t: t.name)
 def test_a_row_with_outliers_in_a_third_of_its_blocks_takes_the_int16_kernels(qtype):
     """Held blocks cost a second pass, so a row with a third or more of them held (a
     sequence's first positions can look so) is multiplied as int16 activations, at

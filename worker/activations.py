@@ -1,6 +1,6 @@
 """How precisely a CPU die's products see the activations: `--activations auto|int8|int16`.
 
-The K-quant products (Q4_K, Q5_K, Q6_K) quantize x per super-block of 256: to int16
+The K-quant products (Q4_K, Q5_K, Q6_K, IQ4_XS) quantize x per super-block of 256: to int16
 (16000 steps: teacher-forced against the fp32 forward every model tried stays within
 top-1 >= 99 %, mean KL <= 0.01) or, in builds that have the kernels (AVX2 ones), to
 int8 (llama.cpp's q8_K: the weights' bytes meet x in vpmaddubsw; Qwen2.5-1.5B Q4_K_M
@@ -95,7 +95,7 @@ def apply(model, path: str | Path, choice: str, quantize: str = "auto") -> Verdi
     mats = _int8_matrices(model.w)
     if not mats:
         why = ("this build has no int8 products (AVX-512 builds keep their int16 ones)"
-               if not kernels_cpu.HAS_X8[0] else "no Q4_K, Q5_K or Q6_K matrix")
+               if not kernels_cpu.HAS_X8[0] else "no Q4_K, Q5_K, Q6_K or IQ4_XS matrix")
         return Verdict("int16", why)
     if choice == "int16":
         _set(mats, False)

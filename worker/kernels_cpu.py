@@ -240,7 +240,7 @@ def _cmat(m: QMatrix) -> int:
     return m.__dict__["_c_mat"][2]
 
 
-X8_KINDS = ("q4k", "q5k", "q6k")    # the kinds the C kernels multiply by int8 activations
+X8_KINDS = ("q4k", "q5k", "q6k", "iq4xs")    # the kinds the C kernels multiply by int8 activations
 # the C kernels' plans (plan.c's pn_plan), by number
 PLANS = ("none", "amx", "digits", "x8", "k_lanes", "k_rows", "b_lanes", "b_rows", "b_groups",
          "x8_rows")

@@ -54,7 +54,7 @@ int pn_plan(const PnMat *m, int64_t B) {
                                 m->code == Q3K || m->code == Q2K))
         return PLAN_DIGITS;
 #else
-    if (m->act8 && (m->code == Q4K || m->code == Q5K || m->code == Q6K))
+    if (m->act8 && (m->code == Q4K || m->code == Q5K || m->code == Q6K || m->code == IQ4XS))
         return B == 1 ? PLAN_X8 : PLAN_X8_ROWS;
     if (B == 1 && DIGITS[0] && (m->code == Q4K || m->code == Q5K || m->code == Q6K))
         return PLAN_DIGITS;

@@ -1,4 +1,4 @@
-/* x8.c: K-quants (Q4_K, Q5_K, Q6_K) through int8 activations (`--activations int8`, a
+/* x8.c: K-quants (Q4_K, Q5_K, Q6_K, IQ4_XS) through int8 activations (`--activations int8`, a
  * matrix's act8; AVX2 builds without AVX-512): how x is held (quantize_x8_rows, every
  * batch size) and the batch-1 products; x8_rows.c multiplies many rows.
  *
@@ -153,6 +153,34 @@ static inline __m256i x8_pair(__m256i w, const int8_t *x, __m256i sl) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)x)), sl);
 }
 
+/* signed weights (IQ4_XS's levels, -127 .. 113) against 32 int8 values of x: vpmaddubsw
+ * takes |w| and x with w's sign (pairs at most 2 x 127 x 127) */
+static inline __m256i x8_spair(__m256i w, const int8_t *x, __m256i sl) {
+    const __m256i xv = _mm256_loadu_si256((const __m256i *)x);
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w)), sl);
+}
+
+/* An IQ4_XS super-block's runs 2t (r0: values 64t .. 64t + 31) and 2t + 1 (r1) as its
+ * signed levels: bytes 32t .. hold run 2t's values i and 16 + i in byte i's nibbles, run
+ * 2t + 1's in bytes 32t + 16 .. */
+static inline void iq4xs_values(const uint8_t *b, int t, __m256i *r0, __m256i *r1) {
+    const __m256i low4 = _mm256_set1_epi8(15);
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_LEVELS));
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + 8 + 32 * t));
+    const __m256i lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(raw, low4));
+    const __m256i hi = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4));
+    *r0 = _mm256_permute2x128_si256(lo, hi, 0x20);
+    *r1 = _mm256_permute2x128_si256(lo, hi, 0x31);
+}
+
+/* IQ4_XS's 8 sub-scales (less 32) as int16, in both lanes */
+static inline __m256i iq4xs_subscales(const uint8_t *b) {
+    uint8_t ls[8];
+    iq4xs_scales(b, ls);
+    return _mm256_broadcastsi128_si256(_mm_sub_epi16(
+        _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)ls)), _mm_set1_epi16(32)));
+}
+
 typedef struct {
     int code; const uint8_t *qs; int64_t N, K; const int8_t *xh, *xl; const uint8_t *hard;
     const float *xd, *xs;           /* Q6_K: xs per 16, the -32 offset's term */
@@ -257,9 +285,46 @@ static void q6k_x8_chunk(const void *p, int64_t c) {
     }
 }
 
-/* a Q4_K, Q5_K or Q6_K product at batch 1 with int8 activations (a dense row, as
- * x8_dense_row says: the int16 digits); 0 where the buffers cannot be had (the caller
- * then takes the int16 path). The scratch's int16 x holds the two digit arrays (K bytes
+/* IQ4_XS at batch 1: the high digits (or int8 values) and a held block's low digits in
+ * sums of their own (each lane at most 8 x 2 x 2 x 127 x 127 x 32) */
+static void iq4xs_x8_chunk(const void *p, int64_t c) {
+    const X8Args *a = p;
+    const int64_t nb = a->K / 256;
+    const int64_t n0 = c * a->rows, n1 = n0 + a->rows < a->N ? n0 + a->rows : a->N;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = a->qs + n * nb * IQ4XS_BYTES;
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t blk = 0; blk < nb; blk++) {
+            const uint8_t *b = row + blk * IQ4XS_BYTES;
+            for (int64_t l = 0; l < IQ4XS_BYTES; l += 64)
+                _mm_prefetch((const char *)b + PF_AHEAD + l, _MM_HINT_T0);
+            const __m256i S = iq4xs_subscales(b);
+            const int8_t *xh = a->xh + blk * 256, *xl = a->xl + blk * 256;
+            const int held = a->hard[blk];
+            const float dx = half_to_float(load_u16(b)) * a->xd[blk];
+            __m256i ci = _mm256_setzero_si256(), cl = _mm256_setzero_si256();
+#pragma GCC unroll 4
+            for (int t = 0; t < 4; t++) {
+                __m256i r0, r1;
+                iq4xs_values(b, t, &r0, &r1);
+                const __m256i s0 = one_scale(S, 2 * t), s1 = one_scale(S, 2 * t + 1);
+                ci = _mm256_add_epi32(ci, _mm256_add_epi32(x8_spair(r0, xh + 64 * t, s0),
+                                                           x8_spair(r1, xh + 64 * t + 32, s1)));
+                if (held)
+                    cl = _mm256_add_epi32(cl, _mm256_add_epi32(x8_spair(r0, xl + 64 * t, s0),
+                                                               x8_spair(r1, xl + 64 * t + 32, s1)));
+            }
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ci), _mm256_set1_ps(dx), acc);
+            if (held)
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(cl), _mm256_set1_ps(dx * (1.0f / 128.0f)), acc);
+        }
+        a->out[n] = hsum(acc);
+    }
+}
+
+/* a Q4_K, Q5_K, Q6_K or IQ4_XS product at batch 1 with int8 activations (a dense row,
+ * as x8_dense_row says: the int16 digits, or for IQ4_XS its int16 row kernel through the
+ * caller); 0 where the buffers cannot be had (the caller then takes the int16 path). The scratch's int16 x holds the two digit arrays (K bytes
  * each). */
 static int x8_product(const PnMat *m, const float *x, const PnScratch *s, float *out) {
     const int64_t K = m->K;
@@ -268,9 +333,11 @@ static int x8_product(const PnMat *m, const float *x, const PnScratch *s, float 
     int8_t *xh = (int8_t *)s->xq, *xl = xh + K;
     quantize_x8_rows(x, 1, K, m->code, xh, xl, x8r_hard, s->xd, xs);
     if (x8_dense_row(x8r_hard, 1, K / 256))         /* as x8_rows_product: int16 */
-        return m->code == Q6K ? q6k_digits2(m, x, s, out) : k45_digits2(m, x, s, out);
+        return m->code == Q6K ? q6k_digits2(m, x, s, out)
+             : m->code == IQ4XS ? 0 : k45_digits2(m, x, s, out);
     X8Args a = {m->code, m->qs, m->N, K, xh, xl, x8r_hard, s->xd, xs, out, piece_rows(m->N)};
-    pool_run(m->code == Q6K ? q6k_x8_chunk : k45_x8_chunk, &a, (m->N + a.rows - 1) / a.rows);
+    pool_run(m->code == Q6K ? q6k_x8_chunk : m->code == IQ4XS ? iq4xs_x8_chunk : k45_x8_chunk,
+             &a, (m->N + a.rows - 1) / a.rows);
     return 1;
 }
 int pn_has_x8(void) { return 1; }

@@ -1,4 +1,4 @@
-/* x8_rows.c: K-quants (Q4_K, Q5_K, Q6_K) against many rows of x with int8 activations
+/* x8_rows.c: K-quants (Q4_K, Q5_K, Q6_K, IQ4_XS) against many rows of x with int8 activations
  * (`--activations int8`, a matrix's act8; AVX2 builds without AVX-512): prefill chunks
  * and batched decode steps, x held as x8.c's quantize_x8_rows says. The int16 row
  * kernels (k_row_avx2) spend per 64 values and row 4 vpmaddwd and 4 adds, and widen
@@ -27,6 +27,16 @@ typedef struct {
  * per lane (each lane at most 32 x 63 x 128 x 127) */
 static inline __m256i x8r_low_digits(int code, const uint8_t *p, const int8_t *xl) {
     __m256i c = _mm256_setzero_si256();
+    if (code == IQ4XS) {
+        const __m256i S = iq4xs_subscales(p);
+        for (int t = 0; t < 4; t++) {
+            __m256i r0, r1;
+            iq4xs_values(p, t, &r0, &r1);
+            c = _mm256_add_epi32(c, _mm256_add_epi32(x8_spair(r0, xl + 64 * t, one_scale(S, 2 * t)),
+                                                     x8_spair(r1, xl + 64 * t + 32, one_scale(S, 2 * t + 1))));
+        }
+        return c;
+    }
     if (code != Q6K) {
         const int five = code == Q5K;
         uint8_t sm[16];
@@ -72,7 +82,29 @@ static inline __attribute__((always_inline)) void x8_row(
         const int64_t at = blk * a->B + b0;     /* the group's first row in this block */
         const int8_t *xh = a->xh + at * 256;
         const float *xd = a->xd + at;
-        if (!six) {
+        if (a->code == IQ4XS) {
+            const __m256i S = iq4xs_subscales(p);
+            const float d = half_to_float(load_u16(p));
+            __m256i c[X8R_GROUP];
+            for (int b = 0; b < G; b++) c[b] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+            for (int t = 0; t < 4; t++) {
+                X8R_BARRIER();
+                __m256i r0, r1;
+                iq4xs_values(p, t, &r0, &r1);
+                const __m256i s0 = one_scale(S, 2 * t), s1 = one_scale(S, 2 * t + 1);
+                const __m256i a0 = _mm256_abs_epi8(r0), a1 = _mm256_abs_epi8(r1);
+                for (int b = 0; b < G; b++) {
+                    const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xh + b * 256 + 64 * t));
+                    const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xh + b * 256 + 64 * t + 32));
+                    c[b] = _mm256_add_epi32(c[b], _mm256_add_epi32(
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(x0, r0)), s0),
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(x1, r1)), s1)));
+                }
+            }
+            for (int b = 0; b < G; b++)
+                acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c[b]), _mm256_set1_ps(d * xd[b]), acc[b]);
+        } else if (!six) {
             uint8_t sm[16];
             k_scales_fast(p + 4, sm);
             const float d = half_to_float(load_u16(p));

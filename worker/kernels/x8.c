@@ -36,12 +36,13 @@ static inline int x8_dense_row(const uint8_t *hard, int64_t stride, int64_t nb) 
     return 3 * n >= nb && n > 0;
 }
 
-/* This thread's buffers for B rows of K (the held flags and places; Q6_K's sums per 16),
- * grown as needed; 0 where they cannot be had */
+/* This thread's buffers for B rows of K (the held flags and places, then B flags of
+ * dense rows after the held ones; Q6_K's sums per 16), grown as needed; 0 where they
+ * cannot be had */
 static int x8_buffers(int code, int64_t B, int64_t K) {
     const int64_t n = K / 256 * B;
-    if (n > x8r_hard_cap) {
-        uint8_t *nbuf = aligned_alloc(64, (size_t)(n + 63) / 64 * 64);
+    if (n > x8r_hard_cap) {         /* (B <= n: the dense flags fit in as many again) */
+        uint8_t *nbuf = aligned_alloc(64, (size_t)(2 * n + 63) / 64 * 64);
         int32_t *nheld = aligned_alloc(64, (size_t)(n * 4 + 63) / 64 * 64);
         if (!nbuf || !nheld) return free(nbuf), free(nheld), 0;
         free(x8r_hard), free(x8r_held), x8r_hard = nbuf, x8r_held = nheld, x8r_hard_cap = n;

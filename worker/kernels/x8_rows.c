@@ -62,6 +62,22 @@ static inline __m256i x8r_low_digits(int code, const uint8_t *p, const int8_t *x
     return c;
 }
 
+/* One quad of a block (values 64t .. 64t + 63: runs 2t, 2t + 1, weights w0, w1 under
+ * sub-scales s0, s1) against G rows of x, added to their sums c. Signed weights
+ * (IQ4_XS: `sg`, their levels in g0, g1) go in as |w| (w0, w1) with x taking their sign. */
+static inline __attribute__((always_inline)) void x8r_quad(
+        __m256i c[], const int G, const int8_t *xh, int t, __m256i w0, __m256i w1,
+        __m256i s0, __m256i s1, const int sg, __m256i g0, __m256i g1) {
+    for (int b = 0; b < G; b++) {
+        __m256i x0 = _mm256_loadu_si256((const __m256i *)(xh + b * 256 + 64 * t));
+        __m256i x1 = _mm256_loadu_si256((const __m256i *)(xh + b * 256 + 64 * t + 32));
+        if (sg) x0 = _mm256_sign_epi8(x0, g0), x1 = _mm256_sign_epi8(x1, g1);
+        c[b] = _mm256_add_epi32(c[b], _mm256_add_epi32(
+            _mm256_madd_epi16(_mm256_maddubs_epi16(w0, x0), s0),
+            _mm256_madd_epi16(_mm256_maddubs_epi16(w1, x1), s1)));
+    }
+}
+
 /* Super-blocks [blk0, blk1) of one row of W against G rows of x (rows b0 ..): out[b * N]
  * set, or added to (`add`). Every row's xh meets the weights here (a held block's high
  * digits, whose weight of 128 its xd carries); the held blocks' low digits are added
@@ -92,15 +108,8 @@ static inline __attribute__((always_inline)) void x8_row(
                 X8R_BARRIER();
                 __m256i r0, r1;
                 iq4xs_values(p, t, &r0, &r1);
-                const __m256i s0 = one_scale(S, 2 * t), s1 = one_scale(S, 2 * t + 1);
-                const __m256i a0 = _mm256_abs_epi8(r0), a1 = _mm256_abs_epi8(r1);
-                for (int b = 0; b < G; b++) {
-                    const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xh + b * 256 + 64 * t));
-                    const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xh + b * 256 + 64 * t + 32));
-                    c[b] = _mm256_add_epi32(c[b], _mm256_add_epi32(
-                        _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(x0, r0)), s0),
-                        _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(x1, r1)), s1)));
-                }
+                x8r_quad(c, G, xh, t, _mm256_abs_epi8(r0), _mm256_abs_epi8(r1),
+                         one_scale(S, 2 * t), one_scale(S, 2 * t + 1), 1, r0, r1);
             }
             for (int b = 0; b < G; b++)
                 acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c[b]), _mm256_set1_ps(d * xd[b]), acc[b]);
@@ -119,10 +128,7 @@ static inline __attribute__((always_inline)) void x8_row(
                 X8R_BARRIER();
                 __m256i lo, hi;
                 k45_values(p, five, qh, t, &lo, &hi);
-                const __m256i s0 = one_scale(S, 2 * t), s1 = one_scale(S, 2 * t + 1);
-                for (int b = 0; b < G; b++)
-                    c[b] = _mm256_add_epi32(c[b], _mm256_add_epi32(
-                        x8_pair(lo, xh + b * 256 + 64 * t, s0), x8_pair(hi, xh + b * 256 + 64 * t + 32, s1)));
+                x8r_quad(c, G, xh, t, lo, hi, one_scale(S, 2 * t), one_scale(S, 2 * t + 1), 0, lo, hi);
             }
             for (int b = 0; b < G; b++)
                 acc[b] = _mm256_fmadd_ps(mf, _mm256_loadu_ps(a->xs + (at + b) * 8),
@@ -142,10 +148,7 @@ static inline __attribute__((always_inline)) void x8_row(
                 const __m256i Sa = _mm256_permute2x128_si256(S16, S16, t >= 2 ? 0x11 : 0x00);
                 __m256i r0, r1;
                 q6k_values(p, t, &r0, &r1);
-                const __m256i s0 = run_scales(Sa, 2 * t), s1 = run_scales(Sa, 2 * t + 1);
-                for (int b = 0; b < G; b++)
-                    c[b] = _mm256_add_epi32(c[b], _mm256_add_epi32(
-                        x8_pair(r0, xh + b * 256 + 64 * t, s0), x8_pair(r1, xh + b * 256 + 64 * t + 32, s1)));
+                x8r_quad(c, G, xh, t, r0, r1, run_scales(Sa, 2 * t), run_scales(Sa, 2 * t + 1), 0, r0, r1);
             }
             for (int b = 0; b < G; b++)
                 acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c[b]), _mm256_set1_ps(d * xd[b]), acc[b]);
@@ -225,12 +228,13 @@ static int x8_rows_product(const PnMat *m, const float *x, int64_t B, const PnSc
     float *xs = m->code == Q6K ? x8r_xs16 : s->xs;     /* 16 sums a block: twice the scratch's */
     int8_t *xh = (int8_t *)s->xq, *xl = xh + B * K;
     quantize_x8_rows(x, B, K, m->code, xh, xl, x8r_hard, s->xd, xs);
+    uint8_t *dense = x8r_hard + nb * B;             /* per row */
     int64_t n_dense = 0;
-    for (int64_t b = 0; b < B; b++) n_dense += x8_dense_row(x8r_hard + b, B, nb);
+    for (int64_t b = 0; b < B; b++) n_dense += dense[b] = (uint8_t)x8_dense_row(x8r_hard + b, B, nb);
     if (n_dense == B) return 0;                     /* every row: the int16 kernel */
     int64_t n_held = 0;
     for (int64_t at = 0; at < nb * B; at++)     /* a dense row's blocks: not here */
-        if (x8r_hard[at] && !x8_dense_row(x8r_hard + at % B, B, nb)) x8r_held[n_held++] = (int32_t)at;
+        if (x8r_hard[at] && !dense[at % B]) x8r_held[n_held++] = (int32_t)at;
     X8RowsArgs a = {m->code, m->qs, N, K, B, xh, xl, x8r_held, n_held, s->xd, xs, out,
                     piece_rows(N)};
     pool_run(x8_rows_chunk, &a, (N + a.rows - 1) / a.rows);
@@ -244,13 +248,11 @@ static int x8_rows_product(const PnMat *m, const float *x, int64_t B, const PnSc
         }
         float *rows_x = f, *xd16 = rows_x + nd * K, *xs16 = xd16 + nd * nb, *o16 = xs16 + nd * K / 32;
         for (int64_t b = 0, i = 0; b < B; b++)
-            if (x8_dense_row(x8r_hard + b, B, nb))
-                memcpy(rows_x + i++ * K, x + b * K, sizeof(float) * (size_t)K);
+            if (dense[b]) memcpy(rows_x + i++ * K, x + b * K, sizeof(float) * (size_t)K);
         pn_quantize_xk(rows_x, nd, K, xq16, xd16, xs16);
         pn_gemv_k(m->code, m->qs, N, K, xq16, xd16, xs16, nd, o16);
         for (int64_t b = 0, i = 0; b < B; b++)
-            if (x8_dense_row(x8r_hard + b, B, nb))
-                memcpy(out + b * N, o16 + i++ * N, sizeof(float) * (size_t)N);
+            if (dense[b]) memcpy(out + b * N, o16 + i++ * N, sizeof(float) * (size_t)N);
         free(f), free(xq16);
     }
     return 1;

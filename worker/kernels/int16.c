@@ -34,6 +34,22 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* 8 floats' largest */
+static inline float hmax8(__m256 m) {
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    return _mm_cvtss_f32(m4);
+}
+
+/* 8 int32's sum */
+static inline int32_t hsum_epi32(__m256i v) {
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+    return _mm_cvtsi128_si32(t);
+}
+
 #define GROUP 8     /* rows of x that share one pass over a row of W (registers) */
 #ifndef PF_AHEAD
 /* The products wait on W's stream from memory unless software prefetches run this far

@@ -17,6 +17,19 @@
 
 #define XK_MAX 16000.0f   /* |x| in steps: keeps every int32 sum of a super-block in range */
 
+/* 32 values times inv, rounded half away from zero and kept within +-lim, as int32 in
+ * q[4] (the int16 and the int8 activations' one rounding) */
+static inline void round32(const float *v, float inv, float lim, __m256i q[4]) {
+    const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u));
+    const __m256 half = _mm256_set1_ps(0.5f), vinv = _mm256_set1_ps(inv);
+    const __m256 hi = _mm256_set1_ps(lim), lo = _mm256_set1_ps(-lim);
+    for (int h = 0; h < 4; h++) {
+        __m256 r = _mm256_mul_ps(_mm256_loadu_ps(v + 8 * h), vinv);
+        r = _mm256_add_ps(r, _mm256_or_ps(_mm256_and_ps(r, sign), half));
+        q[h] = _mm256_cvttps_epi32(_mm256_max_ps(_mm256_min_ps(r, hi), lo));
+    }
+}
+
 /* x [B, K] → int16 (xq), a scale per 256 (xd), the sums of xq per 32 times that scale
  * (xs: what the Q4_K mins meet). */
 void pn_quantize_xk(const float *x, int64_t B, int64_t K, int16_t *xq, float *xd,
@@ -48,35 +61,22 @@ void pn_quantize_xk(const float *x, int64_t B, int64_t K, int16_t *xq, float *xd
         }
 #else           /* AVX2 */
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u));
-    const __m256 half = _mm256_set1_ps(0.5f);
     for (int64_t b = 0; b < B; b++)
         for (int64_t blk = 0; blk < nb; blk++) {
             const float *v = x + b * K + blk * 256;
             int16_t *q = xq + b * K + blk * 256;
             __m256 m = _mm256_setzero_ps();
             for (int i = 0; i < 256; i += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(v + i), absmask));
-            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-            const float d = _mm_cvtss_f32(m4) / XK_MAX, inv = d > 0 ? 1.0f / d : 0.0f;
-            const __m256 vinv = _mm256_set1_ps(inv);
-            for (int j = 0; j < 8; j++) {       /* r = v * inv, plus copysign(0.5, r), truncated */
-                __m256i iv[4], tot = _mm256_setzero_si256();
-                for (int h = 0; h < 4; h++) {
-                    __m256 r = _mm256_mul_ps(_mm256_loadu_ps(v + 32 * j + 8 * h), vinv);
-                    r = _mm256_add_ps(r, _mm256_or_ps(_mm256_and_ps(r, sign), half));
-                    iv[h] = _mm256_cvttps_epi32(r);
-                    tot = _mm256_add_epi32(tot, iv[h]);
-                }
+            const float d = hmax8(m) / XK_MAX, inv = d > 0 ? 1.0f / d : 0.0f;
+            for (int j = 0; j < 8; j++) {
+                __m256i iv[4];
+                round32(v + 32 * j, inv, XK_MAX, iv);
                 _mm256_storeu_si256((__m256i *)(q + 32 * j), _mm256_permute4x64_epi64(
                     _mm256_packs_epi32(iv[0], iv[1]), 0xD8));
                 _mm256_storeu_si256((__m256i *)(q + 32 * j + 16), _mm256_permute4x64_epi64(
                     _mm256_packs_epi32(iv[2], iv[3]), 0xD8));
-                __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(tot), _mm256_extracti128_si256(tot, 1));
-                t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
-                t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
-                xs[(b * nb + blk) * 8 + j] = (float)_mm_cvtsi128_si32(t4) * d;
+                xs[(b * nb + blk) * 8 + j] = (float)hsum_epi32(_mm256_add_epi32(
+                    _mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]))) * d;
             }
             xd[b * nb + blk] = d;
         }

@@ -99,10 +99,7 @@ static inline void quantize_x16(const float *x, int64_t B, int64_t K, int16_t *x
                 m = _mm256_max_ps(m, _mm256_and_ps(a[h], absmask));
                 sum = _mm256_add_ps(sum, a[h]);
             }
-            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-            const float d = _mm_cvtss_f32(m4) / steps, inv = d > 0 ? 1.0f / d : 0.0f;
+            const float d = hmax8(m) / steps, inv = d > 0 ? 1.0f / d : 0.0f;
             const __m256 vinv = _mm256_set1_ps(inv);
             __m256i iv[4];
             for (int h = 0; h < 4; h++) {

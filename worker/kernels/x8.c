@@ -55,39 +55,12 @@ static int x8_buffers(int code, int64_t B, int64_t K) {
     return 1;
 }
 
-/* 8 floats' largest |.| */
-static inline float hmax_abs8(__m256 m) {
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    return _mm_cvtss_f32(m4);
-}
-
-/* 32 values times inv, rounded half away from zero (as pn_quantize_xk), as int32 in q[4] */
-static inline void x8r_round32(const float *v, float inv, float lim, __m256i q[4]) {
-    const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u));
-    const __m256 half = _mm256_set1_ps(0.5f), vinv = _mm256_set1_ps(inv);
-    const __m256 hi = _mm256_set1_ps(lim), lo = _mm256_set1_ps(-lim);
-    for (int h = 0; h < 4; h++) {
-        __m256 r = _mm256_mul_ps(_mm256_loadu_ps(v + 8 * h), vinv);
-        r = _mm256_add_ps(r, _mm256_or_ps(_mm256_and_ps(r, sign), half));
-        q[h] = _mm256_cvttps_epi32(_mm256_max_ps(_mm256_min_ps(r, hi), lo));
-    }
-}
-
 /* 32 int32 (each in int8's range) to bytes, in order */
 static inline void x8r_store8(int8_t *dst, const __m256i q[4]) {
     const __m256i b8 = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
                                           _mm256_packs_epi32(q[2], q[3]));
     _mm256_storeu_si256((__m256i *)dst, _mm256_permutevar8x32_epi32(
         b8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-}
-
-static inline int32_t hsum_epi32(__m256i v) {
-    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
-    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
-    return _mm_cvtsi128_si32(t);
 }
 
 /* x [B, K] → per super-block and row (block-major: block blk of row b at blk B + b, so
@@ -112,7 +85,7 @@ static void quantize_x8_rows(const float *x, int64_t B, int64_t K, int code, int
                 __m256 m = _mm256_setzero_ps();
                 for (int i = 0; i < 32; i += 8)
                     m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(v + 32 * j + i), absmask));
-                run[j] = hmax_abs8(m);
+                run[j] = hmax8(m);
                 top = run[j] > top ? run[j] : top;
                 if (run[j] > 0.0f && (least == 0.0f || run[j] < least)) least = run[j];
             }
@@ -122,7 +95,7 @@ static void quantize_x8_rows(const float *x, int64_t B, int64_t K, int code, int
             const float d = top / lim, inv = d > 0 ? 1.0f / d : 0.0f;
             for (int j = 0; j < 8; j++) {
                 __m256i q[4];
-                x8r_round32(v + 32 * j, inv, lim, q);
+                round32(v + 32 * j, inv, lim, q);
                 if (held) {             /* q = 128 h + l: h = q >> 7, l = q & 127 */
                     __m256i h[4], l[4];
                     for (int i = 0; i < 4; i++) {
@@ -191,7 +164,8 @@ typedef struct {
 /* Q4_K / Q5_K at batch 1: a block held as two digits goes as k45_digits2_chunk's (a lane
  * sums 32 values of at most 31 x 63 x 16000 < 2^31), its unit xd / 128; the others meet
  * one int8 value under the sub-scale. x's blocks are the same for every row of W, so the
- * branch is too. */
+ * branch is too; it chooses between two whole loops (one loop with the choice inside, as
+ * q6k_x8_chunk has it, ran 3 % slower here: 411 against 399 us, alternated, one core). */
 static void k45_x8_chunk(const void *p, int64_t c) {
     const X8Args *a = p;
     const int64_t nb = a->K / 256, bytes = k_bytes(a->code);
